@@ -1,0 +1,5 @@
+import sys
+
+from speculum.cli import main
+
+sys.exit(main())

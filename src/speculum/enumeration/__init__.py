@@ -1,0 +1,23 @@
+"""Enumeration: a model's sequences in descending probability, with exact scores.
+
+``AutoregressiveEnumerable`` / ``SeekIndex`` (exact order), ``AREnvelopeIndex`` (very deep ranks,
+approximate rank coordinate, exact scores), ``RescoredIndex`` (draft-built, target-scored, certified).
+"""
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "AutoregressiveEnumerable": ".exact",
+    "SeekIndex": ".exact",
+    "AREnvelopeIndex": ".envelope",
+    "RescoredIndex": ".rescored",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,43 @@
+"""Models: the protocol (base), exact NumPy references, and real-model backends.
+
+Backends that need optional dependencies (torch, llama-cpp-python) are imported lazily so that
+``import speculum`` stays light.
+"""
+from __future__ import annotations
+
+import importlib
+
+from .base import (
+    AutoregressiveModel,
+    BaseModel,
+    Proposer,
+    Session,
+    check_logits,
+    check_prompt,
+    check_token_ids,
+    from_forward,
+    log_softmax,
+)
+from .reference import MarkovModel
+
+# name -> module (relative to this package); resolved on first attribute access.
+_LAZY = {
+    "NGramModel": ".reference",
+    "TinyTransformer": ".reference",
+    "PromptLookup": ".drafts",
+    "NGramProposer": ".drafts",
+    "HFModel": ".hf",
+    "load_model": ".default",
+    "LlamaCppModel": ".llamacpp",
+}
+
+__all__ = [
+    "AutoregressiveModel", "BaseModel", "Proposer", "Session", "MarkovModel",
+    "check_logits", "check_prompt", "check_token_ids", "from_forward", "log_softmax", *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

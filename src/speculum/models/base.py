@@ -1,0 +1,251 @@
+"""The model protocol every speculum component talks to.
+
+A model maps token-id prefixes to natural-log next-token distributions (float64 NumPy rows normalised
+over the vocabulary). Three entry points, each batched or incremental:
+
+* ``next_logprobs(prefixes) -> (batch, vocab)`` — one batched call over many prefixes (enumeration);
+* ``score_sequences(sequences, prompt) -> (batch,)`` — exact total log-prob by teacher forcing;
+* ``start(prompt) -> Session`` — incremental decoding state (a KV cache for transformers) with
+  ``extend`` / ``next_logprobs`` / ``rollback``, so decoding never re-feeds the whole sequence.
+
+Inputs are validated where they enter (token ids in the vocabulary, finite logits) so that a bad value
+fails with a message naming it instead of surfacing as a wrong answer far away (vLLM #21876).
+
+Example:
+    >>> import numpy as np
+    >>> from speculum.models import MarkovModel
+    >>> model = MarkovModel(np.zeros((3, 3)), np.zeros(3))
+    >>> session = model.start([0])
+    >>> rows = session.extend([1, 2])           # (2, vocab): after [0, 1] and after [0, 1, 2]
+    >>> session.rollback(1); session.length
+    2
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "AutoregressiveModel",
+    "Session",
+    "Proposer",
+    "BaseModel",
+    "RecomputeSession",
+    "ForwardModel",
+    "from_forward",
+    "log_softmax",
+    "check_token_ids",
+    "check_logits",
+    "check_prompt",
+]
+
+
+# --------------------------------------------------------------------------------------------- checks
+def log_softmax(logits: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Numerically stable log-softmax in float64; ``-inf`` logits stay ``-inf`` (zero probability)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    top = np.max(logits, axis=axis, keepdims=True)
+    shifted = logits - top
+    return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+
+
+def check_logits(logits: np.ndarray, *, name: str = "logits") -> np.ndarray:
+    """Reject NaN / +inf entries and rows with no finite entry; ``-inf`` (a banned token) is allowed."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if np.isnan(logits).any():
+        raise ValueError(f"{name} contain NaN")
+    if np.isposinf(logits).any():
+        raise ValueError(f"{name} contain +inf")
+    if logits.size and not np.isfinite(logits).any(axis=-1).all():
+        raise ValueError(f"{name} have a row with no finite entry (every token has zero probability)")
+    return logits
+
+
+def check_token_ids(tokens: Sequence[int], vocab_size: int, *, name: str = "token ids") -> list[int]:
+    """Return ``tokens`` as a list of Python ints, raising ``ValueError`` on any id outside the vocabulary."""
+    try:
+        ids = [int(t) for t in tokens]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} must be a sequence of integers") from exc
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{name} contain {t}, outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def check_prompt(model: "AutoregressiveModel", prompt: Sequence[int], *, name: str = "prompt_ids") -> list[int]:
+    """Validate a prompt; an empty one is replaced by the model's BOS, or rejected if it has none."""
+    ids = check_token_ids(prompt, model.vocab_size, name=name)
+    if not ids:
+        bos = getattr(model, "bos_token_id", None)
+        if bos is not None:
+            return [int(bos)]
+        if not getattr(model, "accepts_empty_prompt", False):
+            raise ValueError(f"{name} is empty and the model has no BOS token to start from")
+    return ids
+
+
+# ------------------------------------------------------------------------------------------- protocol
+@runtime_checkable
+class Session(Protocol):
+    """Incremental decoding state over one growing token sequence (a KV cache for transformers)."""
+
+    length: int
+
+    def next_logprobs(self) -> np.ndarray:  # (vocab,) after the current tokens
+        ...
+
+    def extend(self, tokens: Sequence[int]) -> np.ndarray:
+        """Consume ``tokens``; row j of the ``(len(tokens), vocab)`` result follows ``tokens[:j+1]``."""
+        ...
+
+    def rollback(self, n: int) -> None:  # forget the last n tokens, cheaply
+        ...
+
+
+@runtime_checkable
+class AutoregressiveModel(Protocol):
+    vocab_size: int
+
+    def next_logprobs(self, prefixes: Sequence[Sequence[int]]) -> np.ndarray:  # (batch, vocab)
+        ...
+
+    def score_sequences(self, sequences: Sequence[Sequence[int]], prompt: Sequence[int] = ()) -> np.ndarray:
+        ...  # (batch,)
+
+    def start(self, prompt: Sequence[int]) -> Session:
+        ...
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """A draft that proposes fixed tokens with no honest distribution (prompt lookup, n-gram argmax).
+
+    Verified by the point-mass rule, which is exact for any proposal (field.md)."""
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
+        ...
+
+
+# ----------------------------------------------------------------------------------------- base class
+class BaseModel(ABC):
+    """Convenience base: subclasses implement ``start``; batched calls default to one session each.
+
+    Backends with real batching (Hugging Face, TinyTransformer) override ``next_logprobs`` and
+    ``score_sequences``. Attributes every model may set: ``bos_token_id``, ``eos_token_id``,
+    ``accepts_empty_prompt`` (an initial distribution exists without BOS), ``max_context``, ``tokenizer``.
+    """
+
+    vocab_size: int
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    accepts_empty_prompt: bool = False
+    max_context: int | None = None
+    tokenizer: Any = None
+
+    @abstractmethod
+    def start(self, prompt: Sequence[int]) -> Session:
+        """Begin an incremental session after ``prompt``."""
+
+    def next_logprobs(self, prefixes: Sequence[Sequence[int]]) -> np.ndarray:
+        """``(batch, vocab)`` exact next-token log-probs for each prefix."""
+        rows = [self.start(prefix).next_logprobs() for prefix in prefixes]
+        return np.stack(rows) if rows else np.zeros((0, self.vocab_size))
+
+    def score_sequences(self, sequences: Sequence[Sequence[int]], prompt: Sequence[int] = ()) -> np.ndarray:
+        """``(batch,)`` exact total log p(sequence | prompt), by teacher forcing."""
+        prompt = check_token_ids(prompt, self.vocab_size, name="prompt")
+        out = np.empty(len(sequences))
+        for b, seq in enumerate(sequences):
+            seq = check_token_ids(seq, self.vocab_size, name="sequence")
+            if not seq:
+                out[b] = 0.0
+                continue
+            session = self.start(prompt)
+            first = session.next_logprobs()
+            rows = session.extend(seq[:-1]) if len(seq) > 1 else np.zeros((0, self.vocab_size))
+            rows = np.vstack([first[None, :], rows])
+            out[b] = float(rows[np.arange(len(seq)), seq].sum())
+        return out
+
+
+class RecomputeSession:
+    """A session for models without incremental state: keeps every row it has computed.
+
+    ``full_logprobs(tokens) -> (len(tokens), vocab)`` recomputes a whole sequence; rows already computed
+    are cached, so ``rollback`` is free and ``extend`` costs one full forward.
+    """
+
+    def __init__(self, model: "BaseModel", prompt: Sequence[int], full_logprobs) -> None:
+        self.model = model
+        self._full = full_logprobs
+        self.tokens: list[int] = check_token_ids(prompt, model.vocab_size, name="prompt")
+        self._rows = self._full(self.tokens) if self.tokens else np.zeros((0, model.vocab_size))
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def next_logprobs(self) -> np.ndarray:
+        if not self.tokens:
+            raise ValueError("the session is empty: this model needs at least one prompt token")
+        return self._rows[-1]
+
+    def extend(self, tokens: Sequence[int]) -> np.ndarray:
+        tokens = check_token_ids(tokens, self.model.vocab_size, name="tokens")
+        if not tokens:
+            return np.zeros((0, self.model.vocab_size))
+        self.tokens.extend(tokens)
+        self._rows = self._full(self.tokens)
+        return self._rows[-len(tokens):]
+
+    def rollback(self, n: int) -> None:
+        if not 0 <= n <= len(self.tokens):
+            raise ValueError(f"rollback({n}) on a session of length {len(self.tokens)}")
+        if n:
+            del self.tokens[-n:]
+            self._rows = self._rows[: len(self.tokens)]
+
+
+class ForwardModel(BaseModel):
+    """Adapter for seed-style models: ``forward(np.ndarray[1, T]) -> logits[1, T, V]``."""
+
+    def __init__(self, obj: Any, vocab_size: int | None = None) -> None:
+        if not callable(getattr(obj, "forward", None)):
+            raise ValueError("from_forward() needs an object with a forward(ids[1, T]) -> logits[1, T, V] method")
+        self.inner = obj
+        if vocab_size is None:
+            vocab_size = getattr(obj, "vocab_size", None)
+        if vocab_size is None:
+            # Probe once with a single token to learn the vocabulary size.
+            vocab_size = int(np.asarray(obj.forward(np.zeros((1, 1), dtype=np.int64))).shape[-1])
+        self.vocab_size = int(vocab_size)
+        self.eos_token_id = getattr(obj, "eos_token_id", None)
+        self.bos_token_id = getattr(obj, "bos_token_id", None)
+
+    def _full_logprobs(self, tokens: Sequence[int]) -> np.ndarray:
+        logits = np.asarray(self.inner.forward(np.asarray([list(tokens)], dtype=np.int64)))
+        if logits.ndim != 3 or logits.shape[0] != 1 or logits.shape[1] != len(tokens):
+            raise ValueError(f"forward() returned shape {logits.shape}, expected (1, {len(tokens)}, vocab)")
+        if logits.shape[-1] != self.vocab_size:
+            raise ValueError(f"forward() returned vocab size {logits.shape[-1]}, expected {self.vocab_size}")
+        return log_softmax(check_logits(logits[0], name="forward() logits"))
+
+    def start(self, prompt: Sequence[int]) -> RecomputeSession:
+        return RecomputeSession(self, prompt, self._full_logprobs)
+
+
+def from_forward(obj: Any, vocab_size: int | None = None) -> AutoregressiveModel:
+    """Adapt ``obj`` to the protocol: returns it unchanged if it already is a protocol model.
+
+    Example:
+        >>> class Uniform:
+        ...     def forward(self, ids): return np.zeros(ids.shape + (4,))
+        >>> from_forward(Uniform()).vocab_size
+        4
+    """
+    if hasattr(obj, "start") and hasattr(obj, "next_logprobs") and hasattr(obj, "vocab_size"):
+        return obj
+    return ForwardModel(obj, vocab_size)
