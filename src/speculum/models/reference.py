@@ -2,6 +2,10 @@
 
 Every log-prob here is exact (float64); these models are the ground truth that speculative decoding
 and enumeration are checked against by brute force.
+
+* :class:`MarkovModel` (this module) — order-1/2 chains from explicit logits;
+* :class:`NGramModel` (``ngram.py``) — smoothed token-id n-gram, fitted from data, updatable online;
+* :class:`TinyTransformer` (``tiny_transformer.py``) — a random-weight causal transformer with a KV cache.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import numpy as np
 
 from .base import BaseModel, check_logits, check_token_ids, log_softmax
 
-__all__ = ["MarkovModel"]
+__all__ = ["MarkovModel", "NGramModel", "TinyTransformer"]
 
 
 class MarkovSession:
@@ -125,3 +129,9 @@ class MarkovModel(BaseModel):
                 ctx.append(t)
             out[b] = total
         return out
+
+
+# Larger reference models live in their own modules; re-exported here so ``speculum.models.reference``
+# stays the one place to import exact NumPy models from.
+from .tiny_transformer import TinyTransformer  # noqa: E402
+from .ngram import NGramModel  # noqa: E402

@@ -1,0 +1,188 @@
+"""Model-agnostic drafts that propose fixed tokens (no honest distribution): verified by the point-mass rule.
+
+* :class:`PromptLookup` — copy what followed the most recent earlier occurrence of the context's last
+  n-gram (prompt lookup decoding, Saxena 2023; "LLMA", Yang et al. 2023). Strong when the output
+  repeats the input (summaries, code edits), useless on open chat.
+* :class:`NGramProposer` — the greedy continuation of an :class:`NGramModel`, optionally learning from
+  the context as it grows (an online n-gram draft).
+
+Point-mass verification is exact for *any* proposal (field.md), so these drafts affect speed only.
+
+Example:
+    >>> lookup = PromptLookup(max_ngram=2)
+    >>> lookup.propose([5, 6, 7, 8, 5, 6], max_tokens=3)
+    [7, 8, 5]
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .base import check_token_ids
+from .ngram import NGramModel
+
+__all__ = ["PromptLookup", "NGramProposer"]
+
+
+def _as_list(context: Sequence[int]) -> list:
+    """The context as a list without a per-token Python loop (ints are normalised only where new)."""
+    if isinstance(context, np.ndarray):
+        return context.astype(np.int64, copy=False).ravel().tolist()
+    return context if isinstance(context, list) else list(context)
+
+
+def _common_prefix(new: list, old: list[int]) -> int:
+    """Length of the common prefix; one C-level comparison in the usual case of a grown context."""
+    common = min(len(new), len(old))
+    if new[:common] != old[:common]:
+        common = int(np.flatnonzero(np.asarray(new[:common]) != np.asarray(old[:common]))[0])
+    return common
+
+
+def _check_max_tokens(max_tokens: int) -> int:
+    if int(max_tokens) < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    return int(max_tokens)
+
+
+class PromptLookup:
+    """Prompt-lookup proposer: the tokens that followed the most recent earlier match of the context's tail.
+
+    For ``n`` from ``max_ngram`` down to ``min_ngram``, find the latest position where the last ``n``
+    context tokens occurred before (not the tail itself) and propose up to ``min(num_pred_tokens,
+    max_tokens)`` tokens that followed it; ``[]`` when nothing matches.
+
+    An incremental index (n-gram → its end positions) is kept across calls, so a context that grows by
+    a few tokens costs O(new tokens), not a rescan. A context that was truncated (rejected tokens rolled
+    back) or that differs from the previous one is handled by undoing the index back to the common
+    prefix. The proposal is always exactly the brute-force answer (tested).
+
+    Example:
+        >>> PromptLookup(max_ngram=3).propose([1, 2, 3, 4, 1, 2, 3], max_tokens=2)
+        [4, 1]
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_pred_tokens: int = 10,
+                 *, vocab_size: int | None = None) -> None:
+        if not 1 <= int(min_ngram) <= int(max_ngram):
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        if int(num_pred_tokens) < 1:
+            raise ValueError(f"num_pred_tokens must be >= 1, got {num_pred_tokens}")
+        self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
+        self.num_pred_tokens = int(num_pred_tokens)
+        self.vocab_size = vocab_size  # None: proposes whatever ids the context contains
+        self._tokens: list[int] = []
+        # _ends[n][ngram] = ascending end positions (exclusive) of that n-gram in _tokens.
+        self._ends: dict[int, dict[tuple[int, ...], list[int]]] = {
+            n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
+
+    def reset(self) -> None:
+        """Forget the indexed context (optional: a new context is detected automatically)."""
+        self._truncate(0)
+
+    def _truncate(self, length: int) -> None:
+        tokens = self._tokens
+        for end in range(len(tokens), length, -1):
+            for n, index in self._ends.items():
+                if end >= n:
+                    key = tuple(tokens[end - n:end])
+                    ends = index[key]
+                    ends.pop()  # the last entry is this very end position
+                    if not ends:
+                        del index[key]
+        del tokens[length:]
+
+    def _append(self, new_tokens: list[int]) -> None:
+        tokens = self._tokens
+        for t in new_tokens:
+            tokens.append(t)
+            end = len(tokens)
+            for n, index in self._ends.items():
+                if end >= n:
+                    index.setdefault(tuple(tokens[end - n:end]), []).append(end)
+
+    def _sync(self, context: list) -> None:
+        common = _common_prefix(context, self._tokens)
+        if common < len(self._tokens):
+            self._truncate(common)
+        new_tokens = context[common:]
+        if self.vocab_size is not None:
+            self._append(check_token_ids(new_tokens, self.vocab_size, name="context"))
+        else:
+            self._append([int(t) for t in new_tokens])
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` tokens copied from after the latest earlier match of the context's tail.
+
+        Deterministic; the empty list means "no proposal" (the caller decodes one token plainly).
+        """
+        max_tokens = _check_max_tokens(max_tokens)
+        self._sync(_as_list(context))
+        tokens, length = self._tokens, len(self._tokens)
+        budget = min(max_tokens, self.num_pred_tokens)
+        if budget == 0:
+            return []
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if length <= n:
+                continue  # an earlier occurrence needs at least one token after it
+            ends = self._ends[n].get(tuple(tokens[length - n:]))
+            if ends is not None and len(ends) >= 2:
+                start = ends[-2]  # ends[-1] == length is the tail itself
+                return tokens[start:start + budget]
+        return []
+
+
+class NGramProposer:
+    """Greedy continuation of an n-gram model as a fixed-token proposal (point-mass verification).
+
+    Args:
+        model: the :class:`NGramModel` to follow (ties go to the smallest token id).
+        num_pred_tokens: most tokens proposed per call.
+        learn: if true, every context token not yet counted is added to ``model`` before proposing
+            (an online n-gram draft learning from the prompt and the accepted text). Counts are never
+            removed: if the context later diverges, the new part is counted from the divergence point.
+        min_context: stop proposing once the longest seen suffix of the running context is shorter
+            than this (0 = always propose ``num_pred_tokens`` tokens); avoids guessing from unigrams.
+
+    Example:
+        >>> draft = NGramProposer(NGramModel(3, vocab_size=10), learn=True, min_context=1)
+        >>> draft.propose([1, 2, 3, 1, 2], max_tokens=4)
+        [3, 1, 2, 3]
+    """
+
+    def __init__(self, model: NGramModel, *, num_pred_tokens: int = 8, learn: bool = False,
+                 min_context: int = 0) -> None:
+        if not isinstance(model, NGramModel):
+            raise ValueError(f"model must be an NGramModel, got {type(model).__name__}")
+        if int(num_pred_tokens) < 1:
+            raise ValueError(f"num_pred_tokens must be >= 1, got {num_pred_tokens}")
+        if not 0 <= int(min_context) <= model.n - 1:
+            raise ValueError(
+                f"min_context must be in [0, {model.n - 1}] for an order-{model.n} model, got {min_context}")
+        self.model, self.num_pred_tokens = model, int(num_pred_tokens)
+        self.learn, self.min_context = bool(learn), int(min_context)
+        self.vocab_size = model.vocab_size
+        self._counted: list[int] = []  # the context already added to the model's counts (learn mode)
+
+    def _learn(self, context: list[int]) -> None:
+        common = _common_prefix(context, self._counted)
+        first = max(0, common - self.model.n + 1)  # only the tail that new n-grams can reach
+        self.model.update(context[first:], start=common - first)
+        self._counted = list(context)
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` greedy tokens of the n-gram model after ``context`` (deterministic)."""
+        max_tokens = _check_max_tokens(max_tokens)
+        context = _as_list(context)
+        if self.learn:
+            self._learn(context)
+        window = context[max(0, len(context) - self.model.n + 1):] if self.model.n > 1 else []
+        proposal: list[int] = []
+        for _ in range(min(max_tokens, self.num_pred_tokens)):
+            if self.min_context and self.model.context_order(window) < self.min_context:
+                break
+            token = int(np.argmax(self.model.next_probabilities(window)))
+            proposal.append(token)
+            window = (window + [token])[1:] if len(window) == self.model.n - 1 else window + [token]
+        return proposal

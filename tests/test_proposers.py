@@ -1,0 +1,120 @@
+"""Fixed-token proposers: PromptLookup equals a brute-force scan through growing, truncated and replaced
+contexts; NGramProposer is the greedy continuation of its n-gram model (and learns online when asked)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from speculum.models import NGramModel, NGramProposer, PromptLookup, Proposer
+
+
+def brute_prompt_lookup(context, max_ngram, min_ngram, num_pred_tokens, max_tokens):
+    """Scan every n from long to short and every earlier start from right to left."""
+    budget = min(num_pred_tokens, max_tokens)
+    if budget == 0:
+        return []
+    for n in range(max_ngram, min_ngram - 1, -1):
+        tail = context[len(context) - n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if len(tail) == n and context[start:start + n] == tail:
+                return context[start + n:start + n + budget]
+    return []
+
+
+edit_st = st.one_of(
+    st.tuples(st.just("grow"), st.lists(st.integers(0, 3), max_size=8)),
+    st.tuples(st.just("truncate"), st.integers(0, 10)),
+    st.tuples(st.just("replace"), st.lists(st.integers(0, 3), max_size=15)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(max_ngram=st.integers(1, 4), data=st.data(), edits=st.lists(edit_st, min_size=1, max_size=10),
+       num_pred_tokens=st.integers(1, 5))
+def test_prompt_lookup_equals_brute_force_through_edits(max_ngram, data, edits, num_pred_tokens):
+    min_ngram = data.draw(st.integers(1, max_ngram))
+    lookup = PromptLookup(max_ngram, min_ngram, num_pred_tokens)
+    context: list[int] = []
+    for kind, arg in edits:
+        if kind == "grow":
+            context = context + arg
+        elif kind == "truncate":
+            context = context[: max(0, len(context) - arg)]
+        else:
+            context = list(arg)
+        max_tokens = data.draw(st.integers(0, 6))
+        expected = brute_prompt_lookup(context, max_ngram, min_ngram, num_pred_tokens, max_tokens)
+        assert lookup.propose(context, max_tokens) == expected
+
+
+def test_prompt_lookup_prefers_longer_and_more_recent_matches():
+    lookup = PromptLookup(max_ngram=2, min_ngram=1, num_pred_tokens=3)
+    # tail (7, 1): only "7 1" at 0..1 matches with n=2, although "1" alone occurs more recently.
+    assert lookup.propose([7, 1, 2, 3, 1, 9, 7, 1], 3) == [2, 3, 1]
+    assert lookup.propose([4, 1, 5, 6, 1, 8, 3, 1], 2) == [8, 3]  # n=1, most recent earlier "1"
+    assert lookup.propose([1, 2, 3], 3) == []
+    assert lookup.propose(np.array([5, 6, 5]), 3) == [6, 5]  # arrays accepted, Python ints returned
+    assert all(type(t) is int for t in lookup.propose(np.array([5, 6, 5]), 3))
+
+
+def test_prompt_lookup_long_context_stays_exact():
+    rng = np.random.default_rng(0)
+    context = rng.integers(0, 50, size=3000).tolist()
+    lookup = PromptLookup(max_ngram=3, num_pred_tokens=5)
+    for length in range(2000, 3000, 7):
+        if length % 5 == 0:
+            length -= 3  # simulate a rollback of rejected tokens between calls
+        assert lookup.propose(context[:length], 5) == brute_prompt_lookup(context[:length], 3, 1, 5, 5)
+
+
+def test_proposers_satisfy_protocol_and_validate():
+    model = NGramModel(2, vocab_size=5)
+    assert isinstance(PromptLookup(), Proposer) and isinstance(NGramProposer(model), Proposer)
+    assert PromptLookup().vocab_size is None and NGramProposer(model).vocab_size == 5
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookup(max_ngram=2, min_ngram=3)
+    with pytest.raises(ValueError, match="num_pred_tokens"):
+        PromptLookup(num_pred_tokens=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        PromptLookup().propose([1, 2], -1)
+    with pytest.raises(ValueError, match="context"):
+        PromptLookup(vocab_size=5).propose([1, 5], 2)
+    with pytest.raises(ValueError, match="model"):
+        NGramProposer(object())
+    with pytest.raises(ValueError, match="min_context"):
+        NGramProposer(model, min_context=2)
+    with pytest.raises(ValueError, match="tokens"):
+        NGramProposer(model).propose([7], 2)
+
+
+def greedy_reference(model: NGramModel, context: list[int], k: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(k):
+        out.append(int(np.argmax(model.next_logprobs([context + out])[0])))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(corpus=st.lists(st.lists(st.integers(0, 5), max_size=15), max_size=3), n=st.integers(1, 4),
+       context=st.lists(st.integers(0, 5), max_size=8), max_tokens=st.integers(0, 6))
+def test_ngram_proposer_is_the_greedy_continuation(corpus, n, context, max_tokens):
+    model = NGramModel.fit(corpus, n, 6)
+    proposal = NGramProposer(model, num_pred_tokens=4).propose(context, max_tokens)
+    assert proposal == greedy_reference(model, context, min(4, max_tokens))
+
+
+def test_ngram_proposer_learns_the_context_online():
+    rng = np.random.default_rng(1)
+    text = rng.integers(0, 8, size=60).tolist()
+    draft = NGramProposer(NGramModel(3, vocab_size=8), num_pred_tokens=3, learn=True)
+    counted = 0
+    for length in (10, 25, 22, 40, 60):  # grows, rolls back (nothing is uncounted), grows again
+        proposal = draft.propose(text[:length], 3)
+        counted = max(counted, length)
+        assert proposal == greedy_reference(NGramModel.fit([text[:counted]], 3, 8), text[:length], 3)
+    # an unseen context with min_context=2 proposes nothing rather than guessing from unigrams
+    strict = NGramProposer(NGramModel.fit([[0, 1, 2, 3]], 3, 8), min_context=2)
+    assert strict.propose([5, 6], 4) == []
+    assert strict.propose([0, 1], 4) == [2, 3]
