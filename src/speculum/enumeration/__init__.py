@@ -12,6 +12,8 @@ _LAZY = {
     "SeekIndex": ".exact",
     "AREnvelopeIndex": ".envelope",
     "RescoredIndex": ".rescored",
+    "estimate_rank": ".exposure",
+    "RankReport": ".exposure",
 }
 
 __all__ = list(_LAZY)
