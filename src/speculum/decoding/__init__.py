@@ -1,0 +1,31 @@
+"""Speculative decoding: a cheap draft proposes, the target verifies, the output law is the target's.
+
+* :mod:`.warp` — temperature / top-k / top-p as one pure function on log-prob rows;
+* :mod:`.verify` — the acceptance rules (distribution-aware, point-mass, greedy) as pure functions;
+* :mod:`.controller` — adaptive γ for ``gamma="auto"``;
+* :mod:`.speculative` — the loop: :func:`stream` (generator of :class:`Chunk`) and :func:`generate`;
+* :mod:`.compat` — the seed API, :class:`SpeculativeDecoder` / :class:`SpeculativeDecodingStats`.
+
+Example:
+    >>> import speculum
+    >>> from speculum.models import MarkovModel
+    >>> target, draft = MarkovModel.random(6, seed=0), MarkovModel.random(6, seed=1)
+    >>> result = speculum.generate(target, [0], draft=draft, max_new_tokens=16, gamma=3, seed=0)
+    >>> len(result.tokens), result.stats.emitted
+    (16, 16)
+"""
+from __future__ import annotations
+
+from .compat import SpeculativeDecoder, SpeculativeDecodingStats
+from .controller import GammaController
+from .events import Chunk, DecodingStats, GenerationResult
+from .speculative import generate, make_rngs, stream
+from .verify import Verdict, residual_logprobs, verify_distribution, verify_greedy, verify_point_mass
+from .warp import check_sampling_args, sample_from_logprobs, warp_logprobs
+
+__all__ = [
+    "generate", "stream", "Chunk", "DecodingStats", "GenerationResult",
+    "SpeculativeDecoder", "SpeculativeDecodingStats", "GammaController", "make_rngs",
+    "Verdict", "verify_distribution", "verify_point_mass", "verify_greedy", "residual_logprobs",
+    "warp_logprobs", "check_sampling_args", "sample_from_logprobs",
+]

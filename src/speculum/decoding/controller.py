@@ -1,0 +1,147 @@
+"""Adaptive lookahead for ``gamma="auto"``: choose γ from measured acceptance and measured costs.
+
+Leviathan et al. (2023, §3.3–3.5): with per-token acceptance α, a block of γ proposals yields
+E[N] = (1 − α^(γ+1)) / (1 − α) tokens per target forward. Its cost, in units of one plain decode step, is
+γ·c (drafting; c = draft/target cost per token) plus v(γ), the cost of verifying γ + 1 tokens in one
+forward. On a GPU v ≈ 1; on a CPU it grows with γ (field.md), so the controller measures it. The expected
+speed-up is S(γ) = E[N] / (γ·c + v(γ)) and S(0) = 1 (plain decoding). We pick the γ maximising S, fall back
+to plain decoding when no γ pays (α too low for c), and re-probe now and then since α drifts with content.
+
+None of this can affect exactness: γ and early stopping only change *what is proposed*, and every rule in
+:mod:`speculum.decoding.verify` is exact for any proposal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["GammaController"]
+
+
+@dataclass
+class GammaController:
+    """Chooses the lookahead γ for each iteration and when to stop drafting early. Guarantee: heuristic
+    (speed only — never affects the output law).
+
+    Example:
+        >>> ctl = GammaController(max_gamma=8)
+        >>> ctl.observe_target(1, 0.010); ctl.observe_target(5, 0.012)
+        >>> ctl.observe_draft(4, 0.002); ctl.observe_acceptance(proposed=4, accepted=4)
+        >>> ctl.next_gamma() > 0
+        True
+    """
+
+    max_gamma: int = 12
+    min_confidence: float = 0.3      # greedy: stop drafting after a proposal the draft gives p < this
+    decay: float = 0.9               # per-observation decay of acceptance and cost estimates
+    probe_every: int = 16            # plain steps between re-probes once drafting stopped paying
+    probe_gamma: int = 2
+    prior_acceptance: float = 0.6
+    prior_weight: float = 2.0        # pseudo-observations behind the acceptance prior
+    prior_draft_ratio: float = 0.1   # c before any draft timing is known
+    prior_verify_slope: float = 0.1  # v(γ) ≈ 1 + slope·γ before verification timings are known
+    min_gain: float = 1.1            # speculate only if S(γ) beats plain decoding by this factor: the loop's
+                                     # own overhead (sampling, verification) is not in the measured costs
+    # Running state (not constructor arguments).
+    _accepted: float = field(default=0.0, init=False, repr=False)
+    _rejected: float = field(default=0.0, init=False, repr=False)
+    _target_seconds: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # tokens fed -> s
+    _draft_seconds_per_token: float | None = field(default=None, init=False, repr=False)
+    _plain_steps: int = field(default=0, init=False, repr=False)
+
+    # ----------------------------------------------------------------------------------- observations
+    def observe_acceptance(self, *, proposed: int, accepted: int) -> None:
+        """Record one verification: ``accepted`` of ``proposed`` (a rejection iff accepted < proposed)."""
+        if proposed == 0:
+            return
+        self._accepted = self.decay * self._accepted + accepted
+        self._rejected = self.decay * self._rejected + (1.0 if accepted < proposed else 0.0)
+
+    def observe_target(self, n_tokens: int, seconds: float) -> None:
+        """Record one target call that fed ``n_tokens`` tokens and took ``seconds``."""
+        old = self._target_seconds.get(n_tokens)
+        self._target_seconds[n_tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def observe_draft(self, n_tokens: int, seconds: float) -> None:
+        """Record drafting ``n_tokens`` proposals in ``seconds`` (catch-up included: it is a real cost)."""
+        if n_tokens == 0:
+            return
+        per_token = seconds / n_tokens
+        old = self._draft_seconds_per_token
+        self._draft_seconds_per_token = per_token if old is None else self.decay * old + (1 - self.decay) * per_token
+
+    # --------------------------------------------------------------------------------------- estimates
+    @property
+    def acceptance(self) -> float:
+        """Current estimate of α: accepted / (accepted + rejections), the censored-geometric MLE, with prior."""
+        prior_accepted = self.prior_weight * self.prior_acceptance
+        prior_rejected = self.prior_weight * (1.0 - self.prior_acceptance)
+        return (self._accepted + prior_accepted) / (self._accepted + self._rejected + prior_accepted + prior_rejected)
+
+    def _step_seconds(self) -> float | None:
+        if 1 in self._target_seconds:
+            return self._target_seconds[1]
+        if not self._target_seconds:
+            return None
+        n, seconds = min(self._target_seconds.items())
+        return seconds / (1.0 + self.prior_verify_slope * (n - 1))
+
+    def verify_cost(self, gamma: int, step_seconds: float | None = None) -> float:
+        """v(γ): cost of feeding γ + 1 tokens in one forward, in plain decode steps (measured, interpolated)."""
+        step = self._step_seconds() if step_seconds is None else step_seconds
+        n = gamma + 1
+        if step is None or step <= 0:
+            return 1.0 + self.prior_verify_slope * gamma
+        table = self._target_seconds
+        if n in table:
+            return table[n] / step
+        below = [k for k in table if k < n]
+        above = [k for k in table if k > n]
+        if below and above:
+            lo, hi = max(below), min(above)
+            seconds = table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
+        elif below:
+            lo = max(below)
+            seconds = table[lo] + self.prior_verify_slope * step * (n - lo)
+        else:
+            seconds = step * (1.0 + self.prior_verify_slope * gamma)
+        return max(seconds / step, 1e-3)
+
+    def draft_ratio(self) -> float:
+        """c: draft cost per proposed token relative to one plain target step."""
+        step = self._step_seconds()
+        if self._draft_seconds_per_token is None or not step:
+            return self.prior_draft_ratio
+        return self._draft_seconds_per_token / step
+
+    def expected_speedup(self, gamma: int) -> float:
+        """S(γ) = E[N] / (γ·c + v(γ)) under the current estimates (S(0) = 1)."""
+        if gamma == 0:
+            return 1.0
+        alpha = min(self.acceptance, 1.0 - 1e-9)
+        expected_tokens = (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+        return expected_tokens / (gamma * self.draft_ratio() + self.verify_cost(gamma))
+
+    # ---------------------------------------------------------------------------------------- decisions
+    def next_gamma(self) -> int:
+        """γ for the next iteration; 0 means a plain decode step."""
+        if not self._target_seconds:
+            return 0                   # calibrate: time one plain step first
+        best = max(range(1, self.max_gamma + 1), key=self.expected_speedup) if self.max_gamma else 0
+        if best and self.expected_speedup(best) < self.min_gain:
+            best = 0
+        if best == 0:
+            self._plain_steps += 1
+            if self._plain_steps % self.probe_every == 0:
+                return min(self.probe_gamma, self.max_gamma)
+        else:
+            self._plain_steps = 0
+        return best
+
+    def stop_drafting(self, draft_probability: float) -> bool:
+        """True when the draft's own probability of the argmax it just proposed is below the threshold.
+
+        Used at temperature 0, where a draft unsure of its argmax rarely matches the target's. The token
+        is still proposed; only the *next* proposals are skipped. (When sampling, dropping a token because
+        of its value would also bias the proposal away from the reported draft distribution.)
+        """
+        return draft_probability < self.min_confidence

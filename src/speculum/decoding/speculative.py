@@ -1,0 +1,346 @@
+"""The draft → verify loop: ``speculum.stream`` (a generator of chunks) and ``speculum.generate``.
+
+Each iteration (Leviathan et al. 2023, Algorithm 1):
+
+1. the draft proposes up to γ tokens — a model samples them from its *warped* distribution and reports
+   that distribution; a :class:`~speculum.models.Proposer` returns fixed tokens;
+2. the target consumes ``[pending] + proposals`` in ONE ``extend`` call, which returns the γ + 1 rows
+   needed (``pending`` is the last emitted token, not yet consumed by the target);
+3. a pure rule from :mod:`speculum.decoding.verify` decides the emitted tokens;
+4. both sessions roll back the rejected tail — nothing is ever re-fed from the start.
+
+With no draft (or γ = 0) the same loop is plain decoding: one target ``extend`` of one token per token.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from numbers import Integral
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from ..models.base import check_prompt, check_token_ids, from_forward
+from .controller import GammaController
+from .events import Chunk, DecodingStats, GenerationResult
+from .verify import verify_distribution, verify_greedy, verify_point_mass
+from .warp import check_sampling_args, is_identity_warp, sample_from_logprobs, warp_logprobs
+
+__all__ = ["generate", "stream", "make_rngs"]
+
+_ROW_MASS_TOLERANCE = 1e-6
+
+
+# ------------------------------------------------------------------------------------------ validation
+def make_rngs(seed: Any) -> tuple[np.random.Generator, np.random.Generator, np.random.Generator]:
+    """Three independent streams (drafting, acceptance, resampling) from one seed, via ``SeedSequence.spawn``.
+
+    ``seed`` may be None (fresh entropy), a non-negative int, a ``SeedSequence`` or a ``Generator`` (its
+    children are spawned, so the caller's stream advances but is never shared). Independent streams
+    matter: sharing one between drafting and resampling biases the output (vLLM #54282).
+    """
+    if isinstance(seed, np.random.Generator):
+        if hasattr(seed, "spawn"):                      # numpy >= 1.25
+            children = seed.spawn(3)
+            return children[0], children[1], children[2]
+        seed = np.random.SeedSequence(seed.integers(0, 2**63, size=4))
+    if isinstance(seed, bool) or not (seed is None or isinstance(seed, (Integral, np.random.SeedSequence))):
+        raise ValueError(f"seed must be None, a non-negative int, a SeedSequence or a numpy Generator, got {seed!r}")
+    if isinstance(seed, Integral) and seed < 0:
+        raise ValueError(f"seed must be non-negative, got {seed}")
+    sequence = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
+    drafting, acceptance, resampling = (np.random.default_rng(child) for child in sequence.spawn(3))
+    return drafting, acceptance, resampling
+
+
+def _classify_draft(draft: Any, vocab_size: int) -> tuple[str, Any]:
+    if draft is None:
+        return "none", None
+    if hasattr(draft, "start") and hasattr(draft, "vocab_size"):
+        kind, model = "model", draft
+    elif callable(getattr(draft, "propose", None)):
+        return "proposer", draft
+    elif callable(getattr(draft, "forward", None)):
+        kind, model = "model", from_forward(draft)
+    else:
+        raise ValueError("draft must be a model (with start/vocab_size), a proposer (with propose), "
+                         f"a seed-style model (with forward) or None, got {type(draft).__name__}")
+    if int(model.vocab_size) != vocab_size:
+        raise ValueError(f"draft vocab_size {model.vocab_size} differs from the target's {vocab_size}: "
+                         "draft and target must share one vocabulary")
+    return kind, model
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Validated arguments of one generation."""
+
+    target: Any
+    draft: Any
+    draft_kind: str              # "model" | "proposer" | "none"
+    prompt: list[int]
+    budget: int                  # tokens that may be emitted (max_new_tokens, capped by max_context)
+    budget_reason: str           # stop reason when the budget is reached
+    gamma: int | str
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    eos_token_id: int | None
+    rngs: tuple[np.random.Generator, np.random.Generator, np.random.Generator]
+
+
+def _plan(target: Any, prompt_ids: Sequence[int], *, draft: Any, max_new_tokens: int, gamma: int | str,
+          temperature: float, top_k: int | None, top_p: float | None, eos_token_id: int | None,
+          seed: Any) -> _Plan:
+    """Validate everything before any model work; each failure is a ValueError naming the argument."""
+    check_sampling_args(temperature, top_k, top_p)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, Integral) or gamma < 1):
+        raise ValueError(f'gamma must be an integer >= 1 or "auto", got {gamma!r}')
+    if not (hasattr(target, "start") and hasattr(target, "vocab_size")):
+        if not callable(getattr(target, "forward", None)):
+            raise ValueError(f"target must be a model with start() and vocab_size, got {type(target).__name__}")
+        target = from_forward(target)       # a seed-style model without vocab_size costs one probe forward
+    vocab_size = int(target.vocab_size)
+    if eos_token_id is not None:
+        eos_token_id = check_token_ids([eos_token_id], vocab_size, name="eos_token_id")[0]
+    prompt = check_prompt(target, prompt_ids, name="prompt_ids")
+    draft_kind, draft = _classify_draft(draft, vocab_size)
+    budget, budget_reason = int(max_new_tokens), "max_new_tokens"
+    max_context = getattr(target, "max_context", None)
+    if max_context is not None:
+        if len(prompt) > max_context:
+            raise ValueError(f"prompt_ids has {len(prompt)} tokens, more than the target's max_context {max_context}")
+        if max_context - len(prompt) < budget:
+            budget, budget_reason = max_context - len(prompt), "max_context"
+    return _Plan(target, draft, draft_kind, prompt, budget, budget_reason, gamma, float(temperature),
+                 None if top_k is None else int(top_k), None if top_p is None else float(top_p),
+                 eos_token_id, make_rngs(seed))
+
+
+def _checked_rows(rows: Any, expected: int, vocab_size: int, name: str) -> np.ndarray:
+    """Cheap check of rows a model returned: shape, no NaN / +inf, some mass, normalised (fail at the origin)."""
+    rows = np.asarray(rows, dtype=np.float64)
+    if rows.shape != (expected, vocab_size):
+        raise ValueError(f"{name} returned log-probs of shape {rows.shape}, expected ({expected}, {vocab_size})")
+    # One pass: NaN or +inf make the mass NaN / inf, an all -inf row makes it 0; all fail the comparison.
+    mass = np.exp(rows).sum(axis=-1)                                            # (expected,)
+    if not np.abs(mass - 1.0).max() <= _ROW_MASS_TOLERANCE:
+        if np.isnan(rows).any() or np.isposinf(rows).any() or not (mass > 0).all():
+            raise ValueError(f"{name} returned a log-prob row with NaN, +inf or no finite entry")
+        raise ValueError(f"{name} returned log-probs that are not normalised (row mass {mass.min():.6g}..{mass.max():.6g})")
+    return rows
+
+
+# -------------------------------------------------------------------------------------------- the loop
+class _Decoder:
+    """State of one generation: both sessions, the context, the streams, the statistics."""
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+        self.vocab_size = int(plan.target.vocab_size)
+        self.stats = DecodingStats()
+        self.drafting_rng, self.acceptance_rng, self.resampling_rng = plan.rngs
+        self.greedy = plan.temperature == 0.0
+        self.warp: Callable[[np.ndarray], np.ndarray]
+        if self.greedy or is_identity_warp(plan.temperature, plan.top_k, plan.top_p, self.vocab_size):
+            self.warp = lambda rows: rows
+        else:
+            self.warp = partial(warp_logprobs, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p)
+        self.controller = GammaController() if plan.gamma == "auto" and plan.draft_kind != "none" else None
+        self.context = list(plan.prompt)          # prompt + emitted tokens
+        self.draft_consumed = 0                   # context tokens the draft session has consumed
+        self.draft_max_context = getattr(plan.draft, "max_context", None) if plan.draft_kind == "model" else None
+
+    # ------------------------------------------------------------------------------------------ drafting
+    def _gamma(self, remaining: int) -> int:
+        if self.plan.draft_kind == "none":
+            return 0
+        gamma = self.controller.next_gamma() if self.controller else int(self.plan.gamma)
+        # Never overshoot: a block emits at most γ + 1 tokens.
+        gamma = min(gamma, remaining - 1)
+        if self.draft_max_context is not None:
+            # The draft consumes the context plus γ − 1 proposals.
+            gamma = min(gamma, self.draft_max_context - len(self.context) + 1)
+        return max(gamma, 0)
+
+    def _draft_with_model(self, session: Any, gamma: int) -> tuple[list[int], np.ndarray | None]:
+        """Sample up to γ proposals from the draft's warped rows; returns tokens and those exact rows."""
+        backlog = self.context[self.draft_consumed:]
+        row = (session.extend(backlog) if backlog else session.next_logprobs()[None, :])[-1]
+        self.draft_consumed = len(self.context)
+        self.stats.draft_forwards += 1
+        tokens: list[int] = []
+        reported: list[np.ndarray] = []
+        for i in range(gamma):
+            row = _checked_rows(row[None, :], 1, self.vocab_size, "draft")[0]
+            if self.greedy:
+                token = int(np.argmax(row))
+                confidence = float(np.exp(row[token]))
+            else:
+                warped = self.warp(row)
+                token = sample_from_logprobs(warped, float(self.drafting_rng.random()))
+                confidence = 1.0                 # unused when sampling (see below)
+                reported.append(warped)
+            tokens.append(token)
+            # Greedy: a draft unsure of its argmax rarely matches the target's, so stop drafting after (never
+            # instead of) such a proposal. Not when sampling: there acceptance is min(1, p_t/p_d), unrelated
+            # to how peaked the draft is (a flat draft equal to the target is always accepted).
+            if token == self.plan.eos_token_id or i == gamma - 1 or (
+                    self.greedy and self.controller is not None and self.controller.stop_drafting(confidence)):
+                break
+            row = session.extend([token])[0]
+            self.stats.draft_forwards += 1
+        return tokens, (np.stack(reported) if reported else None)
+
+    def _draft_with_proposer(self, gamma: int) -> list[int]:
+        proposal = self.plan.draft.propose(self.context, gamma)
+        tokens = check_token_ids(proposal, self.vocab_size, name="draft proposal")[:gamma]
+        if self.plan.eos_token_id in tokens:
+            tokens = tokens[: tokens.index(self.plan.eos_token_id) + 1]
+        return tokens
+
+    # ------------------------------------------------------------------------------------------ verify
+    def _verify(self, tokens: list[int], draft_rows: np.ndarray | None, target_rows: np.ndarray):
+        if self.greedy:
+            return verify_greedy(tokens, target_rows)
+        warped = self.warp(target_rows)
+        if self.plan.draft_kind == "model" and tokens:
+            return verify_distribution(tokens, draft_rows, warped, self.acceptance_rng, self.resampling_rng)
+        # Proposals, or no proposal at all (a plain step: the bonus token is a plain sample).
+        return verify_point_mass(tokens, warped, self.acceptance_rng, self.resampling_rng)
+
+    # -------------------------------------------------------------------------------------------- run
+    def run(self) -> Iterator[Chunk]:
+        plan, stats, context = self.plan, self.stats, self.context
+        started = time.perf_counter()
+        if plan.budget == 0:
+            return
+        # Prefill all but the last prompt token: it becomes the first `pending` token, so every iteration
+        # is exactly one target extend([pending] + proposals) returning the γ + 1 rows it needs.
+        target_session = plan.target.start(context[:-1])
+        pending = context[-1:]
+        stats.target_seconds += time.perf_counter() - started
+        draft_session = None
+        if plan.draft_kind == "model":
+            t0 = time.perf_counter()
+            draft_session = plan.draft.start(context[:-1])
+            self.draft_consumed = max(len(context) - 1, 0)
+            stats.draft_seconds += time.perf_counter() - t0
+
+        while True:
+            remaining = plan.budget - stats.emitted
+            gamma = self._gamma(remaining)
+
+            t0 = time.perf_counter()
+            draft_rows = None
+            if gamma == 0:
+                tokens: list[int] = []
+            elif draft_session is not None:
+                tokens, draft_rows = self._draft_with_model(draft_session, gamma)
+            else:
+                tokens = self._draft_with_proposer(gamma)
+            t1 = time.perf_counter()
+
+            feed = pending + tokens
+            if pending:
+                rows = target_session.extend(feed)
+            else:  # empty prompt on a model with an initial distribution: first row needs no token
+                first = target_session.next_logprobs()[None, :]
+                rows = np.vstack([first, target_session.extend(tokens)]) if tokens else first
+            t2 = time.perf_counter()
+            stats.target_forwards += 1
+            stats.draft_seconds += t1 - t0
+            stats.target_seconds += t2 - t1
+            rows = _checked_rows(rows, len(tokens) + 1, self.vocab_size, "target")
+
+            verdict = self._verify(tokens, draft_rows, rows)
+            stats.record_block(len(tokens), verdict.accepted)
+            if self.controller is not None:
+                self.controller.observe_target(len(feed), t2 - t1)
+                self.controller.observe_draft(len(tokens), t1 - t0)
+                self.controller.observe_acceptance(proposed=len(tokens), accepted=verdict.accepted)
+
+            # Keep both sessions on a prefix of the new context: the target drops the rejected proposals
+            # (it consumed all of them); the draft consumed every proposal but the last.
+            target_session.rollback(len(tokens) - verdict.accepted)
+            if tokens and draft_session is not None:
+                kept = min(verdict.accepted, len(tokens) - 1)
+                draft_session.rollback(len(tokens) - 1 - kept)
+                self.draft_consumed = len(context) + kept
+
+            emitted = verdict.emitted[:remaining]
+            stop_reason = None
+            if plan.eos_token_id is not None and plan.eos_token_id in emitted:
+                emitted = emitted[: emitted.index(plan.eos_token_id) + 1]
+                stop_reason = "eos"
+            context.extend(emitted)
+            pending = emitted[-1:]
+            stats.emitted += len(emitted)
+            if stop_reason is None and stats.emitted >= plan.budget:
+                stop_reason = plan.budget_reason
+            stats.total_seconds = time.perf_counter() - started
+            yield Chunk(emitted, len(tokens), verdict.accepted, verdict.recovered, verdict.bonus,
+                        stop_reason is not None, stop_reason, stats)
+            if stop_reason is not None:
+                return
+
+
+# ------------------------------------------------------------------------------------------ public API
+def stream(target: Any, prompt_ids: Sequence[int], *, draft: Any = None, max_new_tokens: int = 64,
+           gamma: int | str = 4, temperature: float = 1.0, top_k: int | None = None,
+           top_p: float | None = None, eos_token_id: int | None = None, seed: Any = None) -> Iterator[Chunk]:
+    """Speculative decoding, streamed: yields one :class:`Chunk` per target forward.
+
+    Guarantee: exact — the emitted tokens have exactly the law of plain sampling from the target with the
+    same temperature / top-k / top-p; at ``temperature=0`` they are identical to plain greedy decoding.
+
+    Args:
+        target: a protocol model (``speculum.models``); seed-style ``.forward`` models are adapted.
+        prompt_ids: the prompt; empty only if the target has a BOS token or an initial distribution.
+        draft: a model (distribution-aware verification), a proposer with ``propose(context, max_tokens)``
+            (point-mass verification), or None (plain decoding).
+        max_new_tokens: exact cap on emitted tokens (also capped by the target's ``max_context``).
+        gamma: proposals per target forward, or ``"auto"`` (adapted from measured acceptance and costs).
+        temperature: 0 = greedy; top_k / top_p: applied identically to draft and target rows.
+        eos_token_id: generation stops after emitting it (nothing after it is emitted).
+        seed: int / SeedSequence / Generator / None; split into drafting, acceptance, resampling streams.
+
+    Arguments are validated before any model work (``ValueError`` naming the argument).
+
+    Example:
+        >>> from speculum.models import MarkovModel
+        >>> target = MarkovModel.random(6, seed=0); draft = MarkovModel.random(6, seed=1)
+        >>> chunks = list(stream(target, [0], draft=draft, max_new_tokens=5, seed=0))
+        >>> sum(len(c.tokens) for c in chunks)
+        5
+    """
+    plan = _plan(target, prompt_ids, draft=draft, max_new_tokens=max_new_tokens, gamma=gamma,
+                 temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed)
+    return _Decoder(plan).run()
+
+
+def generate(target: Any, prompt_ids: Sequence[int], *, draft: Any = None, max_new_tokens: int = 64,
+             gamma: int | str = 4, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, eos_token_id: int | None = None, seed: Any = None) -> GenerationResult:
+    """Speculative decoding, blocking: the new tokens (prompt excluded) and :class:`DecodingStats`.
+
+    Guarantee: exact, as :func:`stream` (which it wraps; same arguments).
+
+    Example:
+        >>> from speculum.models import MarkovModel
+        >>> target = MarkovModel.random(6, seed=0)
+        >>> plain = generate(target, [0], max_new_tokens=8, temperature=0)
+        >>> fast = generate(target, [0], draft=MarkovModel.random(6, seed=1), max_new_tokens=8, temperature=0)
+        >>> fast.tokens == plain.tokens
+        True
+    """
+    tokens: list[int] = []
+    stats, stop_reason = DecodingStats(), None
+    for chunk in stream(target, prompt_ids, draft=draft, max_new_tokens=max_new_tokens, gamma=gamma,
+                        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed):
+        tokens.extend(chunk.tokens)
+        stats, stop_reason = chunk.stats, chunk.stop_reason
+    return GenerationResult(tokens, stats, stop_reason)

@@ -1,0 +1,117 @@
+"""How a model's log-prob row becomes the distribution a token is sampled from.
+
+One pure function, :func:`warp_logprobs`, applies temperature, top-k and top-p. The decoding loop applies
+it *identically* to target rows (for plain sampling and for verification) and to draft rows (the draft
+samples from, and reports, exactly this warped distribution). Using one function for both is what keeps
+speculative sampling's output law equal to plain sampling's: a draft that sampled from a differently
+processed row than the one it reported breaks exactness (transformers #32867, #47932).
+
+Temperature 0 means greedy and is handled by the caller (argmax, lowest index on ties); this module only
+sees temperatures > 0.
+"""
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+
+import numpy as np
+
+__all__ = ["check_sampling_args", "warp_logprobs", "sample_from_logprobs", "is_identity_warp"]
+
+
+def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise ``ValueError`` naming the argument unless the sampling settings are valid.
+
+    ``temperature`` must be finite and >= 0 (0 = greedy), ``top_k`` an integer >= 1 or None, ``top_p`` in
+    (0, 1] or None.
+
+    Example:
+        >>> check_sampling_args(0.7, 5, 0.9)
+        >>> check_sampling_args(-1.0, None, None)
+        Traceback (most recent call last):
+        ...
+        ValueError: temperature must be a finite number >= 0 (0 = greedy), got -1.0
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, Real) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, Real)
+                              or not 0.0 < float(top_p) <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+
+
+def is_identity_warp(temperature: float, top_k: int | None, top_p: float | None, vocab_size: int) -> bool:
+    """True when :func:`warp_logprobs` would return normalised rows unchanged (lets callers skip it)."""
+    return temperature == 1.0 and (top_k is None or top_k >= vocab_size) and (top_p is None or top_p >= 1.0)
+
+
+def warp_logprobs(logprobs: np.ndarray, *, temperature: float, top_k: int | None = None,
+                  top_p: float | None = None) -> np.ndarray:
+    """Exact warped log-probs: temperature, then top-k, then top-p; ``-inf`` outside the kept set.
+
+    Args:
+        logprobs: ``(..., V)`` natural-log probabilities (or logits: rows are renormalised).
+        temperature: > 0; the row is divided by it before renormalising.
+        top_k: keep the ``top_k`` most probable tokens (ties broken towards the lower token id).
+        top_p: keep the smallest most-probable set whose mass reaches ``top_p`` (nucleus sampling,
+            Holtzman et al. 2020); the most probable token is always kept.
+
+    Returns:
+        ``(..., V)`` normalised log-probs. Guarantee: exact (deterministic, same result for the same row
+        wherever it is applied — draft drafting, target verification, plain sampling).
+
+    Example:
+        >>> row = np.log(np.array([0.5, 0.3, 0.2]))
+        >>> np.round(np.exp(warp_logprobs(row, temperature=1.0, top_k=2)), 3)
+        array([0.625, 0.375, 0.   ])
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 here (0 = greedy is handled by the caller), got {temperature}")
+    rows = np.asarray(logprobs, dtype=np.float64)
+    shape = rows.shape
+    vocab = shape[-1]
+    scaled = (rows / temperature if temperature != 1.0 else rows).reshape(-1, vocab)   # (R, V)
+    scaled = scaled - scaled.max(axis=-1, keepdims=True)                               # max 0 per row
+    probs = np.exp(scaled)                                                             # (R, V) unnormalised
+    need_k = top_k is not None and top_k < vocab
+    need_p = top_p is not None and top_p < 1.0
+    if need_k or need_p:
+        # Stable sort of the negated row: descending probability, lower token id first among ties, so the
+        # kept set is a deterministic function of the row.
+        order = np.argsort(-scaled, axis=-1, kind="stable")                            # (R, V)
+        row_index = np.arange(scaled.shape[0])[:, None]                                # (R, 1)
+        keep_sorted = np.ones(order.shape, dtype=bool)                                 # (R, V)
+        if need_k:
+            keep_sorted[:, top_k:] = False
+        if need_p:
+            sorted_probs = probs[row_index, order]                                     # (R, V) descending
+            cumulative = np.cumsum(sorted_probs, axis=-1)
+            # A token is kept while the mass strictly before it is still below top_p of the total.
+            keep_sorted &= (cumulative - sorted_probs) < top_p * cumulative[:, -1:]
+        keep_sorted[:, 0] = True
+        keep = np.empty_like(keep_sorted)
+        keep[row_index, order] = keep_sorted
+        scaled = np.where(keep, scaled, -np.inf)
+        probs = np.where(keep, probs, 0.0)
+    return (scaled - np.log(probs.sum(axis=-1, keepdims=True))).reshape(shape)
+
+
+def sample_from_logprobs(logprobs: np.ndarray, uniform: float) -> int:
+    """Inverse-CDF sample from one ``(V,)`` log-prob row with one uniform in [0, 1) (exact).
+
+    One uniform per sample keeps random-number consumption fixed (style.md §7). Only tokens with
+    positive probability can be returned.
+
+    Example:
+        >>> sample_from_logprobs(np.array([-np.inf, np.log(0.25), np.log(0.75)]), 0.1)
+        1
+    """
+    probs = np.exp(logprobs - logprobs.max())                                # (V,) unnormalised
+    cdf = np.cumsum(probs)                                                   # (V,)
+    index = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
+    if index >= len(cdf) or probs[index] <= 0.0:
+        # Only reachable through rounding at the very top of the CDF: take the last possible token.
+        index = int(np.flatnonzero(probs > 0.0)[-1])
+    return index

@@ -1,0 +1,309 @@
+"""The decoding loop: greedy equality, draft == target, analytic acceptance, budgets, eos, bad input."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import speculum
+from speculum import models
+from speculum.decoding import DecodingStats, GammaController, GenerationResult, generate, stream
+from speculum.models import MarkovModel
+
+V = 8
+
+
+class Counting:
+    """Wraps a model and counts every call into it (sessions included)."""
+
+    def __init__(self, model, *, accepts_empty_prompt=None, max_context=None, corrupt_after=None,
+                 step_seconds=0.0):
+        self.model = model
+        self.vocab_size = model.vocab_size
+        self.accepts_empty_prompt = (getattr(model, "accepts_empty_prompt", False)
+                                     if accepts_empty_prompt is None else accepts_empty_prompt)
+        self.max_context = max_context
+        self.calls = 0
+        self.extends = 0
+        self.fed = 0
+        self.corrupt_after = corrupt_after
+        self.step_seconds = step_seconds            # simulated cost of one forward (an expensive target)
+
+    def start(self, prompt):
+        self.calls += 1
+        return CountingSession(self, self.model.start(prompt))
+
+    def next_logprobs(self, prefixes):
+        self.calls += 1
+        return self.model.next_logprobs(prefixes)
+
+    def score_sequences(self, sequences, prompt=()):
+        self.calls += 1
+        return self.model.score_sequences(sequences, prompt)
+
+
+class CountingSession:
+    def __init__(self, owner, inner):
+        self.owner, self.inner = owner, inner
+
+    @property
+    def length(self):
+        return self.inner.length
+
+    def next_logprobs(self):
+        self.owner.calls += 1
+        return self.inner.next_logprobs()
+
+    def extend(self, tokens):
+        self.owner.calls += 1
+        self.owner.extends += 1
+        self.owner.fed += len(tokens)
+        rows = self.inner.extend(tokens)
+        if self.owner.step_seconds:
+            time.sleep(self.owner.step_seconds * (1 + 0.05 * len(tokens)))
+        if self.owner.corrupt_after is not None and self.owner.extends > self.owner.corrupt_after:
+            rows = rows.copy()
+            rows[-1, 0] = np.nan
+        return rows
+
+    def rollback(self, n):
+        self.inner.rollback(n)
+
+
+def plain_greedy(model, prompt, n, eos=None):
+    """Reference greedy decoding, recomputing every row from scratch (no sessions)."""
+    context, out = list(prompt), []
+    for _ in range(n):
+        token = int(np.argmax(model.next_logprobs([context])[0]))
+        out.append(token)
+        context.append(token)
+        if token == eos:
+            break
+    return out
+
+
+class GreedyChainProposer:
+    """Point-mass draft: the greedy continuation of another chain."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def propose(self, context, max_tokens):
+        return plain_greedy(self.model, context, max_tokens)
+
+
+TARGET = MarkovModel.random(V, seed=0, order=2)
+DRAFT = MarkovModel.random(V, seed=1, order=2)
+NEAR = MarkovModel(TARGET.transition_logprobs + np.random.default_rng(5).normal(scale=0.5, size=(V, V, V)),
+                   TARGET.initial_logprobs, order=2)
+
+
+# ----------------------------------------------------------------------------------------------- greedy
+@pytest.mark.parametrize("draft", [None, DRAFT, TARGET, NEAR, GreedyChainProposer(NEAR)],
+                         ids=["plain", "random", "draft==target", "near", "proposer"])
+@pytest.mark.parametrize("gamma", [1, 3, 7, "auto"])
+def test_greedy_equals_plain_greedy(draft, gamma):
+    for prompt in ([1], [3, 2, 5], []):
+        expected = plain_greedy(TARGET, prompt, 40)
+        got = generate(TARGET, prompt, draft=draft, gamma=gamma, max_new_tokens=40, temperature=0, seed=0)
+        assert got.tokens == expected
+
+
+def test_greedy_equals_plain_greedy_with_eos_inside_drafts():
+    for eos in range(V):
+        expected = plain_greedy(TARGET, [1], 30, eos=eos)
+        got = generate(TARGET, [1], draft=TARGET, gamma=5, max_new_tokens=30, temperature=0, eos_token_id=eos)
+        assert got.tokens == expected
+        if eos in expected:
+            assert got.stop_reason == "eos"
+
+
+def test_greedy_on_tiny_transformer():
+    TinyTransformer = models.TinyTransformer
+    target = TinyTransformer(vocab_size=32, d_model=32, n_layers=2, seed=0)
+    draft = TinyTransformer(vocab_size=32, d_model=16, n_layers=1, seed=1)
+    prompt = [1, 2, 3]
+    expected = plain_greedy(target, prompt, 24)
+    for candidate in (draft, target.perturbed(0.3, seed=2), target):
+        for gamma in (1, 4, "auto"):
+            got = generate(target, prompt, draft=candidate, gamma=gamma, max_new_tokens=24, temperature=0)
+            assert got.tokens == expected
+    # Draft == target also at temperature 1: batched and incremental rows agree, acceptance is exactly 1.
+    sampled = generate(target, prompt, draft=target, gamma=3, max_new_tokens=24, seed=0)
+    assert sampled.stats.acceptance_rate == 1.0 and sampled.stats.tokens_per_target_forward == 4
+
+
+# ------------------------------------------------------------------------------------- draft == target
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 3, None), (1.3, None, 0.8), (0, None, None)])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_draft_equal_target_accepts_everything(temperature, top_k, top_p, gamma):
+    n_blocks = 12
+    chunks = list(stream(TARGET, [2], draft=TARGET, gamma=gamma, max_new_tokens=n_blocks * (gamma + 1),
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=3))
+    stats = chunks[-1].stats
+    assert stats.acceptance_rate == 1.0
+    assert stats.tokens_per_target_forward == gamma + 1
+    assert all(len(c.tokens) == gamma + 1 and c.accepted == c.proposed == gamma and c.bonus is not None
+               for c in chunks)
+
+
+# ---------------------------------------------------------------------------------- analytic acceptance
+@pytest.mark.parametrize("kind", ["distribution", "point_mass"])
+def test_measured_acceptance_matches_analytic(kind):
+    # γ = 1: each block proposes one token from the state after the context, so its acceptance probability
+    # is Σ_x min(p_target, p_draft) (distribution-aware) or p_target(proposal) (point-mass), computable
+    # exactly per block. The sum of these is the expected number of acceptances.
+    target, draft = MarkovModel.random(6, seed=10), MarkovModel.random(6, seed=11)
+    proposer = GreedyChainProposer(draft)
+    context = [0]
+    expected = variance = accepted = 0.0
+    for chunk in stream(target, context, draft=draft if kind == "distribution" else proposer, gamma=1,
+                        max_new_tokens=3000, seed=4):
+        state = context[-1:]                                   # order 1: the last token is the state
+        p_target = np.exp(target.next_logprobs([state])[0])
+        if kind == "distribution":
+            alpha = np.minimum(p_target, np.exp(draft.next_logprobs([state])[0])).sum()
+        else:
+            alpha = p_target[proposer.propose(state, 1)[0]]
+        if chunk.proposed:
+            expected += alpha
+            variance += alpha * (1 - alpha)
+            accepted += chunk.accepted
+        context.extend(chunk.tokens)
+    assert abs(accepted - expected) < 4.5 * np.sqrt(variance)
+
+
+# ------------------------------------------------------------------------------------ budget, eos, misc
+@pytest.mark.parametrize("gamma", [1, 2, 5, "auto"])
+@pytest.mark.parametrize("draft", [DRAFT, GreedyChainProposer(DRAFT), TARGET])
+def test_max_new_tokens_is_exact(gamma, draft):
+    for n in (0, 1, 2, 3, 7, 20):
+        result = generate(TARGET, [1], draft=draft, gamma=gamma, max_new_tokens=n, seed=n)
+        assert len(result.tokens) == n and result.stats.emitted == n
+
+
+def test_max_new_tokens_zero_does_no_work():
+    target = Counting(TARGET)
+    result = generate(target, [1], draft=DRAFT, max_new_tokens=0)
+    assert result.tokens == [] and target.calls == 0
+
+
+def test_eos_stops_and_nothing_follows_it():
+    for seed in range(30):
+        result = generate(TARGET, [1], draft=DRAFT, gamma=4, max_new_tokens=50, eos_token_id=3, seed=seed)
+        assert 3 not in result.tokens[:-1]
+        assert result.stop_reason == ("eos" if result.tokens[-1] == 3 else "max_new_tokens")
+
+
+def test_one_target_extend_per_chunk_and_no_refeeding():
+    target = Counting(TARGET)
+    prompt = [1, 2, 3, 4]
+    result = generate(target, prompt, draft=DRAFT, gamma=4, max_new_tokens=60, seed=1)
+    assert target.extends == result.stats.target_forwards
+    # Every token fed is the last prompt token, an emitted token or a proposal: never the whole sequence.
+    assert target.fed <= 1 + result.stats.emitted + result.stats.proposed
+
+
+def test_plain_decoding_is_one_token_per_extend():
+    target = Counting(TARGET)
+    result = generate(target, [1], max_new_tokens=25, seed=0)
+    assert target.extends == 25 - 0 and target.fed == 25 and result.stats.proposed == 0
+
+
+def test_seed_reproducible_and_generator_accepted():
+    a = generate(TARGET, [1], draft=DRAFT, max_new_tokens=30, seed=7).tokens
+    assert a == generate(TARGET, [1], draft=DRAFT, max_new_tokens=30, seed=7).tokens
+    assert len(generate(TARGET, [1], draft=DRAFT, max_new_tokens=30, seed=np.random.default_rng(7)).tokens) == 30
+
+
+def test_stream_chunks_carry_running_stats():
+    chunks = list(stream(TARGET, [1], draft=DRAFT, max_new_tokens=30, gamma=3, seed=2))
+    assert sum(len(c.tokens) for c in chunks) == 30 and chunks[-1].finished and not chunks[0].finished
+    stats = chunks[-1].stats
+    assert isinstance(stats, DecodingStats) and stats.target_forwards == len(chunks)
+    assert len(stats.per_position_acceptance) == 3 and stats.gamma_history == [c.proposed for c in chunks]
+    assert set(stats.as_dict()) >= {"acceptance_rate", "tokens_per_target_forward", "draft_seconds"}
+
+
+def test_max_context_caps_and_rejects_long_prompts():
+    target = Counting(TARGET, max_context=10)
+    result = generate(target, [1, 2, 3, 4], draft=DRAFT, max_new_tokens=50, seed=0)
+    assert len(result.tokens) == 6 and result.stop_reason == "max_context"
+    with pytest.raises(ValueError, match="max_context"):
+        generate(target, list(range(8)) * 2, max_new_tokens=5)
+
+
+def test_auto_gamma_falls_back_to_plain_decoding_for_a_useless_draft():
+    hostile = MarkovModel(-8 * TARGET.transition_logprobs, -8 * TARGET.initial_logprobs, order=2)
+    result = generate(TARGET, [1], draft=hostile, gamma="auto", max_new_tokens=200, seed=0)
+    assert len(result.tokens) == 200
+    assert result.stats.gamma_history.count(0) > 0.7 * len(result.stats.gamma_history)
+
+
+def test_auto_gamma_speculates_deeply_when_drafting_pays():
+    # Deterministic: costs are injected, not timed (wall-clock timings are noisy on shared machines).
+    # A cheap draft (c = 0.01) that is always accepted, and a verifier whose cost barely grows with γ.
+    ctl = GammaController(max_gamma=8)
+    ctl.observe_target(1, 0.010)
+    for n in range(2, 10):
+        ctl.observe_target(n, 0.010 + 0.0005 * n)
+    for _ in range(20):
+        ctl.observe_draft(4, 0.0004)
+        ctl.observe_acceptance(proposed=4, accepted=4)
+    assert ctl.next_gamma() >= 6
+    # The same draft rejected every time: no γ pays, so it falls back to plain steps (γ = 0).
+    for _ in range(40):
+        ctl.observe_acceptance(proposed=4, accepted=0)
+    assert ctl.next_gamma() == 0
+
+
+def test_top_level_exports():
+    assert speculum.generate is generate and speculum.GenerationResult is GenerationResult
+    assert speculum.DecodingStats is DecodingStats and speculum.stream is stream
+
+
+# ---------------------------------------------------------------------------------------- bad input
+BAD_INPUTS = [
+    (dict(prompt_ids=[]), "prompt_ids"),
+    (dict(prompt_ids=[1, V]), "prompt_ids"),
+    (dict(prompt_ids=[-1]), "prompt_ids"),
+    (dict(draft=MarkovModel.random(V + 1, seed=0)), "vocab"),
+    (dict(draft=object()), "draft"),
+    (dict(gamma=0), "gamma"),
+    (dict(gamma=-2), "gamma"),
+    (dict(gamma=2.5), "gamma"),
+    (dict(gamma="fast"), "gamma"),
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.01), "top_p"),
+    (dict(eos_token_id=V), "eos_token_id"),
+    (dict(seed=-3), "seed"),
+    (dict(seed="abc"), "seed"),
+]
+
+
+@pytest.mark.parametrize("kwargs,name", BAD_INPUTS, ids=[f"{n}-{i}" for i, (_, n) in enumerate(BAD_INPUTS)])
+def test_bad_input_is_a_value_error_before_any_work(kwargs, name):
+    target = Counting(TARGET, accepts_empty_prompt=False)
+    draft = Counting(DRAFT)
+    args = dict(prompt_ids=[1], draft=draft, max_new_tokens=5, seed=0)
+    args.update(kwargs)
+    prompt = args.pop("prompt_ids")
+    with pytest.raises(ValueError, match=name):
+        stream(target, prompt, **args)                      # eager: raises before the first chunk
+    assert target.calls == 0 and draft.calls == 0
+
+
+def test_nan_logits_are_rejected_where_they_enter():
+    bad = np.zeros((V, V))
+    bad[2, 3] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        MarkovModel(bad)
+    with pytest.raises(ValueError, match="NaN"):
+        generate(Counting(TARGET, corrupt_after=2), [1], draft=DRAFT, max_new_tokens=40, seed=0)
+    with pytest.raises(ValueError, match="draft"):
+        generate(TARGET, [1], draft=Counting(DRAFT, corrupt_after=2), max_new_tokens=40, seed=0)
