@@ -1,0 +1,463 @@
+"""Exact enumeration of a model's continuations in descending probability.
+
+``AutoregressiveEnumerable`` answers, for the continuations of a prompt (every length-``max_len``
+continuation, or only those ending in ``eos``): the k best, the i-th best, a sequence's rank, how many are
+at least so probable, the k-th best's log-prob, and the mass above a threshold. All of them agree exactly
+with brute-force sorting by exact log-probability, ties broken lexicographically by token ids.
+
+How (see ``tree.py`` and ``histogram.py``): a prefix tree of the live prefixes within a log-prob budget is
+built breadth first with batched forwards; its complete sequences are grouped by a fine bucket of their
+exact information, with cumulative counts. A query bisects the counts to the one bucket (the *band*) that
+holds its answer and sorts only that band by the exact key. When a query needs sequences below the budget
+the tree is extended in place (never rebuilt), and queries inside the built budget run no forward at all.
+
+Example:
+    >>> from speculum.models import MarkovModel
+    >>> ar = AutoregressiveEnumerable(MarkovModel.random(5, seed=1), max_len=4)
+    >>> seq, logprob = ar.unrank(10)
+    >>> ar.rank(seq), ar.count(logprob) >= 11
+    (10, True)
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..models.base import check_prompt, check_token_ids, from_forward
+from .histogram import DEFAULT_WIDTH_BITS, BucketIndex
+from .tree import BuildProgress, PrefixTree
+
+__all__ = ["AutoregressiveEnumerable", "SeekIndex", "BandTooLargeError", "DEFAULT_MAX_BAND"]
+
+DEFAULT_MAX_BAND = 1_000_000
+DEFAULT_BATCH_SIZE = 512
+DEFAULT_RESERVE_BITS = 1.0
+_LN2 = math.log(2.0)
+# Relative rounding of exp() and of the float sums behind mass brackets (a few ulps, made generous).
+_MASS_ROUNDING = 1e-12
+
+
+class BandTooLargeError(RuntimeError):
+    """The sequences tied (to within one bucket) with a query's answer are too many to sort exactly."""
+
+
+def _check_index(value, name: str, *, minimum: int) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError as exc:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from exc
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_logprob(value, name: str = "min_log_prob") -> float:
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError(f"{name} is NaN")
+    return value
+
+
+def tqdm_progress(**tqdm_kwargs) -> Callable[[BuildProgress], None]:
+    """A ``progress`` callback drawing a tqdm bar of forwarded prefixes (for the CLI and notebooks)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(unit="prefix", desc="enumeration index", **tqdm_kwargs)
+
+    def update(event: BuildProgress) -> None:
+        bar.update(event.forwards - bar.n)
+        bar.set_postfix(level=event.level, budget_bits=f"{event.budget_bits:.1f}")
+    return update
+
+
+class SeekIndex:
+    """The persistent index behind every query of an ``AutoregressiveEnumerable`` (see the module doc).
+
+    Attributes: ``vocab_size``, ``max_len``, ``eos``, ``prompt``, ``order_error`` (0.0: the order is exact),
+    ``forwards`` (prefixes forwarded so far), ``capped`` (True when ``branch_cap`` dropped probability:
+    every result then refers to the capped sub-support, see ``count_bracket``), ``complete``.
+    """
+
+    order_error = 0.0
+
+    def __init__(self, model, *, max_len: int | None, eos: int | None, prompt: Sequence[int] = (),
+                 branch_cap: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
+                 width_bits: float = DEFAULT_WIDTH_BITS, reserve_bits: float = DEFAULT_RESERVE_BITS,
+                 max_band: int = DEFAULT_MAX_BAND,
+                 progress: Callable[[BuildProgress], None] | None = None) -> None:
+        self.model = model
+        self.vocab_size = int(model.vocab_size)
+        self.max_len, self.eos, self.prompt = max_len, eos, tuple(prompt)
+        self.branch_cap, self.width_bits, self.max_band = branch_cap, width_bits, max_band
+        self.tree = PrefixTree(model, prompt=self.prompt, max_len=max_len, eos=eos, branch_cap=branch_cap,
+                               batch_size=batch_size, reserve_bits=reserve_bits, progress=progress)
+        self._refresh()
+
+    # ------------------------------------------------------------------------------------------ state
+    @property
+    def forwards(self) -> int:
+        return self.tree.forwards
+
+    @property
+    def capped(self) -> bool:
+        """True when ``branch_cap`` restricts the index to a sub-support: every result then refers to it."""
+        return self.branch_cap is not None and self.branch_cap < self.vocab_size
+
+    @property
+    def complete(self) -> bool:
+        """True iff the enumerated support is the model's whole support (no branch_cap, no length cut)."""
+        return not self.capped and not self.tree.length_truncated
+
+    @property
+    def support_size(self) -> int | None:
+        """Number of sequences in the support once the whole tree is built, else None (not known yet)."""
+        return self.index.total if self.tree.exhausted else None
+
+    def nbytes(self) -> int:
+        """Bytes held by the index's arrays (tree levels, leaf table, bucket index)."""
+        leaf = self.leaf_level.nbytes + self.leaf_node.nbytes + self.leaf_lp.nbytes
+        return self.tree.nbytes() + leaf + self.index.nbytes()
+
+    def _refresh(self) -> None:
+        """Re-collect the certified leaves (every support sequence with log p >= the certified budget)."""
+        certified = -math.inf if self.tree.exhausted else self.tree.budget
+        levels, nodes, lps = [], [], []
+        for depth, level in enumerate(self.tree.levels):
+            ids = np.flatnonzero(level.leaf & (level.logprob >= certified))
+            levels.append(np.full(len(ids), depth, dtype=np.int32))
+            nodes.append(ids.astype(np.int32))
+            lps.append(level.logprob[ids])
+        self.certified_logprob = certified
+        self.leaf_level = np.concatenate(levels)    # (n,) length of each certified sequence
+        self.leaf_node = np.concatenate(nodes)      # (n,) its index in that level
+        self.leaf_lp = np.concatenate(lps)          # (n,) its exact log-prob
+        self.index = BucketIndex(self.leaf_lp, width_bits=self.width_bits)
+        self._bands: dict[int, np.ndarray] = {}
+
+    def _extend(self, budget: float) -> None:
+        self.tree.extend(budget)
+        self._refresh()
+
+    def _support_bound(self) -> float:
+        if self.eos is None:
+            return float(self.vocab_size) ** self.max_len
+        return math.inf if self.max_len is None else sum(float(self.vocab_size) ** n for n in range(self.max_len))
+
+    def _grow_to_count(self, needed: int) -> None:
+        """Deepen until at least ``needed`` sequences are certified, or the support is exhausted.
+
+        The count within ``B`` bits grows roughly exponentially in ``B``; the next budget extrapolates the
+        growth seen so far (a pilot at half the bits first), aiming 25 % past the need so that a query
+        rarely takes more than two passes (each pass may forward some earlier prefixes again)."""
+        while self.index.total < needed and not self.tree.exhausted:
+            have = self.index.total
+            if math.isinf(self.tree.budget):
+                bits = 0.5 * math.log2(needed) + 2.0          # pilot: cheap, and it measures the growth
+            else:
+                built = -self.tree.budget / _LN2
+                # Growth rate (count doublings per bit) from the origin (1 sequence at 0 bits) to here.
+                rate = max(math.log2(max(have, 2)) / max(built, 1e-9), 0.05)
+                step = math.log2(1.25 * needed / max(have, 1)) / rate
+                bits = built + min(max(step, 0.25), max(built, 4.0))
+            self._extend(-bits * _LN2 if bits < 2000.0 else -math.inf)
+
+    def _grow_to_logprob(self, logprob: float) -> None:
+        if logprob < self.certified_logprob and not self.tree.exhausted:
+            self._extend(logprob)
+
+    # ------------------------------------------------------------------------------------------ bands
+    def _tokens(self, ids: np.ndarray) -> np.ndarray:
+        """``(len(ids), max length)`` token matrix of certified sequences, padded with -1 after the end."""
+        width = int(self.leaf_level[ids].max()) if len(ids) else 0
+        out = np.full((len(ids), width), -1, dtype=np.int64)
+        for depth in np.unique(self.leaf_level[ids]):
+            rows = np.flatnonzero(self.leaf_level[ids] == depth)
+            node = self.leaf_node[ids[rows]]
+            for d in range(int(depth), 0, -1):
+                level = self.tree.levels[d]
+                out[rows, d - 1] = level.token[node]
+                node = level.parent[node]
+        return out
+
+    def _sorted_band(self, band: int) -> np.ndarray:
+        """Certified sequence ids of one band in exact order: log-prob descending, then token ids ascending."""
+        cached = self._bands.get(band)
+        if cached is None:
+            ids = self.index.band_members(band)
+            if len(ids) > self.max_band:
+                raise BandTooLargeError(
+                    f"{len(ids)} sequences lie within {self.width_bits:g} bits of the answer, more than "
+                    f"max_band={self.max_band} can sort exactly; raise max_band or use the approximate "
+                    "index speculum.enumeration.AREnvelopeIndex")
+            tokens = self._tokens(ids)
+            # -1 padding sorts a sequence before its own extensions, as Python tuple order does.
+            order = np.lexsort([*tokens.T[::-1], -self.leaf_lp[ids]])
+            cached = self._bands[band] = ids[order]
+        return cached
+
+    def _item(self, sid: int) -> tuple[tuple[int, ...], float]:
+        tokens = self._tokens(np.array([sid]))[0]
+        return tuple(int(t) for t in tokens if t >= 0), float(self.leaf_lp[sid])
+
+    def _raise_beyond(self, rank: int) -> None:
+        size = self.support_size
+        what = f"it has {size} sequences" if size is not None else f"it has at most {self._support_bound():.0f} sequences"
+        raise IndexError(f"rank {rank} is beyond the support: {what}")
+
+    # ---------------------------------------------------------------------------------------- queries
+    def unrank(self, i: int) -> tuple[tuple[int, ...], float]:
+        """The ``i``-th most probable sequence (0-based) and its exact log-prob. Exact.
+
+        Raises ``IndexError`` (naming the support size) past the support."""
+        i = _check_index(i, "i", minimum=0)
+        if i >= self._support_bound():
+            self._raise_beyond(i)
+        self._grow_to_count(i + 1)
+        if i >= self.index.total:
+            self._raise_beyond(i)
+        band, offset = self.index.locate(i)
+        return self._item(int(self._sorted_band(band)[offset]))
+
+    def slice(self, start: int, k: int) -> list[tuple[tuple[int, ...], float]]:
+        """Ranks ``start .. start+k-1`` in exact order (fewer if the support ends first). Exact."""
+        start = _check_index(start, "start", minimum=0)
+        k = _check_index(k, "k", minimum=0)
+        if k == 0 or start >= self._support_bound():
+            return []
+        self._grow_to_count(start + k)
+        end = min(start + k, self.index.total)
+        out = []
+        rank = start
+        while rank < end:
+            band, offset = self.index.locate(rank)
+            ids = self._sorted_band(band)[offset: offset + end - rank]
+            out.extend(self._item(int(sid)) for sid in ids)
+            rank += len(ids)
+        return out
+
+    def top_k(self, k: int) -> list[tuple[tuple[int, ...], float]]:
+        """The ``k`` most probable sequences, descending (all of them if the support is smaller). Exact."""
+        return self.slice(0, _check_index(k, "k", minimum=1))
+
+    def threshold(self, k: int) -> float:
+        """Log-prob of the ``k``-th most probable sequence (``k >= 1``). Exact."""
+        return self.unrank(_check_index(k, "k", minimum=1) - 1)[1]
+
+    def count(self, min_log_prob: float) -> int:
+        """Number of support sequences with ``log p >= min_log_prob``. Exact (on the capped sub-support
+        when ``capped``; ``count_bracket`` bounds the rest)."""
+        min_log_prob = _check_logprob(min_log_prob)
+        self._grow_to_logprob(min_log_prob)
+        band, present = self.index.band_of(min_log_prob)
+        inside = 0
+        if present:
+            inside = int(np.count_nonzero(self.leaf_lp[self.index.band_members(band)] >= min_log_prob))
+        return self.index.count_before(band) + inside
+
+    def count_bracket(self, min_log_prob: float) -> tuple[int, int]:
+        """Sound ``(lo, hi)`` on the number of sequences with ``log p >= min_log_prob`` in the *uncapped*
+        support: ``lo`` is the exact capped count; each subtree dropped by ``branch_cap`` holds at most
+        ``its mass / p_min`` such sequences (their probabilities sum to at most its mass). Certified."""
+        lo = self.count(min_log_prob)
+        dropped = self._capped_mass_above(min_log_prob)
+        if dropped == 0.0:
+            return lo, lo
+        return lo, lo + math.floor(dropped * math.exp(-min_log_prob) * (1.0 + _MASS_ROUNDING))
+
+    def _capped_mass_above(self, min_log_prob: float) -> float:
+        # Only prefixes at least as probable as the threshold can have completions above it.
+        mass = math.fsum(level.capped_mass_above(min_log_prob) for level in self.tree.levels)
+        return mass * (1.0 + _MASS_ROUNDING)
+
+    def mass_above(self, min_log_prob: float) -> tuple[float, float]:
+        """Sound ``(lo, hi)`` bracket on the total probability of sequences with ``log p >= min_log_prob``.
+
+        Certified: the sequences are summed exactly (``math.fsum``), so the bracket only widens by float
+        rounding of ``exp`` — the limit of ever finer quantisation — plus, when ``capped``, the mass
+        ``branch_cap`` dropped above the threshold (added to ``hi``)."""
+        min_log_prob = _check_logprob(min_log_prob)
+        self._grow_to_logprob(min_log_prob)
+        total = math.fsum(np.exp(self.leaf_lp[self.leaf_lp >= min_log_prob]).tolist())
+        lo = total * (1.0 - _MASS_ROUNDING)
+        hi = total * (1.0 + _MASS_ROUNDING) + self._capped_mass_above(min_log_prob)
+        return lo, min(hi, 1.0)
+
+    # ------------------------------------------------------------------------------------------- rank
+    def _check_support(self, seq: Sequence[int]) -> tuple[int, ...]:
+        seq = tuple(check_token_ids(seq, self.vocab_size, name="sequence"))
+        if self.eos is None:
+            if len(seq) != self.max_len:
+                raise ValueError(f"sequence has length {len(seq)}; the support is length-{self.max_len} sequences")
+            return seq
+        if not seq or seq[-1] != self.eos or self.eos in seq[:-1]:
+            raise ValueError(f"sequence is off the support: it must end in eos={self.eos} and contain it once")
+        if self.max_len is not None and len(seq) > self.max_len:
+            raise ValueError(f"sequence has length {len(seq)} > max_len={self.max_len}")
+        return seq
+
+    def _find(self, seq: tuple[int, ...]) -> tuple[int, float] | None:
+        """``(node, log-prob)`` of ``seq``'s leaf in the stored tree, or None if it is not stored."""
+        node = 0
+        for depth, token in enumerate(seq, start=1):
+            if depth >= len(self.tree.levels):
+                return None
+            level = self.tree.levels[depth]
+            hit = np.flatnonzero((level.parent == node) & (level.token == token))
+            if not len(hit):
+                return None
+            node = int(hit[0])
+        return node, float(self.tree.levels[len(seq)].logprob[node])
+
+    def rank(self, seq: Sequence[int]) -> int:
+        """Number of support sequences before ``seq`` in the exact order (strictly more probable, or equally
+        probable and lexicographically smaller), so that ``unrank(rank(seq)) == seq``. Exact.
+
+        Raises ``ValueError`` for a sequence off the support (wrong length / eos, zero probability, or
+        outside the capped sub-support)."""
+        seq = self._check_support(seq)
+        found = self._find(seq)
+        if found is not None and found[1] < self.certified_logprob:
+            self._grow_to_logprob(found[1])    # stored past the budget: certify down to it
+        elif found is None:
+            # Probe its log-prob (one batched call over its prefixes) to know how deep to build.
+            prefixes = [list(self.prompt) + list(seq[:j]) for j in range(len(seq))]
+            rows = np.asarray(self.model.next_logprobs(prefixes), dtype=np.float64)
+            self.tree.forwards += len(prefixes)
+            probe = float(np.sum(rows[np.arange(len(seq)), list(seq)]))
+            if not math.isfinite(probe):
+                raise ValueError("sequence is off the support: it has probability zero")
+            # Backends may differ in the last bits between batch compositions: build a little deeper.
+            self._grow_to_logprob(probe - 1e-6 * (1.0 + abs(probe)))
+            found = self._find(seq)
+            if found is None:
+                raise ValueError(f"sequence is outside the capped sub-support (branch_cap={self.branch_cap})")
+        node, logprob = found
+        band, _ = self.index.band_of(logprob)
+        ids = self._sorted_band(band)
+        position = np.flatnonzero((self.leaf_level[ids] == len(seq)) & (self.leaf_node[ids] == node))
+        return self.index.count_before(band) + int(position[0])
+
+    def score_sequences(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
+        """``(batch,)`` exact log p(sequence | prompt) by the model's teacher forcing (batched)."""
+        return self.model.score_sequences(sequences, prompt=self.prompt)
+
+
+class AutoregressiveEnumerable:
+    """A model's continuations of ``prompt``, enumerable in exact descending probability.
+
+    Args:
+        model: any protocol model (or a seed-style ``forward`` object, adapted by ``from_forward``).
+        max_len: fixed length of every continuation; with ``eos``, only a cap on the length.
+        eos: end-of-sequence id (``True``: the model's ``eos_token_id``); the support is then only the
+            continuations ending in eos, of any length within the probability budget.
+        prompt: token ids before the continuation (empty: the model's BOS if it needs one).
+        branch_cap: follow only the top-``branch_cap`` tokens of each prefix (a sub-support; the dropped
+            probability is bounded, see ``SeekIndex.count_bracket`` / ``mass_above``).
+        batch_size: prefixes per batched ``next_logprobs`` call.
+        width_bits: bucket width of the count index (a speed/memory knob; the order is exact at any width).
+        reserve_bits: each expanded prefix also keeps children this far below the budget, so deepening by
+            up to this much forwards no prefix twice.
+        max_band: most sequences one query may sort exactly before raising ``BandTooLargeError``.
+        progress: callable receiving ``BuildProgress`` events, or ``True`` for a tqdm bar.
+
+    Every query (``top_k``, ``unrank``, ``slice``, ``rank``, ``count``, ``threshold``, ``mass_above``) is
+    exact and delegates to the persistent ``seek_index()``; ``unrank(rank(s)) == s`` for every ``s``.
+
+    Example:
+        >>> from speculum.models import MarkovModel
+        >>> ar = AutoregressiveEnumerable(MarkovModel.random(4, seed=0), max_len=3)
+        >>> [seq for seq, _ in ar.top_k(2)] == [ar.unrank(0)[0], ar.unrank(1)[0]]
+        True
+    """
+
+    def __init__(self, model, *, max_len: int | None = None, eos: int | bool | None = None,
+                 prompt: Sequence[int] = (), branch_cap: int | None = None,
+                 batch_size: int = DEFAULT_BATCH_SIZE, width_bits: float = DEFAULT_WIDTH_BITS,
+                 reserve_bits: float = DEFAULT_RESERVE_BITS, max_band: int = DEFAULT_MAX_BAND,
+                 progress: Callable[[BuildProgress], None] | bool | None = None) -> None:
+        model = from_forward(model)
+        if eos is True:
+            eos = getattr(model, "eos_token_id", None)
+            if eos is None:
+                raise ValueError("eos=True but the model has no eos_token_id")
+        if eos is False:
+            eos = None
+        if max_len is None and eos is None:
+            raise ValueError("give max_len (fixed-length continuations) or eos (continuations ending in eos)")
+        if max_len is not None:
+            max_len = _check_index(max_len, "max_len", minimum=1)
+        if eos is not None:
+            eos = check_token_ids([eos], model.vocab_size, name="eos")[0]
+        if branch_cap is not None:
+            branch_cap = _check_index(branch_cap, "branch_cap", minimum=1)
+        batch_size = _check_index(batch_size, "batch_size", minimum=1)
+        max_band = _check_index(max_band, "max_band", minimum=1)
+        if not width_bits > 0:
+            raise ValueError(f"width_bits must be positive, got {width_bits}")
+        if not reserve_bits >= 0:
+            raise ValueError(f"reserve_bits must be >= 0, got {reserve_bits}")
+        if progress is True:
+            progress = tqdm_progress()
+        elif progress is False:
+            progress = None
+        elif progress is not None and not callable(progress):
+            raise ValueError("progress must be a callable, True, False or None")
+        prompt = check_prompt(model, prompt, name="prompt")
+        self.model = model
+        self._index = SeekIndex(model, max_len=max_len, eos=eos, prompt=prompt, branch_cap=branch_cap,
+                                batch_size=batch_size, width_bits=width_bits, reserve_bits=reserve_bits,
+                                max_band=max_band, progress=progress)
+        self.vocab_size, self.max_len, self.eos = self._index.vocab_size, max_len, eos
+        self.prompt = self._index.prompt
+        self.order_error = 0.0
+
+    def seek_index(self) -> SeekIndex:
+        """The persistent index behind every query (built lazily, deepened in place)."""
+        return self._index
+
+    @property
+    def complete(self) -> bool:
+        return self._index.complete
+
+    @property
+    def capped(self) -> bool:
+        return self._index.capped
+
+    def top_k(self, k: int) -> list[tuple[tuple[int, ...], float]]:
+        """The ``k`` most probable continuations with exact log-probs, descending. Exact."""
+        return self._index.top_k(k)
+
+    def unrank(self, i: int) -> tuple[tuple[int, ...], float]:
+        """The ``i``-th most probable continuation (0-based) and its exact log-prob. Exact."""
+        return self._index.unrank(i)
+
+    def slice(self, start: int, k: int) -> list[tuple[tuple[int, ...], float]]:
+        """Ranks ``start .. start+k-1``. Exact."""
+        return self._index.slice(start, k)
+
+    def rank(self, seq: Sequence[int]) -> int:
+        """Number of continuations before ``seq`` (more probable, or tied and lexicographically smaller). Exact."""
+        return self._index.rank(seq)
+
+    def count(self, min_log_prob: float) -> int:
+        """Number of continuations with ``log p >= min_log_prob``. Exact."""
+        return self._index.count(min_log_prob)
+
+    def count_bracket(self, min_log_prob: float) -> tuple[int, int]:
+        """Sound bracket on ``count`` over the uncapped support (equal ends without ``branch_cap``). Certified."""
+        return self._index.count_bracket(min_log_prob)
+
+    def threshold(self, k: int) -> float:
+        """Log-prob of the ``k``-th most probable continuation (``k >= 1``). Exact."""
+        return self._index.threshold(k)
+
+    def mass_above(self, min_log_prob: float) -> tuple[float, float]:
+        """Sound ``(lo, hi)`` bracket on the probability of continuations with ``log p >= min_log_prob``. Certified."""
+        return self._index.mass_above(min_log_prob)
+
+    def score_sequences(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
+        """``(batch,)`` exact log p(continuation | prompt), batched teacher forcing."""
+        return self._index.score_sequences(sequences)

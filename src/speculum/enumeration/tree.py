@@ -1,0 +1,255 @@
+"""The live prefix tree of a model's continuations, built level by level with batched forwards.
+
+A prefix is *live* under a log-probability budget ``b`` when its exact log-probability is ``>= b``; since
+every step's log-prob is ``<= 0``, every prefix of a sequence with ``log p >= b`` is live, so expanding the
+live prefixes (one forward each) finds *every* sequence within the budget — the forward count is the number
+of live prefixes, independent of any rank asked (field.md, "The prior enumeration implementation").
+
+Unlike the prior implementation (field.md weaknesses 4-5) the tree is built breadth first: each level's
+prefixes go to ``model.next_logprobs`` in chunks of ``batch_size`` (a backend with a KV cache shares the
+prompt across the batch), there is no recursion per token, and each expanded prefix keeps only the children
+it needs — token ids and exact cumulative log-probs down to ``budget - reserve``, never a vocabulary row.
+Deepening (``extend``) continues the same tree: children already stored are reused, unexpanded prefixes
+are forwarded once, and a prefix is forwarded again only if the new budget goes below the ``reserve`` it
+stored children for (counted in ``reforwards``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["BuildProgress", "Level", "PrefixTree"]
+
+_LN2 = math.log(2.0)
+# Terminating models without ``max_len`` are bounded by the budget alone; a model that can loop with
+# probability 1 (a step of log-prob exactly 0 forever) would never stop, so a generous depth guard remains.
+_MAX_UNBOUNDED_DEPTH = 100_000
+
+
+@dataclass(frozen=True)
+class BuildProgress:
+    """One expanded chunk of prefixes, reported to the ``progress`` callback."""
+
+    level: int            # length of the prefixes just expanded (0 = the prompt itself)
+    expanded: int         # prefixes expanded in this chunk
+    pending: int          # prefixes still to expand at this level in this pass
+    forwards: int         # total prefixes forwarded so far (all passes)
+    budget_bits: float    # the budget being built to, in bits of information (-log2 p)
+
+
+class Level:
+    """Flat, append-only arrays of the prefixes of one length (index ``i`` = one prefix)."""
+
+    def __init__(self, expandable: bool = True) -> None:
+        # A level of complete sequences only (the last level of fixed-length continuations) never expands:
+        # it keeps no floor / truncated / capped_mass arrays (a third less memory per leaf).
+        self.expandable = expandable
+        self.parent = np.zeros(0, dtype=np.int32)      # (n,) index into the previous level
+        self.token = np.zeros(0, dtype=np.int32)       # (n,) last token
+        self.logprob = np.zeros(0, dtype=np.float64)   # (n,) exact log p(prefix | prompt)
+        self.leaf = np.zeros(0, dtype=bool)            # (n,) a complete sequence (ends in eos / has max_len)
+        # Children of prefix i are stored down to ``floor[i]`` (+inf: not expanded yet); ``truncated[i]``:
+        # some positive-probability child lies below that floor and was not stored.
+        self.floor = np.zeros(0, dtype=np.float64)     # (n,)
+        self.truncated = np.zeros(0, dtype=bool)       # (n,)
+        self.capped_mass = np.zeros(0, dtype=np.float64)  # (n,) probability of children dropped by branch_cap
+
+    def __len__(self) -> int:
+        return len(self.token)
+
+    def append(self, parent: np.ndarray, token: np.ndarray, logprob: np.ndarray, leaf: np.ndarray) -> None:
+        n = len(token)
+        self.parent = np.concatenate([self.parent, parent.astype(np.int32)])
+        self.token = np.concatenate([self.token, token.astype(np.int32)])
+        self.logprob = np.concatenate([self.logprob, logprob])
+        self.leaf = np.concatenate([self.leaf, leaf])
+        if not self.expandable:
+            return
+        self.floor = np.concatenate([self.floor, np.full(n, np.inf)])
+        self.truncated = np.concatenate([self.truncated, np.zeros(n, dtype=bool)])
+        self.capped_mass = np.concatenate([self.capped_mass, np.zeros(n)])
+
+    def capped_mass_above(self, min_log_prob: float) -> float:
+        """Probability dropped by branch_cap below prefixes of this level with log p >= min_log_prob."""
+        if not self.expandable:
+            return 0.0
+        return float(self.capped_mass[self.logprob >= min_log_prob].sum())
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.parent, self.token, self.logprob, self.leaf, self.floor,
+                                      self.truncated, self.capped_mass))
+
+
+class PrefixTree:
+    """Live prefix tree of continuations of ``prompt`` (fixed length ``max_len``, or ending in ``eos``).
+
+    Guarantee (exact): after ``extend(b)``, every support sequence with ``log p >= b`` is a stored leaf with
+    its exact log-probability (the float sum of its steps, in order), except below prefixes dropped by
+    ``branch_cap`` (their total probability is in ``capped_mass``).
+    """
+
+    def __init__(self, model, *, prompt: Sequence[int], max_len: int | None, eos: int | None,
+                 branch_cap: int | None, batch_size: int, reserve_bits: float,
+                 progress: Callable[[BuildProgress], None] | None = None) -> None:
+        self.model = model
+        self.vocab_size = int(model.vocab_size)
+        self.prompt = tuple(prompt)
+        self.max_len = max_len
+        self.eos = eos
+        self.branch_cap = branch_cap
+        self.batch_size = batch_size
+        self.reserve = reserve_bits * _LN2          # in nats
+        self.progress = progress
+        self.forwards = 0                           # prefixes sent to next_logprobs, all passes
+        self.reforwards = 0                         # of which: prefixes forwarded a second time
+        self.length_truncated = False               # eos mode: max_len cut a positive-probability prefix
+        self.budget = math.inf                      # every sequence with log p >= budget is stored
+        root = Level()
+        root.append(np.array([-1]), np.array([-1]), np.array([0.0]), np.array([False]))
+        self.levels: list[Level] = [root]
+
+    # ------------------------------------------------------------------------------------------ state
+    @property
+    def exhausted(self) -> bool:
+        """True when no expandable prefix remains: the whole (capped) support is stored."""
+        return not any(self._pending(d, -math.inf).any() for d in range(len(self.levels)))
+
+    @property
+    def capped_mass(self) -> float:
+        """Total probability below prefixes dropped by ``branch_cap`` (an upper bound, rounding included)."""
+        total = math.fsum(level.capped_mass_above(-math.inf) for level in self.levels)
+        return total * (1.0 + 1e-12)
+
+    def nbytes(self) -> int:
+        return sum(level.nbytes() for level in self.levels)
+
+    def _expandable(self, depth: int) -> bool:
+        if self.eos is None:
+            return depth < self.max_len
+        return self.max_len is None or depth < self.max_len
+
+    def _pending(self, depth: int, budget: float) -> np.ndarray:
+        """(n,) bool: prefixes of this length that need a forward to store every child with log p >= budget."""
+        level = self.levels[depth]
+        if not self._expandable(depth):
+            return np.zeros(len(level), dtype=bool)
+        needs = ~level.leaf & (level.logprob >= budget) & np.isfinite(level.logprob)
+        return needs & (np.isinf(level.floor) | (level.truncated & (level.floor > budget)))
+
+    # ---------------------------------------------------------------------------------------- building
+    def extend(self, budget: float) -> None:
+        """Store every support sequence with ``log p >= budget`` (natural log), reusing what is built.
+
+        Deterministic in the model's rows; forwards only prefixes that are live and not yet expanded deep
+        enough. ``budget=-inf`` builds the whole support (finite for fixed length or a length cap).
+        """
+        if budget >= self.budget:
+            return
+        # Keep children a little past the budget — half as far as this deepening went (later deepenings of
+        # a query are smaller corrections), between ``reserve`` and twice it — so that the next deepening
+        # rarely forwards a prefix again, while memory stays within a small factor of the certified set.
+        step = self.budget - budget if math.isfinite(self.budget) and math.isfinite(budget) else 0.0
+        floor = budget - min(max(self.reserve, 0.5 * step), 2.0 * self.reserve)
+        depth = 0
+        while depth < len(self.levels):
+            if depth > _MAX_UNBOUNDED_DEPTH:
+                raise ValueError(f"the prefix tree passed depth {_MAX_UNBOUNDED_DEPTH} without terminating; "
+                                 "pass max_len to cap the length of a terminating model")
+            todo = np.flatnonzero(self._pending(depth, budget))
+            for start in range(0, len(todo), self.batch_size):
+                self._expand(depth, todo[start:start + self.batch_size], floor)
+                if self.progress is not None:
+                    self.progress(BuildProgress(level=depth, expanded=min(self.batch_size, len(todo) - start),
+                                                pending=max(0, len(todo) - start - self.batch_size),
+                                                forwards=self.forwards, budget_bits=-budget / _LN2))
+            depth += 1
+        self.budget = budget
+
+    def _prefixes(self, depth: int, nodes: np.ndarray) -> list[list[int]]:
+        """Full prefixes (prompt + continuation) of the given prefixes of length ``depth``."""
+        columns = np.empty((len(nodes), depth), dtype=np.int64)
+        idx = nodes
+        for d in range(depth, 0, -1):
+            level = self.levels[d]
+            columns[:, d - 1] = level.token[idx]
+            idx = level.parent[idx]
+        prompt = list(self.prompt)
+        return [prompt + row for row in columns.tolist()]
+
+    def _expand(self, depth: int, nodes: np.ndarray, floor: float) -> None:
+        """Forward ``nodes`` (prefixes of length ``depth``) in one batch; store their new children."""
+        level = self.levels[depth]
+        rows = np.asarray(self.model.next_logprobs(self._prefixes(depth, nodes)), dtype=np.float64)
+        if rows.shape != (len(nodes), self.vocab_size):
+            raise ValueError(f"next_logprobs returned shape {rows.shape}, expected ({len(nodes)}, {self.vocab_size})")
+        if np.isnan(rows).any() or (rows > 1e-6).any():
+            raise ValueError("next_logprobs returned NaN or positive log-probabilities")
+        # float32 backends can round a near-certain token to a tiny positive log-prob; a step must not
+        # raise a prefix's probability (the budget pruning relies on it), so clip those to 0.
+        rows = np.minimum(rows, 0.0)
+        self.forwards += len(nodes)
+        first = np.isinf(level.floor[nodes])
+        self.reforwards += int((~first).sum())
+        parent_lp = level.logprob[nodes]                   # (c,)
+
+        if self.branch_cap is not None and self.branch_cap < self.vocab_size:
+            # Top-m tokens per row; stable sort breaks equal log-probs by the lower token id.
+            allowed = np.argsort(-rows, axis=1, kind="stable")[:, : self.branch_cap]   # (c, m)
+            dropped = np.exp(rows)
+            np.put_along_axis(dropped, allowed, 0.0, axis=1)
+            level.capped_mass[nodes[first]] = np.exp(parent_lp[first]) * dropped[first].sum(axis=1)
+        else:
+            allowed = None
+        if self.eos is not None and self.max_len is not None and depth + 1 == self.max_len:
+            # Only eos may end the last allowed position: longer prefixes are outside the support.
+            only_eos = np.full((len(nodes), 1), self.eos, dtype=np.int64)
+            if allowed is not None:
+                cut = (allowed != self.eos) & np.isfinite(np.take_along_axis(rows, allowed, axis=1))
+                keep_eos = (allowed == self.eos).any(axis=1, keepdims=True)
+                self.length_truncated |= bool(cut.any())
+                allowed = np.where(keep_eos, only_eos, -1)
+            else:
+                others = np.isfinite(rows).sum(axis=1) - np.isfinite(rows[:, self.eos])
+                self.length_truncated |= bool((others > 0).any())
+                allowed = only_eos
+
+        if allowed is None:
+            # Pre-select loosely on the rows (no (c, V) temporaries), then apply the exact tests on candidates.
+            slack = 1e-9 * (1.0 + np.abs(parent_lp))[:, None]
+            finite_rows = np.isfinite(rows)
+            r, tok = np.nonzero(finite_rows & (rows >= (floor - parent_lp)[:, None] - slack))
+            child_lp = parent_lp[r] + rows[r, tok]
+            below = finite_rows.sum(axis=1) - np.bincount(r, minlength=len(nodes))
+            keep = child_lp >= floor
+            below += np.bincount(r[child_lp < floor], minlength=len(nodes))
+            level.truncated[nodes] = below > 0
+        else:
+            valid = allowed >= 0
+            step = np.where(valid, np.take_along_axis(rows, np.maximum(allowed, 0), axis=1), -np.inf)
+            full_lp = parent_lp[:, None] + step                           # (c, m)
+            finite = np.isfinite(full_lp)
+            level.truncated[nodes] = (finite & (full_lp < floor)).any(axis=1)
+            r, c = np.nonzero(finite & (full_lp >= floor))
+            tok, child_lp = allowed[r, c], full_lp[r, c]
+            keep = np.ones(len(r), dtype=bool)
+        level.floor[nodes] = floor
+        r, tok, child_lp = r[keep], tok[keep].astype(np.int64), child_lp[keep]
+        if not first.all() and depth + 1 < len(self.levels):
+            # Forwarded again: keep only children not stored before (by key, not by comparing with the old
+            # floor, so a backend whose rows move in the last bits between batches neither duplicates nor
+            # loses a child near that floor).
+            children = self.levels[depth + 1]
+            stored = np.isin(children.parent, nodes[~first])
+            old_keys = children.parent[stored].astype(np.int64) * self.vocab_size + children.token[stored]
+            fresh = ~np.isin(nodes[r] * self.vocab_size + tok, old_keys)
+            r, tok, child_lp = r[fresh], tok[fresh], child_lp[fresh]
+        # Within each parent, children in descending log-prob (then token id): the order a tree walk expects.
+        order = np.lexsort((tok, -child_lp, r))
+        r, child_tokens, child_lp = r[order], tok[order], child_lp[order]
+        if depth + 1 == len(self.levels):
+            self.levels.append(Level(expandable=self._expandable(depth + 1)))
+        leaf = (child_tokens == self.eos) if self.eos is not None else np.full(len(r), depth + 1 == self.max_len)
+        self.levels[depth + 1].append(nodes[r], child_tokens, child_lp, leaf)
