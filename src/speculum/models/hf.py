@@ -1,0 +1,408 @@
+"""Any local Hugging Face causal language model as a speculum protocol model (PyTorch).
+
+* ``HFModel.from_pretrained(path)`` reads a local model directory (never the hub: ``local_files_only``).
+* ``model.start(prompt)`` returns an ``HFSession`` holding a transformers ``DynamicCache``; ``extend``
+  runs ONE forward over all new tokens (the verification pass of speculative decoding) and ``rollback``
+  crops the cache, so a rejected draft tail costs nothing to undo.
+* ``next_logprobs(prefixes)`` evaluates many prefixes in a few batched forwards: their longest common
+  prefix (usually the prompt) is encoded once and reused across calls, and the distinct suffixes are
+  walked as a trie, one batched forward per depth, so a token shared by many prefixes is encoded once.
+* ``score_sequences(sequences, prompt)`` teacher-forces all sequences in right-padded batches on top of
+  the prompt's shared cache. Right padding needs no attention mask: under causal attention a real
+  position never sees the padding that follows it.
+
+Precision: the forward runs in the model's dtype (float32 by default); logits are log-softmaxed in
+float64 by torch and returned as float64 NumPy rows (normalised to ~1e-15). Batched verification uses different matrix shapes
+from one-token decoding, so two logits closer than ~1e-6 may swap order between the two (field.md);
+in float32 this is rare enough that greedy speculative output matches plain greedy decoding in our tests,
+but it is not a bitwise guarantee, and it is not expected to hold in bfloat16.
+
+Example:
+    >>> model = HFModel.from_pretrained("path/to/model")            # doctest: +SKIP
+    >>> session = model.start(model.encode("Hello"))                 # doctest: +SKIP
+    >>> rows = session.extend([42, 7]); session.rollback(1)          # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .base import BaseModel, check_prompt, check_token_ids
+
+__all__ = ["HFModel", "HFSession", "parse_dtype"]
+
+# Bytes of KV cache and of float32 logits one batched chunk may hold; bounds memory for huge batches.
+KV_BUDGET_BYTES = 256 * 2**20
+LOGITS_BUDGET_BYTES = 256 * 2**20
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32" | "bfloat16" | "float16"`` (or a torch dtype) -> torch dtype; ValueError otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _logprob_rows(logits: torch.Tensor) -> np.ndarray:
+    """``(n, vocab)`` logits (any float dtype) -> float64 NumPy log-probs, rejecting NaN / inf at the origin.
+
+    The log-softmax runs in float64 (float32 rows' mass drifts by ~1e-5, which downstream normalisation
+    checks rightly reject) and in NumPy: single-threaded, ~0.2 ms a row at V=49152, whereas torch's
+    multi-threaded dtype conversion of one row can cost milliseconds on a busy 2-core machine."""
+    rows = logits.float().numpy().astype(np.float64)                       # (n, vocab)
+    top = rows.max(axis=-1, keepdims=True)                                  # (n, 1)
+    rows -= top
+    log_mass = np.log(np.exp(rows).sum(axis=-1, keepdims=True))             # (n, 1); NaN / inf propagate here
+    if not (np.isfinite(top).all() and np.isfinite(log_mass).all()):
+        raise ValueError("the model produced NaN or infinite logits")
+    rows -= log_mass
+    return rows
+
+
+class HFModel(BaseModel):
+    """A Hugging Face causal LM behind the speculum protocol (exact up to the model's float precision).
+
+    Args:
+        module: a transformers ``*ForCausalLM`` module (any ``torch.nn.Module`` with the same forward:
+            ``module(input_ids=, cache=, use_cache=True, logits_to_keep=)``).
+        tokenizer: the matching transformers tokenizer, or None.
+        name: a label for messages and benchmarks.
+
+    Attributes: ``vocab_size`` (width of the logits), ``max_context`` (from the config),
+    ``eos_token_id``, ``bos_token_id``, ``tokenizer``, ``module``, ``config``, ``dtype``.
+    """
+
+    def __init__(self, module: torch.nn.Module, tokenizer: Any = None, *, name: str = "hf-model") -> None:
+        self.module = module.eval()
+        self.config = module.config
+        self.tokenizer = tokenizer
+        self.name = name
+        self.dtype = next(module.parameters()).dtype
+        head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+        self.vocab_size = int(getattr(head, "out_features", 0) or self.config.vocab_size)
+        if tokenizer is not None and len(tokenizer) > self.vocab_size:
+            raise ValueError(
+                f"tokenizer of {name} has {len(tokenizer)} tokens but the model's logits only "
+                f"{self.vocab_size}: they do not belong together"
+            )
+        self.max_context = getattr(self.config, "max_position_embeddings", None)
+        self.eos_token_id = _first_id(getattr(tokenizer, "eos_token_id", None), self.config.eos_token_id)
+        self.bos_token_id = _first_id(getattr(tokenizer, "bos_token_id", None), self.config.bos_token_id)
+        # Single-entry cache of the last shared prefix's KV (batch 1): repeated batched calls over one prompt
+        # (enumeration) encode the prompt once.
+        self._shared_tokens: tuple[int, ...] = ()
+        self._shared_cache: Any = None
+        layers, kv_heads, head_dim = _kv_geometry(self.config)
+        self._kv_bytes_per_token = 2 * layers * kv_heads * head_dim * torch.finfo(self.dtype).bits // 8
+
+    # ------------------------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", threads: int | None = None
+    ) -> "HFModel":
+        """Load a local model directory (config + weights + tokenizer); never contacts a model hub.
+
+        Raises FileNotFoundError when ``path`` is not a directory with a ``config.json``.
+
+        Example:
+            >>> model = HFModel.from_pretrained("~/models/SmolLM2-135M-Instruct")   # doctest: +SKIP
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder = Path(path).expanduser()
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"no Hugging Face model directory at {str(path)!r} (config.json missing)")
+        from transformers.utils import logging as hf_logging
+
+        torch.set_num_threads(threads or os.cpu_count() or 1)
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a local load takes about a second: no per-tensor bar
+        try:
+            module = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=parse_dtype(dtype), local_files_only=True
+            )
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError):  # a weights-only directory: the model still works on token ids
+            tokenizer = None
+        return cls(module, tokenizer, name=folder.name)
+
+    # ------------------------------------------------------------------------------------ text helpers
+    def encode(self, text: str, *, chat: bool | None = None) -> list[int]:
+        """Token ids of ``text``; ``chat`` (default: when the tokenizer has a chat template) wraps it as a
+        user turn with the generation prompt appended, as instruct models expect."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.name} has no tokenizer: pass token ids instead of text")
+        if chat is None:
+            chat = bool(getattr(self.tokenizer, "chat_template", None))
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError(f"the tokenizer of {self.name} has no chat template: use raw prompts")
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        return [int(t) for t in ids]
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Text of ``tokens`` (special tokens skipped)."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.name} has no tokenizer")
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    # ------------------------------------------------------------------------------------ protocol
+    def start(self, prompt: Sequence[int]) -> "HFSession":
+        """A KV-cached session after ``prompt`` (an empty prompt starts from BOS). Exact."""
+        return HFSession(self, prompt)
+
+    @torch.inference_mode()
+    def next_logprobs(self, prefixes: Sequence[Sequence[int]]) -> np.ndarray:
+        """``(batch, vocab)`` next-token log-probs after each prefix, in a few batched forwards.
+
+        Exact up to float precision (batch shapes may perturb logits by ~1e-6). The common prefix is
+        encoded once (and kept for the next call); distinct suffixes share their common tokens (a trie
+        walked one depth per forward), in chunks that bound memory.
+
+        Example:
+            >>> model.next_logprobs([prompt + [5], prompt + [9]]).shape       # doctest: +SKIP
+            (2, 49152)
+        """
+        contexts = [self._context(prefix, name=f"prefixes[{i}]") for i, prefix in enumerate(prefixes)]
+        out = np.empty((len(contexts), self.vocab_size))
+        if not contexts:
+            return out
+        # Keep at least one token per prefix outside the shared part: it is the input whose logits we need.
+        shared_len = min(_common_prefix_len(contexts), min(len(c) for c in contexts) - 1)
+        root = self._cache_for(contexts[0][:shared_len])
+        suffixes = [tuple(c[shared_len:]) for c in contexts]
+        order = sorted(range(len(suffixes)), key=lambda i: suffixes[i])  # siblings adjacent: chunks share parents
+        longest = max(len(s) for s in suffixes)
+        chunk = self._chunk_rows(shared_len + longest, 1)
+        for lo in range(0, len(order), chunk):
+            rows = order[lo: lo + chunk]
+            self._trie_forward(root, [suffixes[i] for i in rows], out, rows)
+        return out
+
+    @torch.inference_mode()
+    def score_sequences(self, sequences: Sequence[Sequence[int]], prompt: Sequence[int] = ()) -> np.ndarray:
+        """``(batch,)`` total log p(sequence | prompt) by batched teacher forcing. Exact up to float
+        precision; the prompt (BOS when empty) is encoded once and shared by every sequence.
+
+        Example:
+            >>> model.score_sequences([[5, 6], [7]], prompt=prompt_ids)       # doctest: +SKIP
+        """
+        context = self._context(prompt, name="prompt")
+        seqs = [check_token_ids(s, self.vocab_size, name=f"sequences[{i}]") for i, s in enumerate(sequences)]
+        out = np.zeros(len(seqs))
+        live = [i for i, s in enumerate(seqs) if s]
+        if not live:
+            return out
+        longest = max(len(seqs[i]) for i in live)
+        self._check_length(len(context) + longest - 1, name="prompt + sequence")
+        root = self._cache_for(context[:-1])
+        chunk = self._chunk_rows(len(context) + longest, longest)
+        for lo in range(0, len(live), chunk):
+            rows = live[lo: lo + chunk]
+            # Inputs: last prompt token + sequence[:-1]; right-padded with token 0 (never attended to).
+            inputs = torch.zeros((len(rows), longest), dtype=torch.long)
+            targets = torch.zeros((len(rows), longest), dtype=torch.long)
+            valid = torch.zeros((len(rows), longest), dtype=torch.bool)
+            for r, i in enumerate(rows):
+                seq = seqs[i]
+                inputs[r, : len(seq)] = torch.tensor([context[-1], *seq[:-1]])
+                targets[r, : len(seq)] = torch.tensor(seq)
+                valid[r, : len(seq)] = True
+            logits = self._forward(inputs, _gather(root, torch.zeros(len(rows), dtype=torch.long), self.config))
+            logits = logits.double()  # (rows, longest, vocab); float64 as in _logprob_rows, so scores match rows
+            if torch.isnan(logits).any():
+                raise ValueError("the model produced NaN logits")
+            picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+            out[rows] = (picked * valid).sum(dim=1).numpy()
+        return out
+
+    # ------------------------------------------------------------------------------------ internals
+    def _context(self, tokens: Sequence[int], *, name: str) -> list[int]:
+        ids = check_prompt(self, tokens, name=name)
+        self._check_length(len(ids), name=name)
+        return ids
+
+    def _check_length(self, length: int, *, name: str) -> None:
+        if self.max_context is not None and length > self.max_context:
+            raise ValueError(
+                f"{name} has {length} tokens, more than the context window of {self.name} "
+                f"({self.max_context} tokens)"
+            )
+
+    def _forward(self, input_ids: torch.Tensor, cache: Any, keep: int = 0) -> torch.Tensor:
+        """One forward of ``input_ids (batch, n)`` on top of ``cache`` (updated in place) ->
+        logits ``(batch, keep or n, vocab)`` in the model's dtype."""
+        return self.module(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep).logits
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    def _cache_for(self, tokens: Sequence[int]) -> Any:
+        """A batch-1 cache holding ``tokens`` (do not mutate it), reusing the previous call's shared prefix."""
+        tokens = tuple(tokens)
+        if self._shared_cache is not None and tokens == self._shared_tokens:
+            return self._shared_cache
+        keep = 0
+        if self._shared_cache is not None:
+            keep = _common_prefix_len([self._shared_tokens, tokens])
+        cache = self._shared_cache if keep else self._new_cache()
+        if keep:
+            cache.crop(keep - len(self._shared_tokens))
+        if len(tokens) > keep:
+            self._forward(torch.tensor([tokens[keep:]]), cache, keep=1)
+        self._shared_tokens, self._shared_cache = tokens, cache
+        return cache
+
+    def _chunk_rows(self, kv_length: int, logit_positions: int) -> int:
+        """How many batch rows fit the KV and logits budgets."""
+        by_kv = KV_BUDGET_BYTES // max(1, kv_length * self._kv_bytes_per_token)
+        by_logits = LOGITS_BUDGET_BYTES // (logit_positions * self.vocab_size * 8)
+        return max(1, min(by_kv, by_logits))
+
+    def _trie_forward(self, root: Any, suffixes: list[tuple[int, ...]], out: np.ndarray, rows: list[int]) -> None:
+        """Fill ``out[rows[j]]`` with the row after ``root + suffixes[j]``, one forward per trie depth."""
+        wanted = {s: rows[j] for j, s in enumerate(suffixes)}
+        duplicates = [(rows[j], s) for j, s in enumerate(suffixes) if wanted[s] != rows[j]]
+        level_nodes: list[tuple[int, ...]] = [()]
+        level_cache = root
+        depth = 0
+        while True:
+            depth += 1
+            nodes = sorted({s[:depth] for s in suffixes if len(s) >= depth})
+            if not nodes:
+                break
+            parent_of = {node: k for k, node in enumerate(level_nodes)}
+            parents = torch.tensor([parent_of[n[:-1]] for n in nodes], dtype=torch.long)
+            cache = _gather(level_cache, parents, self.config)
+            logits = self._forward(torch.tensor([[n[-1]] for n in nodes]), cache, keep=1)[:, 0, :]
+            done = [k for k, n in enumerate(nodes) if n in wanted]
+            if done:
+                out[[wanted[nodes[k]] for k in done]] = _logprob_rows(logits[done])
+            level_nodes, level_cache = nodes, cache
+        for row, s in duplicates:
+            out[row] = out[wanted[s]]
+
+
+class HFSession:
+    """Incremental decoding over one sequence with a KV cache (exact up to float precision).
+
+    ``extend(tokens)`` is one forward over all tokens; ``rollback(n)`` crops the cache. Rows of the last
+    ``extend`` are kept, so ``next_logprobs()`` after a rollback into them costs nothing.
+    """
+
+    def __init__(self, model: HFModel, prompt: Sequence[int]) -> None:
+        self.model = model
+        self.tokens: list[int] = model._context(prompt, name="prompt")
+        self._cache = model._new_cache()
+        self._rows = np.zeros((0, model.vocab_size))  # rows[j] follows tokens[: self._rows_start + j + 1]
+        self._rows_start = 0
+        with torch.inference_mode():
+            # Prefill: logits of the last position only (skips the vocabulary projection elsewhere).
+            logits = model._forward(torch.tensor([self.tokens]), self._cache, keep=1)
+        self._rows = _logprob_rows(logits[0])
+        self._rows_start = len(self.tokens) - 1
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def next_logprobs(self) -> np.ndarray:
+        """``(vocab,)`` log-probs of the next token after the current tokens."""
+        if not self.tokens:
+            raise ValueError("the session is empty: extend it before asking for next-token log-probs")
+        j = len(self.tokens) - 1 - self._rows_start
+        if not 0 <= j < len(self._rows):  # rolled back past the kept rows: recompute the last position
+            last = self.tokens[-1]
+            self.rollback(1)
+            self.extend([last])
+            j = len(self._rows) - 1
+        return self._rows[j]
+
+    def extend(self, tokens: Sequence[int]) -> np.ndarray:
+        """Consume ``tokens`` in ONE forward; ``(len(tokens), vocab)``: row j follows ``tokens[: j + 1]``."""
+        tokens = check_token_ids(tokens, self.model.vocab_size, name="tokens")
+        if not tokens:
+            return np.zeros((0, self.model.vocab_size))
+        self.model._check_length(len(self.tokens) + len(tokens), name="the session")
+        with torch.inference_mode():
+            logits = self.model._forward(torch.tensor([tokens]), self._cache)
+        self._rows_start = len(self.tokens)
+        self.tokens.extend(tokens)
+        self._rows = _logprob_rows(logits[0])
+        return self._rows
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` tokens by cropping the KV cache (no recomputation)."""
+        if not 0 <= n <= len(self.tokens):
+            raise ValueError(f"rollback({n}) on a session of length {len(self.tokens)}")
+        if n:
+            self._cache.crop(-n)
+            del self.tokens[-n:]
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _first_id(*candidates: Any) -> int | None:
+    for value in candidates:
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return None
+
+
+def _common_prefix_len(sequences: Sequence[Sequence[int]]) -> int:
+    first = sequences[0]
+    n = min(len(s) for s in sequences)
+    for s in sequences[1:]:
+        k = 0
+        while k < n and s[k] == first[k]:
+            k += 1
+        n = k
+    return n
+
+
+def _kv_geometry(config: Any) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) for memory budgeting; conservative guesses when the config is unusual."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layers = int(getattr(text, "num_hidden_layers", 32))
+    heads = int(getattr(text, "num_attention_heads", 32))
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or getattr(text, "hidden_size", 4096) // heads)
+    return layers, kv_heads, head_dim
+
+
+def _gather(cache: Any, index: torch.Tensor, config: Any) -> Any:
+    """A new cache whose batch row i is row ``index[i]`` of ``cache`` (which is left untouched).
+
+    Layer objects are shallow-copied (their tensors are re-bound, not written, by ``batch_select_indices``)
+    so this works for every cache-layer kind of the installed transformers."""
+    if cache is None:
+        raise ValueError("internal: no cache to gather from")
+    if cache.get_seq_length() == 0:  # nothing encoded yet: a fresh cache serves any batch size
+        from transformers import DynamicCache
+
+        return DynamicCache(config=config)
+    clone = copy.copy(cache)
+    clone.layers = [copy.copy(layer) for layer in cache.layers]
+    clone.batch_select_indices(index)
+    return clone

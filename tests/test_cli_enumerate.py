@@ -1,0 +1,97 @@
+"""`speculum enumerate` / `speculum rank`: fast checks on a tiny reference target, one real-model check."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from speculum.cli import main
+from speculum.models import MarkovModel
+
+REFERENCE = "markov:6:0"  # hidden tiny target: MarkovModel.random(6, seed=0, eos_token_id=5)
+
+
+def run_json(capsys, *argv):
+    assert main(list(argv) + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def brute_top(prompt, length, k):
+    model = MarkovModel.random(6, seed=0, eos_token_id=5)
+    seqs = list(itertools.product(range(6), repeat=length))
+    scores = model.score_sequences(seqs, prompt=prompt)
+    return sorted(zip(seqs, scores.tolist()), key=lambda item: (-item[1], item[0]))[:k]
+
+
+@pytest.mark.parametrize("extra", [[], ["--draft", "ngram", "--window", "300"],
+                                   ["--draft", "ngram", "--window", "2", "--assumed-gap", "4", "--certify"]])
+def test_enumerate_lists_the_true_top_k_with_target_scores(capsys, extra):
+    report = run_json(capsys, "enumerate", "0 1", "--length", "3", "--top-k", "6", "--target", REFERENCE, *extra)
+    truth = brute_top([0, 1], 3, 6)
+    assert [tuple(row["tokens"]) for row in report["items"]] == [seq for seq, _ in truth]
+    np.testing.assert_allclose([row["target_log_prob"] for row in report["items"]], [lp for _, lp in truth],
+                               atol=1e-12)
+    if "--certify" in extra:
+        assert report["certified"] is True and report["window"] >= 2
+    elif extra:  # the window covers all 6**3 continuations: exact without an assumed gap
+        assert report["certified"] is True and report["target_calls"] == 1
+
+
+def test_enumerate_table_and_eos(capsys):
+    assert main(["enumerate", "0", "--eos", "--max-len", "3", "--top-k", "2", "--target", REFERENCE,
+                 "--draft", "ngram", "--window", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "target lp" in out and "draft lp" in out and "certified: unknown" in out
+    assert out.count("5'\n") == 2  # every continuation ends in eos (id 5)
+
+
+def test_rank_exact_and_envelope(capsys):
+    exact = run_json(capsys, "rank", "0 1", "--text", "2 3 4", "--target", REFERENCE)
+    model = MarkovModel.random(6, seed=0, eos_token_id=5)
+    all_scores = model.score_sequences(list(itertools.product(range(6), repeat=3)), prompt=[0, 1])
+    lp = float(model.score_sequences([[2, 3, 4]], prompt=[0, 1])[0])
+    assert exact["method"] == "exact" and exact["rank"] == int(np.sum(all_scores > lp))
+    assert exact["exposure_bits"] == pytest.approx(3 * np.log2(6) - np.log2(exact["rank"] + 1))
+    deep = run_json(capsys, "rank", "0 1", "--text", "2 3 4 1 1 1 1 1", "--target", REFERENCE)
+    assert deep["method"] == "envelope" and deep["rank_bracket"][0] <= deep["rank"] <= deep["rank_bracket"][1]
+    assert main(["rank", "0 1", "--text", "2 3 4", "--target", REFERENCE]) == 0
+    assert "exposure" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["enumerate", "0", "--length", "0", "--top-k", "3"], "--length"),
+    (["enumerate", "0", "--length", "2", "--top-k", "0"], "--top-k"),
+    (["enumerate", "0", "--length", "2", "--top-k", "2", "--window", "-1"], "--window"),
+    (["enumerate", "0", "--length", "2", "--top-k", "2", "--draft", "ngram", "--certify"], "--assumed-gap"),
+    (["enumerate", "0", "--length", "2", "--top-k", "2", "--draft", "int8"], "Hugging Face"),
+    (["enumerate", "0", "--length", "2", "--top-k", "2", "--draft", "lookup"], "draft model"),
+    (["enumerate", "x y", "--length", "2", "--top-k", "2"], "token ids"),
+    (["rank", "0", "--text", "9"], "continuation"),
+    (["rank", "0", "--text", "1", "--n-paths", "0"], "--n-paths"),
+])
+def test_bad_input_is_one_line_error(capsys, argv, message):
+    assert main(argv + ["--target", REFERENCE]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+@pytest.mark.llm
+def test_rank_on_the_real_model(capsys):
+    pytest.importorskip("transformers")
+    report = run_json(capsys, "rank", "The capital of France is", "--raw", "--text", " Paris")
+    assert report["length"] == 1 and report["method"] == "exact" and report["rank"] <= 3
+    assert report["exposure_bits"] > 10
+
+
+@pytest.mark.slow
+@pytest.mark.llm
+def test_enumerate_on_the_real_model_with_int8_draft(capsys):
+    pytest.importorskip("transformers")
+    exact = run_json(capsys, "enumerate", "The capital of France is", "--raw", "--length", "2", "--top-k", "5")
+    fast = run_json(capsys, "enumerate", "The capital of France is", "--raw", "--length", "2", "--top-k", "5",
+                    "--draft", "int8", "--window", "64")
+    assert [row["tokens"] for row in fast["items"]] == [row["tokens"] for row in exact["items"]]
+    np.testing.assert_allclose([r["target_log_prob"] for r in fast["items"]],
+                               [r["target_log_prob"] for r in exact["items"]], atol=1e-3)
