@@ -307,3 +307,17 @@ def test_nan_logits_are_rejected_where_they_enter():
         generate(Counting(TARGET, corrupt_after=2), [1], draft=DRAFT, max_new_tokens=40, seed=0)
     with pytest.raises(ValueError, match="draft"):
         generate(TARGET, [1], draft=Counting(DRAFT, corrupt_after=2), max_new_tokens=40, seed=0)
+
+
+def test_auto_gamma_models_all_or_nothing_acceptance_runs():
+    # Prompt lookup: a copied span is accepted whole or its first token fails. The per-position model
+    # must see that long blocks pay (a pooled geometric α ≈ 0.8 would predict E[N](8) ≈ 4.3, not ≈ 5.5).
+    ctl = GammaController(max_gamma=8)
+    for k in range(200):
+        ctl.observe_acceptance(proposed=8, accepted=8 if k % 2 else 0)
+    assert ctl.position_acceptance(0) == pytest.approx(0.5, abs=0.1)
+    assert all(ctl.position_acceptance(j) > 0.9 for j in range(1, 8))
+    assert ctl.expected_tokens(8) == pytest.approx(1 + 0.5 * 8, rel=0.15)
+    # With constant acceptance it is the geometric formula of Leviathan et al.
+    geometric = GammaController(max_gamma=8, position_prior_weight=1e9, prior_weight=1e9, prior_acceptance=0.7)
+    assert geometric.expected_tokens(5) == pytest.approx((1 - 0.7 ** 6) / (1 - 0.7))

@@ -7,6 +7,11 @@ forward. On a GPU v ≈ 1; on a CPU it grows with γ (field.md), so the controll
 speed-up is S(γ) = E[N] / (γ·c + v(γ)) and S(0) = 1 (plain decoding). We pick the γ maximising S, fall back
 to plain decoding when no γ pays (α too low for c), and re-probe now and then since α drifts with content.
 
+Acceptance is not i.i.d. across a block: prompt lookup is all-or-nothing (a copied span is accepted in a
+run, a bad match fails at once), so the geometric model underestimates long blocks. We therefore estimate
+the conditional rate a_j = P(position j accepted | positions < j accepted) per position, shrunk towards the
+pooled α, and use E[N](γ) = 1 + Σ_{j≤γ} Π_{i≤j} a_i, which equals the geometric formula when a_j ≡ α.
+
 None of this can affect exactness: γ and early stopping only change *what is proposed*, and every rule in
 :mod:`speculum.decoding.verify` is exact for any proposal.
 """
@@ -38,7 +43,9 @@ class GammaController:
     prior_acceptance: float = 0.6
     prior_weight: float = 2.0        # pseudo-observations behind the acceptance prior
     prior_draft_ratio: float = 0.1   # c before any draft timing is known
-    prior_verify_slope: float = 0.1  # v(γ) ≈ 1 + slope·γ before verification timings are known
+    prior_verify_slope: float = 0.3  # v(γ) ≈ 1 + slope·γ before verification timings are known: pessimistic,
+                                     # since on CPUs each verified token can cost half a decode step
+    position_prior_weight: float = 2.0  # pseudo-observations pulling each a_j towards the pooled α
     min_gain: float = 1.1            # speculate only if S(γ) beats plain decoding by this factor: the loop's
                                      # own overhead (sampling, verification) is not in the measured costs
     # Running state (not constructor arguments).
@@ -47,6 +54,8 @@ class GammaController:
     _target_seconds: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # tokens fed -> s
     _draft_seconds_per_token: float | None = field(default=None, init=False, repr=False)
     _plain_steps: int = field(default=0, init=False, repr=False)
+    _tried: list = field(default_factory=list, init=False, repr=False)    # [j]: decayed tries of position j
+    _passed: list = field(default_factory=list, init=False, repr=False)   # [j]: decayed passes of position j
 
     # ----------------------------------------------------------------------------------- observations
     def observe_acceptance(self, *, proposed: int, accepted: int) -> None:
@@ -55,6 +64,13 @@ class GammaController:
             return
         self._accepted = self.decay * self._accepted + accepted
         self._rejected = self.decay * self._rejected + (1.0 if accepted < proposed else 0.0)
+        # Positions 0..accepted were tried (the one after the accepted run, if any, was rejected).
+        for j in range(min(accepted + 1, proposed)):
+            if j == len(self._tried):
+                self._tried.append(0.0)
+                self._passed.append(0.0)
+            self._tried[j] = self.decay * self._tried[j] + 1.0
+            self._passed[j] = self.decay * self._passed[j] + (1.0 if j < accepted else 0.0)
 
     def observe_target(self, n_tokens: int, seconds: float) -> None:
         """Record one target call that fed ``n_tokens`` tokens and took ``seconds``."""
@@ -100,8 +116,13 @@ class GammaController:
             lo, hi = max(below), min(above)
             seconds = table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
         elif below:
+            # Extrapolate linearly from the two largest measured sizes (or the prior slope with one).
             lo = max(below)
-            seconds = table[lo] + self.prior_verify_slope * step * (n - lo)
+            slope = self.prior_verify_slope * step
+            if len(below) >= 2:
+                lower = max(k for k in below if k < lo)
+                slope = max((table[lo] - table[lower]) / (lo - lower), 0.0)
+            seconds = table[lo] + slope * (n - lo)
         else:
             seconds = step * (1.0 + self.prior_verify_slope * gamma)
         return max(seconds / step, 1e-3)
@@ -113,19 +134,35 @@ class GammaController:
             return self.prior_draft_ratio
         return self._draft_seconds_per_token / step
 
+    def position_acceptance(self, j: int) -> float:
+        """a_j: P(proposal j of a block is accepted | all before it were), 0-based, shrunk towards α."""
+        alpha = self.acceptance
+        if j >= len(self._tried):
+            return alpha
+        weight = self.position_prior_weight
+        return (self._passed[j] + weight * alpha) / (self._tried[j] + weight)
+
+    def expected_tokens(self, gamma: int) -> float:
+        """E[N](γ) = 1 + Σ_{j<γ} Π_{i≤j} a_i: tokens emitted per target forward (bonus included)."""
+        total, survive = 1.0, 1.0
+        for j in range(gamma):
+            survive *= self.position_acceptance(j)
+            total += survive
+        return total
+
     def expected_speedup(self, gamma: int) -> float:
         """S(γ) = E[N] / (γ·c + v(γ)) under the current estimates (S(0) = 1)."""
         if gamma == 0:
             return 1.0
-        alpha = min(self.acceptance, 1.0 - 1e-9)
-        expected_tokens = (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-        return expected_tokens / (gamma * self.draft_ratio() + self.verify_cost(gamma))
+        return self.expected_tokens(gamma) / (gamma * self.draft_ratio() + self.verify_cost(gamma))
 
     # ---------------------------------------------------------------------------------------- decisions
     def next_gamma(self) -> int:
         """γ for the next iteration; 0 means a plain decode step."""
         if not self._target_seconds:
             return 0                   # calibrate: time one plain step first
+        if max(self._target_seconds) == 1:
+            return min(self.probe_gamma, self.max_gamma)  # then time one verification (if a proposal comes)
         best = max(range(1, self.max_gamma + 1), key=self.expected_speedup) if self.max_gamma else 0
         if best and self.expected_speedup(best) < self.min_gain:
             best = 0
