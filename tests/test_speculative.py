@@ -321,3 +321,27 @@ def test_auto_gamma_models_all_or_nothing_acceptance_runs():
     # With constant acceptance it is the geometric formula of Leviathan et al.
     geometric = GammaController(max_gamma=8, position_prior_weight=1e9, prior_weight=1e9, prior_acceptance=0.7)
     assert geometric.expected_tokens(5) == pytest.approx((1 - 0.7 ** 6) / (1 - 0.7))
+
+
+class _JitteryTarget(Counting):
+    """A target whose forwards take a random (unseeded) time, like a real model on a busy machine."""
+
+    def start(self, prompt):
+        session = super().start(prompt)
+        extend = session.extend
+
+        def jittery_extend(tokens):
+            time.sleep(float(np.random.default_rng().uniform(0, 0.002)) * len(tokens))
+            return extend(tokens)
+
+        session.extend = jittery_extend
+        return session
+
+
+@pytest.mark.parametrize("draft_kind", ["model", "proposer"])
+def test_seeded_sampling_with_auto_gamma_is_reproducible(draft_kind):
+    # gamma="auto" must not let wall-clock noise change which random numbers a seeded run draws.
+    draft = TARGET if draft_kind == "model" else GreedyChainProposer(TARGET)
+    runs = [generate(_JitteryTarget(TARGET), [1], draft=draft, gamma="auto", max_new_tokens=80,
+                     temperature=0.8, seed=7).tokens for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]

@@ -46,6 +46,8 @@ class GammaController:
     prior_verify_slope: float = 0.3  # v(γ) ≈ 1 + slope·γ before verification timings are known: pessimistic,
                                      # since on CPUs each verified token can cost half a decode step
     position_prior_weight: float = 2.0  # pseudo-observations pulling each a_j towards the pooled α
+    timed: bool = True               # False: costs come from the prior model, not wall-clock timings, so
+                                     # γ depends only on acceptance — reproducible draws for a seeded sampler
     min_gain: float = 1.1            # speculate only if S(γ) beats plain decoding by this factor: the loop's
                                      # own overhead (sampling, verification) is not in the measured costs
     # Running state (not constructor arguments).
@@ -74,6 +76,8 @@ class GammaController:
 
     def observe_target(self, n_tokens: int, seconds: float) -> None:
         """Record one target call that fed ``n_tokens`` tokens and took ``seconds``."""
+        if not self.timed:
+            seconds = 1.0 + self.prior_verify_slope * (n_tokens - 1)
         old = self._target_seconds.get(n_tokens)
         self._target_seconds[n_tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
@@ -81,6 +85,8 @@ class GammaController:
         """Record drafting ``n_tokens`` proposals in ``seconds`` (catch-up included: it is a real cost)."""
         if n_tokens == 0:
             return
+        if not self.timed:
+            seconds = n_tokens * self.prior_draft_ratio
         per_token = seconds / n_tokens
         old = self._draft_seconds_per_token
         self._draft_seconds_per_token = per_token if old is None else self.decay * old + (1 - self.decay) * per_token

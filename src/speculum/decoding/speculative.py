@@ -88,6 +88,7 @@ class _Plan:
     top_p: float | None
     eos_token_id: int | None
     rngs: tuple[np.random.Generator, np.random.Generator, np.random.Generator]
+    seeded: bool = False         # a seed was given: the run must be reproducible
 
 
 def _plan(target: Any, prompt_ids: Sequence[int], *, draft: Any, max_new_tokens: int, gamma: int | str,
@@ -117,7 +118,7 @@ def _plan(target: Any, prompt_ids: Sequence[int], *, draft: Any, max_new_tokens:
             budget, budget_reason = max_context - len(prompt), "max_context"
     return _Plan(target, draft, draft_kind, prompt, budget, budget_reason, gamma, float(temperature),
                  None if top_k is None else int(top_k), None if top_p is None else float(top_p),
-                 eos_token_id, make_rngs(seed))
+                 eos_token_id, make_rngs(seed), seeded=seed is not None)
 
 
 def _checked_rows(rows: Any, expected: int, vocab_size: int, name: str) -> np.ndarray:
@@ -149,7 +150,13 @@ class _Decoder:
             self.warp = lambda rows: rows
         else:
             self.warp = partial(warp_logprobs, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p)
-        self.controller = GammaController() if plan.gamma == "auto" and plan.draft_kind != "none" else None
+        self.controller = None
+        if plan.gamma == "auto" and plan.draft_kind != "none":
+            # A seeded sampler must be reproducible run to run, but γ decides which random numbers are
+            # drawn: so it then follows a fixed cost model instead of (noisy) wall-clock timings.
+            self.controller = GammaController(
+                timed=not (plan.seeded and not self.greedy),
+                prior_draft_ratio=0.1 if plan.draft_kind == "model" else 0.0)
         self.context = list(plan.prompt)          # prompt + emitted tokens
         self.draft_consumed = 0                   # context tokens the draft session has consumed
         self.draft_max_context = getattr(plan.draft, "max_context", None) if plan.draft_kind == "model" else None
