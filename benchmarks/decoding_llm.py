@@ -86,8 +86,10 @@ def transformers_generate(target, prompt_ids, n, **assist) -> Run:
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
         started = time.perf_counter()
-        out = target.module.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                     pad_token_id=target.eos_token_id, **assist)
+        # An explicit all-ones mask: otherwise transformers infers one from pad_token_id (== eos == <|im_end|>)
+        # and masks the chat template's own <|im_end|> tokens out of the prompt.
+        out = target.module.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                     eos_token_id=None, pad_token_id=target.eos_token_id, **assist)
         seconds = time.perf_counter() - started
     return Run("", seconds, out[0, len(prompt_ids):].tolist())
 

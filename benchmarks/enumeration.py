@@ -23,6 +23,8 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Passive OpenMP waiting (as speculum.models.hf sets it): spinning threads on shared cores cost ~8 ms a torch op.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from speculum.enumeration import AutoregressiveEnumerable  # noqa: E402
 
@@ -42,6 +44,16 @@ class CountingModel:
     def next_logprobs(self, prefixes):
         self.forwards += len(prefixes)
         return self.inner.next_logprobs(prefixes)
+
+    def __getattr__(self, name):
+        # The sparse hook (``next_logprobs_above``) is passed on, and counted, only when the model has it.
+        if name != "next_logprobs_above" or not hasattr(self.inner, name):
+            raise AttributeError(name)
+
+        def next_logprobs_above(prefixes, min_logprobs):
+            self.forwards += len(prefixes)
+            return self.inner.next_logprobs_above(prefixes, min_logprobs)
+        return next_logprobs_above
 
     def score_sequences(self, sequences, prompt=()):
         return self.inner.score_sequences(sequences, prompt)

@@ -1,13 +1,17 @@
 """Speculative enumeration on SmolLM2-135M: exact target index vs RescoredIndex over a draft index.
 
 For each prompt, the top-K length-L continuations: (a) the exact index built on the target, (b) a
-RescoredIndex over an exact index built on an n-gram draft fitted to target samples, (c) the same over
-the int8 twin. Reported side by side: target calls (batched invocations), target positions (rows of
+RescoredIndex over an exact index built on each draft of ``--drafts``: ``llamacpp`` (the same Q4_1 GGUF
+the float32 target is dequantised from, on llama.cpp with ``--llamacpp-threads``), ``bf16`` (the bf16
+twin), ``ngram`` (fitted to target samples), ``int8`` (the int8 twin). Reported side by side: target calls (batched invocations), target positions (rows of
 next-token distributions the target computed: prefixes forwarded, or distinct prefixes teacher-forced),
 wall time, recall of the true top-K, certified verdict. Then `speculum rank`'s estimator on a length-8
 continuation: time to an exposure estimate and its bracket.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/speculative_enumeration.py [--top-k 100] [--length 3]
+
+The certificate is conditional on ``--assumed-gap`` (a bound on |target - draft| log-prob per sequence);
+each row prints the gap observed on what was rescored, so a violated assumption is visible.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Passive OpenMP waiting (as speculum.models.hf sets it): spinning threads on shared cores cost ~8 ms a torch op.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 PROMPTS = ["The capital of France is", "My favourite food is", "Once upon a time"]
 
@@ -34,6 +40,17 @@ class CountingTarget:
         self.calls += 1
         self.positions += len(prefixes)
         return self.model.next_logprobs(prefixes)
+
+    def __getattr__(self, name):
+        # The sparse hook of the PyTorch backend (``next_logprobs_above``): passed on and counted alike.
+        if name != "next_logprobs_above" or not hasattr(self.model, name):
+            raise AttributeError(name)
+
+        def next_logprobs_above(prefixes, min_logprobs):
+            self.calls += 1
+            self.positions += len(prefixes)
+            return self.model.next_logprobs_above(prefixes, min_logprobs)
+        return next_logprobs_above
 
     def score_sequences(self, sequences, prompt=()):
         self.calls += 1
@@ -61,7 +78,7 @@ def run_rescored(name, draft_model, counting, prompt, truth, args, build_seconds
     recall = len(got & {seq for seq, _ in truth}) / len(truth)
     return {"method": name, "target_calls": counting.calls, "target_positions": counting.positions,
             "seconds": seconds, "recall": recall, "certified": result["certified"], "window": result["window"],
-            "gap": result["gap"]}
+            "gap": result["gap"], "draft_forwards": draft_index.seek_index().forwards}
 
 
 def main() -> None:
@@ -70,8 +87,12 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=3)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--max-window", type=int, default=512)
-    parser.add_argument("--assumed-gap", type=float, default=0.5, help="the certificate's assumption (nats)")
+    parser.add_argument("--assumed-gap", type=float, default=0.75, help="the certificate's assumption (nats)")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--drafts", nargs="+", default=["llamacpp", "bf16", "ngram"],
+                        choices=["llamacpp", "bf16", "ngram", "int8"])
+    parser.add_argument("--llamacpp-threads", type=int, default=None,
+                        help="llama.cpp threads (default: all cores; 1 is faster on a machine shared by others)")
     args = parser.parse_args()
 
     import speculum
@@ -81,7 +102,14 @@ def main() -> None:
     from speculum.models.select import make_draft
 
     target = speculum.load_model(progress=False)
-    int8 = make_draft("int8", target)
+    twins = {}
+    if "llamacpp" in args.drafts:
+        from speculum.models.llamacpp import load_llamacpp_model
+
+        twins["llamacpp"] = load_llamacpp_model("smollm2-135m", n_threads=args.llamacpp_threads, draft_for=target)
+    for name in ("bf16", "int8"):
+        if name in args.drafts:
+            twins[name] = make_draft(name, target)
     counting = CountingTarget(target)
     rows = []
     for text in PROMPTS[: args.prompts]:
@@ -92,19 +120,22 @@ def main() -> None:
         exact = {"method": "exact index on target", "target_calls": counting.calls,
                  "target_positions": counting.positions, "seconds": time.perf_counter() - started,
                  "recall": 1.0, "certified": True, "window": 0, "gap": 0.0}
-        counting.reset()
-        started = time.perf_counter()
-        ngram = make_enumeration_draft("ngram", counting, prompt=prompt, length=args.length, seed=0)
-        ngram_fit = time.perf_counter() - started
-        results = [exact, run_rescored("rescored over n-gram draft", ngram, counting, prompt, truth, args, ngram_fit)]
-        counting.reset()
-        results.append(run_rescored("rescored over int8 twin", int8, counting, prompt, truth, args))
+        results = [exact]
+        for name in args.drafts:
+            counting.reset()
+            if name == "ngram":
+                started = time.perf_counter()
+                ngram = make_enumeration_draft("ngram", counting, prompt=prompt, length=args.length, seed=0)
+                results.append(run_rescored("rescored over n-gram draft", ngram, counting, prompt, truth, args,
+                                            time.perf_counter() - started))
+            else:
+                results.append(run_rescored(f"rescored over {name} draft", twins[name], counting, prompt, truth, args))
         for r in results:
             r["prompt"] = text
             rows.append(r)
             print(f"{text!r:28} {r['method']:28} calls {r['target_calls']:4d}  positions {r['target_positions']:6d}  "
                   f"{r['seconds']:7.2f} s  recall {r['recall']:.2f}  certified {r['certified']}  "
-                  f"window {r['window']}  gap {r['gap']:.3f}", flush=True)
+                  f"window {r['window']}  gap {r['gap']:.3f}  draft forwards {r.get('draft_forwards', 0)}", flush=True)
         base = results[0]
         for r in results[1:]:
             print(f"    {r['method']}: {base['target_positions'] / max(r['target_positions'], 1):.1f}x fewer target "

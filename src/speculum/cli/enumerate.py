@@ -30,7 +30,8 @@ def register(subparsers: Any) -> None:
     enum.add_argument("--max-len", type=int, default=None, help="with --eos: longest continuation (tokens)")
     enum.add_argument("--top-k", type=int, required=True, help="how many continuations to list")
     enum.add_argument("--draft", default="none",
-                      help="none (exact index on the target), ngram (fitted to target samples), int8, bf16, "
+                      help="none (exact index on the target), ngram (fitted to target samples), llamacpp (the "
+                           "embedded GGUF on llama.cpp; llamacpp:FILE.gguf for another), int8, bf16, "
                            "layers:K, or a model PATH with the target's tokenizer (default: none)")
     enum.add_argument("--certify", action="store_true",
                       help="grow the rerank window until the answer is certified (needs --assumed-gap)")

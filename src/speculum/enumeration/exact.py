@@ -149,20 +149,57 @@ class SeekIndex:
     def _grow_to_count(self, needed: int) -> None:
         """Deepen until at least ``needed`` sequences are certified, or the support is exhausted.
 
-        The count within ``B`` bits grows roughly exponentially in ``B``; the next budget extrapolates the
-        growth seen so far (a pilot at half the bits first), aiming 25 % past the need so that a query
-        rarely takes more than two passes (each pass may forward some earlier prefixes again)."""
+        Forwards are what a query costs, and the fewest that can certify the top ``needed`` are the prefixes
+        with ``log p >= threshold(needed)``. Two kinds of step approach that from above: (1) once the tree
+        stores ``needed`` leaves (the certified ones plus those kept in the reserve below the budget), the
+        ``needed``-th best stored log-prob ``b`` is a budget that certainly suffices (at least ``needed``
+        support sequences have ``log p >= b``), and ``b <= threshold(needed)`` is usually close to it;
+        (2) before that, the count within ``B`` bits grows roughly exponentially in ``B``: the budget
+        extrapolates the growth seen so far (a pilot at half the bits first), aiming *short* of the need
+        (80 %) so that the reserve rather than an overshoot supplies the last leaves and step (1) finishes."""
         while self.index.total < needed and not self.tree.exhausted:
             have = self.index.total
+            sufficient = self._stored_budget(needed)
+            if sufficient is not None and sufficient >= self.tree.budget:
+                sufficient = None
             if math.isinf(self.tree.budget):
-                bits = 0.5 * math.log2(needed) + 2.0          # pilot: cheap, and it measures the growth
-            else:
-                built = -self.tree.budget / _LN2
-                # Growth rate (count doublings per bit) from the origin (1 sequence at 0 bits) to here.
-                rate = max(math.log2(max(have, 2)) / max(built, 1e-9), 0.05)
-                step = math.log2(1.25 * needed / max(have, 1)) / rate
-                bits = built + min(max(step, 0.25), max(built, 4.0))
-            self._extend(-bits * _LN2 if bits < 2000.0 else -math.inf)
+                self._deepen(0.5 * math.log2(needed) + 2.0)     # pilot: cheap, and it measures the growth
+                continue
+            built = -self.tree.budget / _LN2
+            # Growth rate (count doublings per bit) from the origin (1 sequence at 0 bits) to here.
+            rate = max(math.log2(max(have, 2)) / max(built, 1e-9), 0.05)
+            if sufficient is not None:
+                # ``sufficient`` finishes for sure, but its bound misses the leaves of prefixes not yet
+                # forwarded, so it can lie well below the threshold: try the extrapolated budget first when
+                # that is shallower (no prefix is forwarded twice: children are kept down to ``sufficient``).
+                guess = built + max(math.log2(needed / max(have, 1)) / rate, 0.25)
+                if guess * _LN2 < -sufficient:
+                    self._deepen(guess, expected=sufficient)
+                else:
+                    self._extend(sufficient)       # the exact log-prob: no round trip through bits
+                continue
+            step = math.log2(0.8 * needed / max(have, 1)) / rate
+            bits = built + min(max(step, 0.25), max(built, 4.0))
+            # When the step was capped another deepening will follow; keep children down to where the
+            # extrapolation (with a margin) ends, so that it forwards none of these prefixes again.
+            expected = -(built + math.log2(1.5 * needed / max(have, 1)) / rate) * _LN2 if bits < built + step else None
+            self._deepen(bits, expected=expected)
+
+    def _deepen(self, bits: float, *, expected: float | None = None) -> None:
+        """Extend the tree to ``bits`` of information (the whole support past 2000 bits) and re-index."""
+        if bits >= 2000.0:
+            self._extend(-math.inf)
+            return
+        self.tree.extend(-bits * _LN2, expected=expected)
+        self._refresh()
+
+    def _stored_budget(self, needed: int) -> float | None:
+        """The ``needed``-th largest log-prob among stored leaves (None when fewer are stored): every stored
+        leaf is a distinct support sequence, so ``count(b) >= needed`` for this ``b``."""
+        stored = np.concatenate([level.logprob[level.leaf] for level in self.tree.levels])
+        if len(stored) < needed:
+            return None
+        return float(np.partition(stored, len(stored) - needed)[len(stored) - needed])
 
     def _grow_to_logprob(self, logprob: float) -> None:
         if logprob < self.certified_logprob and not self.tree.exhausted:

@@ -9,6 +9,11 @@ Unlike the prior implementation (field.md weaknesses 4-5) the tree is built brea
 prefixes go to ``model.next_logprobs`` in chunks of ``batch_size`` (a backend with a KV cache shares the
 prompt across the batch), there is no recursion per token, and each expanded prefix keeps only the children
 it needs — token ids and exact cumulative log-probs down to ``budget - reserve``, never a vocabulary row.
+A model may offer the optional hook ``next_logprobs_above(prefixes, min_logprobs) -> (row, token,
+logprob, finite)`` (every entry of ``next_logprobs`` at or above a per-prefix floor, with the same values,
+and each row's count of finite entries; ``HFModel`` has it): the tree then never materialises a
+``(batch, vocab)`` float64 array. Without it, or under ``branch_cap`` / the last eos position, the dense
+rows are used; both paths store the same children.
 Deepening (``extend``) continues the same tree: children already stored are reused, unexpanded prefixes
 are forwarded once, and a prefix is forwarded again only if the new budget goes below the ``reserve`` it
 stored children for (counted in ``reforwards``).
@@ -140,11 +145,13 @@ class PrefixTree:
         return needs & (np.isinf(level.floor) | (level.truncated & (level.floor > budget)))
 
     # ---------------------------------------------------------------------------------------- building
-    def extend(self, budget: float) -> None:
+    def extend(self, budget: float, *, expected: float | None = None) -> None:
         """Store every support sequence with ``log p >= budget`` (natural log), reusing what is built.
 
         Deterministic in the model's rows; forwards only prefixes that are live and not yet expanded deep
         enough. ``budget=-inf`` builds the whole support (finite for fixed length or a length cap).
+        ``expected`` (<= budget): a budget the caller expects to deepen to next; the prefixes forwarded now
+        keep their children down to it, so that deepening forwards none of them again.
         """
         if budget >= self.budget:
             return
@@ -153,6 +160,8 @@ class PrefixTree:
         # rarely forwards a prefix again, while memory stays within a small factor of the certified set.
         step = self.budget - budget if math.isfinite(self.budget) and math.isfinite(budget) else 0.0
         floor = budget - min(max(self.reserve, 0.5 * step), 2.0 * self.reserve)
+        if expected is not None and expected < floor:
+            floor = expected
         depth = 0
         while depth < len(self.levels):
             if depth > _MAX_UNBOUNDED_DEPTH:
@@ -182,6 +191,13 @@ class PrefixTree:
     def _expand(self, depth: int, nodes: np.ndarray, floor: float) -> None:
         """Forward ``nodes`` (prefixes of length ``depth``) in one batch; store their new children."""
         level = self.levels[depth]
+        parent_lp = level.logprob[nodes]                   # (c,)
+        capped = self.branch_cap is not None and self.branch_cap < self.vocab_size
+        last_eos = self.eos is not None and self.max_len is not None and depth + 1 == self.max_len
+        sparse = getattr(self.model, "next_logprobs_above", None)
+        if sparse is not None and not capped and not last_eos:
+            self._expand_sparse(sparse, depth, nodes, parent_lp, floor)
+            return
         rows = np.asarray(self.model.next_logprobs(self._prefixes(depth, nodes)), dtype=np.float64)
         if rows.shape != (len(nodes), self.vocab_size):
             raise ValueError(f"next_logprobs returned shape {rows.shape}, expected ({len(nodes)}, {self.vocab_size})")
@@ -193,9 +209,8 @@ class PrefixTree:
         self.forwards += len(nodes)
         first = np.isinf(level.floor[nodes])
         self.reforwards += int((~first).sum())
-        parent_lp = level.logprob[nodes]                   # (c,)
 
-        if self.branch_cap is not None and self.branch_cap < self.vocab_size:
+        if capped:
             # Top-m tokens per row; stable sort breaks equal log-probs by the lower token id.
             allowed = np.argsort(-rows, axis=1, kind="stable")[:, : self.branch_cap]   # (c, m)
             dropped = np.exp(rows)
@@ -203,7 +218,7 @@ class PrefixTree:
             level.capped_mass[nodes[first]] = np.exp(parent_lp[first]) * dropped[first].sum(axis=1)
         else:
             allowed = None
-        if self.eos is not None and self.max_len is not None and depth + 1 == self.max_len:
+        if last_eos:
             # Only eos may end the last allowed position: longer prefixes are outside the support.
             only_eos = np.full((len(nodes), 1), self.eos, dtype=np.int64)
             if allowed is not None:
@@ -218,25 +233,54 @@ class PrefixTree:
 
         if allowed is None:
             # Pre-select loosely on the rows (no (c, V) temporaries), then apply the exact tests on candidates.
-            slack = 1e-9 * (1.0 + np.abs(parent_lp))[:, None]
             finite_rows = np.isfinite(rows)
-            r, tok = np.nonzero(finite_rows & (rows >= (floor - parent_lp)[:, None] - slack))
-            child_lp = parent_lp[r] + rows[r, tok]
-            below = finite_rows.sum(axis=1) - np.bincount(r, minlength=len(nodes))
-            keep = child_lp >= floor
-            below += np.bincount(r[child_lp < floor], minlength=len(nodes))
-            level.truncated[nodes] = below > 0
-        else:
-            valid = allowed >= 0
-            step = np.where(valid, np.take_along_axis(rows, np.maximum(allowed, 0), axis=1), -np.inf)
-            full_lp = parent_lp[:, None] + step                           # (c, m)
-            finite = np.isfinite(full_lp)
-            level.truncated[nodes] = (finite & (full_lp < floor)).any(axis=1)
-            r, c = np.nonzero(finite & (full_lp >= floor))
-            tok, child_lp = allowed[r, c], full_lp[r, c]
-            keep = np.ones(len(r), dtype=bool)
+            r, tok = np.nonzero(finite_rows & (rows >= _loose_step_floor(parent_lp, floor)[:, None]))
+            self._store_children(depth, nodes, first, floor, r, tok, rows[r, tok], finite_rows.sum(axis=1))
+            return
+        valid = allowed >= 0
+        step = np.where(valid, np.take_along_axis(rows, np.maximum(allowed, 0), axis=1), -np.inf)
+        full_lp = parent_lp[:, None] + step                               # (c, m)
+        finite = np.isfinite(full_lp)
+        level.truncated[nodes] = (finite & (full_lp < floor)).any(axis=1)
+        r, c = np.nonzero(finite & (full_lp >= floor))
+        tok, child_lp = allowed[r, c], full_lp[r, c]
+        self._append_children(depth, nodes, first, floor, r, tok.astype(np.int64), child_lp)
+
+    def _expand_sparse(self, sparse, depth: int, nodes: np.ndarray, parent_lp: np.ndarray, floor: float) -> None:
+        """``_expand`` through the model's ``next_logprobs_above`` hook: no ``(c, V)`` rows are built.
+
+        The hook returns every entry of ``next_logprobs`` at or above the loose per-row step floor (with the
+        same values) and each row's count of finite entries, so the exact tests below store the same
+        children and the same ``truncated`` flags as the dense path."""
+        level = self.levels[depth]
+        r, tok, step, finite = sparse(self._prefixes(depth, nodes), _loose_step_floor(parent_lp, floor))
+        r, tok = np.asarray(r, dtype=np.int64), np.asarray(tok, dtype=np.int64)
+        step, finite = np.asarray(step, dtype=np.float64), np.asarray(finite, dtype=np.int64)
+        if np.isnan(step).any() or (step > 1e-6).any():
+            raise ValueError("next_logprobs_above returned NaN or positive log-probabilities")
+        self.forwards += len(nodes)
+        first = np.isinf(level.floor[nodes])
+        self.reforwards += int((~first).sum())
+        self._store_children(depth, nodes, first, floor, r, tok, step, finite)
+
+    def _store_children(self, depth: int, nodes: np.ndarray, first: np.ndarray, floor: float, r: np.ndarray,
+                        tok: np.ndarray, step: np.ndarray, finite: np.ndarray) -> None:
+        """Exact tests on pre-selected candidates ``(r, tok, step)`` (row, token, step log-prob; ``finite``:
+        (c,) finite entries per row), then store the children with ``log p >= floor``."""
+        level = self.levels[depth]
+        parent_lp = level.logprob[nodes]
+        # A float32 backend can round a near-certain token to a tiny positive log-prob; a step must not raise
+        # a prefix's probability (the budget pruning relies on it), so clip those to 0.
+        child_lp = parent_lp[r] + np.minimum(step, 0.0)
+        keep = child_lp >= floor
+        level.truncated[nodes] = finite - np.bincount(r[keep], minlength=len(nodes)) > 0
+        self._append_children(depth, nodes, first, floor, r[keep], tok[keep], child_lp[keep])
+
+    def _append_children(self, depth: int, nodes: np.ndarray, first: np.ndarray, floor: float, r: np.ndarray,
+                         tok: np.ndarray, child_lp: np.ndarray) -> None:
+        """Record the expansion of ``nodes`` to ``floor`` and append their (new) children to the next level."""
+        level = self.levels[depth]
         level.floor[nodes] = floor
-        r, tok, child_lp = r[keep], tok[keep].astype(np.int64), child_lp[keep]
         if not first.all() and depth + 1 < len(self.levels):
             # Forwarded again: keep only children not stored before (by key, not by comparing with the old
             # floor, so a backend whose rows move in the last bits between batches neither duplicates nor
@@ -253,3 +297,9 @@ class PrefixTree:
             self.levels.append(Level(expandable=self._expandable(depth + 1)))
         leaf = (child_tokens == self.eos) if self.eos is not None else np.full(len(r), depth + 1 == self.max_len)
         self.levels[depth + 1].append(nodes[r], child_tokens, child_lp, leaf)
+
+
+def _loose_step_floor(parent_lp: np.ndarray, floor: float) -> np.ndarray:
+    """(c,) step log-prob below which no child of these parents can reach ``floor``, lowered by a relative
+    slack: the exact test ``parent + step >= floor`` is applied afterwards, on the candidates only."""
+    return (floor - parent_lp) - 1e-9 * (1.0 + np.abs(parent_lp))

@@ -7,6 +7,8 @@
 * ``next_logprobs(prefixes)`` evaluates many prefixes in a few batched forwards: their longest common
   prefix (usually the prompt) is encoded once and reused across calls, and the distinct suffixes are
   walked as a trie, one batched forward per depth, so a token shared by many prefixes is encoded once.
+* ``next_logprobs_above(prefixes, min_logprobs)`` is the sparse form enumeration uses (an optional
+  protocol hook): only the tokens at or above a per-prefix log-prob, with the same float64 values.
 * ``score_sequences(sequences, prompt)`` teacher-forces all sequences in right-padded batches on top of
   the prompt's shared cache. Right padding needs no attention mask: under causal attention a real
   position never sees the padding that follows it.
@@ -30,7 +32,15 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import torch
+
+# On a machine whose cores are shared (more runnable threads than cores), OpenMP's default spin-then-wait
+# barrier made every torch op of a batched forward cost ~8 ms (measured on 2 shared cores: a
+# (256, 576) multiply 8 ms instead of 0.05 ms, SmolLM2 forwards 22 ms a row instead of 3.7 ms). Passive
+# waiting avoids that at a few microseconds per op; it is read when torch loads, so it is set before the
+# import, and only when the user has not chosen a policy.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 from .base import BaseModel, check_prompt, check_token_ids
 
@@ -52,20 +62,21 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _logprob_rows(logits: torch.Tensor) -> np.ndarray:
-    """``(n, vocab)`` logits (any float dtype) -> float64 NumPy log-probs, rejecting NaN / inf at the origin.
+def _log_mass(logits: torch.Tensor) -> torch.Tensor:
+    """``(n,)`` float64 log-sum-exp of ``(n, vocab)`` logits, rejecting NaN / +inf at the origin.
 
-    The log-softmax runs in float64 (float32 rows' mass drifts by ~1e-5, which downstream normalisation
-    checks rightly reject) and in NumPy: single-threaded, ~0.2 ms a row at V=49152, whereas torch's
-    multi-threaded dtype conversion of one row can cost milliseconds on a busy 2-core machine."""
-    rows = logits.float().numpy().astype(np.float64)                       # (n, vocab)
-    top = rows.max(axis=-1, keepdims=True)                                  # (n, 1)
-    rows -= top
-    log_mass = np.log(np.exp(rows).sum(axis=-1, keepdims=True))             # (n, 1); NaN / inf propagate here
-    if not (np.isfinite(top).all() and np.isfinite(log_mass).all()):
+    float64 because float32 rows' mass drifts by ~1e-5, which downstream normalisation checks rightly
+    reject. ``x.double() - _log_mass(x)`` is the formula of every log-prob this module returns
+    (``next_logprobs``, ``next_logprobs_above``, ``score_sequences``), so they agree bitwise on one batch."""
+    log_mass = torch.logsumexp(logits.double(), dim=-1)                     # (n,); NaN / inf propagate
+    if not bool(torch.isfinite(log_mass).all()):
         raise ValueError("the model produced NaN or infinite logits")
-    rows -= log_mass
-    return rows
+    return log_mass
+
+
+def _logprob_rows(logits: torch.Tensor) -> np.ndarray:
+    """``(n, vocab)`` logits (any float dtype) -> float64 NumPy log-probs (see ``_log_mass``)."""
+    return (logits.double() - _log_mass(logits)[:, None]).numpy()
 
 
 class HFModel(BaseModel):
@@ -198,6 +209,53 @@ class HFModel(BaseModel):
         return out
 
     @torch.inference_mode()
+    def next_logprobs_above(self, prefixes: Sequence[Sequence[int]], min_logprobs: Sequence[float]
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Sparse ``next_logprobs``: per prefix, the tokens whose log-prob is ``>= min_logprobs[i]``.
+
+        Returns ``(row (m,), token (m,), logprob (m,), finite (batch,))``: every entry of ``next_logprobs``
+        with ``logprob >= min_logprobs[row]`` (and possibly a few just below: the pre-selection runs on
+        float32 logits with a safety margin), with the value ``next_logprobs`` would return for it (the same
+        float64 formula, exact up to the model's float precision), and each row's number of tokens of
+        finite log-prob. No ``(batch, vocab)`` float64 array is built, which is what makes enumeration's
+        level expansion cheap (``speculum.enumeration.tree`` uses this hook when a model has it).
+
+        Example:
+            >>> row, token, lp, finite = model.next_logprobs_above([prompt], [-5.0])   # doctest: +SKIP
+        """
+        contexts = [self._context(prefix, name=f"prefixes[{i}]") for i, prefix in enumerate(prefixes)]
+        floors = np.asarray(min_logprobs, dtype=np.float64).reshape(-1)          # (batch,)
+        if len(floors) != len(contexts) or np.isnan(floors).any():
+            raise ValueError(f"min_logprobs must hold one number per prefix ({len(contexts)}), got {len(floors)}")
+        finite = np.zeros(len(contexts), dtype=np.int64)
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+        def select(rows: list[int], logits: torch.Tensor) -> None:
+            log_mass = _log_mass(logits)                                          # (k,) float64
+            cut = torch.from_numpy(floors[rows]) + log_mass                      # (k,) logit cut, float64
+            # float32 compare: lower the cut by far more than float32 rounding so no wanted entry is lost.
+            loose = (cut - 1e-5 * (1.0 + cut.abs())).float()
+            r, tok = torch.nonzero(logits >= loose[:, None], as_tuple=True)
+            values = logits[r, tok].double() - log_mass[r]
+            rows_np = np.asarray(rows)
+            finite[rows_np] = torch.isfinite(logits).sum(dim=-1).numpy()
+            parts.append((rows_np[r.numpy()], tok.numpy(), values.numpy()))
+
+        if contexts:
+            shared_len = min(_common_prefix_len(contexts), min(len(c) for c in contexts) - 1)
+            root = self._cache_for(contexts[0][:shared_len])
+            suffixes = [tuple(c[shared_len:]) for c in contexts]
+            order = sorted(range(len(suffixes)), key=lambda i: suffixes[i])
+            chunk = self._chunk_rows(shared_len + max(len(s) for s in suffixes), 1)
+            for lo in range(0, len(order), chunk):
+                rows = order[lo: lo + chunk]
+                self._trie_forward(root, [suffixes[i] for i in rows], None, rows, emit=select)
+        if not parts:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), finite
+        row, token, logprob = (np.concatenate(a) for a in zip(*parts))
+        return row.astype(np.int64), token.astype(np.int64), logprob, finite
+
+    @torch.inference_mode()
     def score_sequences(self, sequences: Sequence[Sequence[int]], prompt: Sequence[int] = ()) -> np.ndarray:
         """``(batch,)`` total log p(sequence | prompt) by batched teacher forcing. Exact up to float
         precision; the prompt (BOS when empty) is encoded once and shared by every sequence.
@@ -227,10 +285,9 @@ class HFModel(BaseModel):
                 targets[r, : len(seq)] = torch.tensor(seq)
                 valid[r, : len(seq)] = True
             logits = self._forward(inputs, _gather(root, torch.zeros(len(rows), dtype=torch.long), self.config))
-            logits = logits.double()  # (rows, longest, vocab); float64 as in _logprob_rows, so scores match rows
-            if torch.isnan(logits).any():
-                raise ValueError("the model produced NaN logits")
-            picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+            # (rows, longest, vocab); the float64 formula of _logprob_rows, so scores match next_logprobs rows
+            log_mass = _log_mass(logits.reshape(-1, logits.shape[-1])).reshape(logits.shape[:2])
+            picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double() - log_mass
             out[rows] = (picked * valid).sum(dim=1).numpy()
         return out
 
@@ -279,8 +336,10 @@ class HFModel(BaseModel):
         by_logits = LOGITS_BUDGET_BYTES // (logit_positions * self.vocab_size * 8)
         return max(1, min(by_kv, by_logits))
 
-    def _trie_forward(self, root: Any, suffixes: list[tuple[int, ...]], out: np.ndarray, rows: list[int]) -> None:
-        """Fill ``out[rows[j]]`` with the row after ``root + suffixes[j]``, one forward per trie depth."""
+    def _trie_forward(self, root: Any, suffixes: list[tuple[int, ...]], out: np.ndarray | None, rows: list[int],
+                      emit: Any = None) -> None:
+        """Fill ``out[rows[j]]`` with the row after ``root + suffixes[j]``, one forward per trie depth (or,
+        with ``emit``, call ``emit(rows, logits)`` with those rows' raw logits instead; duplicates once)."""
         wanted = {s: rows[j] for j, s in enumerate(suffixes)}
         duplicates = [(rows[j], s) for j, s in enumerate(suffixes) if wanted[s] != rows[j]]
         level_nodes: list[tuple[int, ...]] = [()]
@@ -296,9 +355,15 @@ class HFModel(BaseModel):
             cache = _gather(level_cache, parents, self.config)
             logits = self._forward(torch.tensor([[n[-1]] for n in nodes]), cache, keep=1)[:, 0, :]
             done = [k for k, n in enumerate(nodes) if n in wanted]
-            if done:
+            if done and emit is not None:
+                emit([wanted[nodes[k]] for k in done], logits[done])
+            elif done:
                 out[[wanted[nodes[k]] for k in done]] = _logprob_rows(logits[done])
             level_nodes, level_cache = nodes, cache
+        if emit is not None:  # a prefix asked twice in one call (rare): forward its copies on their own
+            for row, s in duplicates:
+                self._trie_forward(root, [s], None, [row], emit=emit)
+            return
         for row, s in duplicates:
             out[row] = out[wanted[s]]
 
