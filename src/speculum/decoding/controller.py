@@ -39,7 +39,8 @@ class GammaController:
     min_confidence: float = 0.3      # greedy: stop drafting after a proposal the draft gives p < this
     decay: float = 0.9               # per-observation decay of acceptance and cost estimates
     probe_every: int = 16            # plain steps between re-probes once drafting stopped paying
-    probe_gamma: int = 2
+    probe_sizes: tuple = (2, 4, 8)  # probes cycle through these, so the cost table learns long blocks too
+    probe_draft_budget: float = 0.5  # ...capped so that a probe's drafting costs at most this many steps
     prior_acceptance: float = 0.6
     prior_weight: float = 2.0        # pseudo-observations behind the acceptance prior
     prior_draft_ratio: float = 0.1   # c before any draft timing is known
@@ -56,6 +57,7 @@ class GammaController:
     _target_seconds: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # tokens fed -> s
     _draft_seconds_per_token: float | None = field(default=None, init=False, repr=False)
     _plain_steps: int = field(default=0, init=False, repr=False)
+    _probes: int = field(default=0, init=False, repr=False)
     _tried: list = field(default_factory=list, init=False, repr=False)    # [j]: decayed tries of position j
     _passed: list = field(default_factory=list, init=False, repr=False)   # [j]: decayed passes of position j
 
@@ -124,9 +126,12 @@ class GammaController:
         elif below:
             # Extrapolate linearly from the two largest measured sizes (or the prior slope with one).
             lo = max(below)
+            # The single-token step is left out: on CPUs the curve jumps from 1 to 2 tokens, then flattens
+            # (field.md: 1 / 4 / 8 / 16 tokens ≈ 1 / 1.7 / 1.7 / 2.0 steps), so that slope would mislead.
             slope = self.prior_verify_slope * step
-            if len(below) >= 2:
-                lower = max(k for k in below if k < lo)
+            multi = [k for k in below if k >= 2]
+            if len(multi) >= 2:
+                lower = max(k for k in multi if k < lo)
                 slope = max((table[lo] - table[lower]) / (lo - lower), 0.0)
             seconds = table[lo] + slope * (n - lo)
         else:
@@ -168,17 +173,26 @@ class GammaController:
         if not self._target_seconds:
             return 0                   # calibrate: time one plain step first
         if max(self._target_seconds) == 1:
-            return min(self.probe_gamma, self.max_gamma)  # then time one verification (if a proposal comes)
+            return self._probe_gamma()  # then time one verification (if a proposal comes)
         best = max(range(1, self.max_gamma + 1), key=self.expected_speedup) if self.max_gamma else 0
         if best and self.expected_speedup(best) < self.min_gain:
             best = 0
         if best == 0:
             self._plain_steps += 1
             if self._plain_steps % self.probe_every == 0:
-                return min(self.probe_gamma, self.max_gamma)
+                return self._probe_gamma()
         else:
             self._plain_steps = 0
         return best
+
+    def _probe_gamma(self) -> int:
+        """Next probe size: cycles through ``probe_sizes``; an expensive draft is held to short probes."""
+        size = self.probe_sizes[self._probes % len(self.probe_sizes)]
+        self._probes += 1
+        ratio = self.draft_ratio()
+        if ratio > 0:
+            size = min(size, max(1, int(self.probe_draft_budget / ratio)))
+        return max(1, min(size, self.max_gamma))
 
     def stop_drafting(self, draft_probability: float) -> bool:
         """True when the draft's own probability of the argmax it just proposed is below the threshold.
