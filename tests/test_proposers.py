@@ -10,17 +10,30 @@ from hypothesis import strategies as st
 from speculum.models import NGramModel, NGramProposer, PromptLookup, Proposer
 
 
-def brute_prompt_lookup(context, max_ngram, min_ngram, num_pred_tokens, max_tokens):
-    """Scan every n from long to short and every earlier start from right to left."""
+def brute_prompt_lookup(context, max_ngram, min_ngram, num_pred_tokens, max_tokens, max_agreement=32,
+                        with_match=False):
+    """Scan every n from long to short; among the earlier starts of the tail n-gram take the one whose
+    preceding tokens agree longest with the context's (ties: the earliest); copy with overlap."""
     budget = min(num_pred_tokens, max_tokens)
-    if budget == 0:
-        return []
-    for n in range(max_ngram, min_ngram - 1, -1):
+    result = ([], 0)
+    for n in range(max_ngram, min_ngram - 1, -1) if budget else ():
         tail = context[len(context) - n:]
-        for start in range(len(context) - n - 1, -1, -1):
+        best, best_agreement = None, -1
+        for start in range(0, len(context) - n):
             if len(tail) == n and context[start:start + n] == tail:
-                return context[start + n:start + n + budget]
-    return []
+                agreement = n
+                while (agreement < max_agreement and start - (agreement - n) - 1 >= 0
+                       and context[start - (agreement - n) - 1] == context[len(context) - agreement - 1]):
+                    agreement += 1
+                if agreement > best_agreement:
+                    best, best_agreement = start, agreement
+        if best is not None:
+            extended = list(context)
+            for k in range(budget):
+                extended.append(extended[best + n + k])
+            result = (extended[len(context):], best_agreement)
+            break
+    return result if with_match else result[0]
 
 
 edit_st = st.one_of(
@@ -35,7 +48,7 @@ edit_st = st.one_of(
        num_pred_tokens=st.integers(1, 5))
 def test_prompt_lookup_equals_brute_force_through_edits(max_ngram, data, edits, num_pred_tokens):
     min_ngram = data.draw(st.integers(1, max_ngram))
-    lookup = PromptLookup(max_ngram, min_ngram, num_pred_tokens)
+    lookup = PromptLookup(max_ngram, min_ngram, num_pred_tokens, max_agreement=max_ngram + 2)
     context: list[int] = []
     for kind, arg in edits:
         if kind == "grow":
@@ -45,18 +58,24 @@ def test_prompt_lookup_equals_brute_force_through_edits(max_ngram, data, edits, 
         else:
             context = list(arg)
         max_tokens = data.draw(st.integers(0, 6))
-        expected = brute_prompt_lookup(context, max_ngram, min_ngram, num_pred_tokens, max_tokens)
-        assert lookup.propose(context, max_tokens) == expected
+        expected = brute_prompt_lookup(context, max_ngram, min_ngram, num_pred_tokens, max_tokens,
+                                       max_agreement=max_ngram + 2, with_match=True)
+        assert lookup.propose_with_match(context, max_tokens) == expected
 
 
-def test_prompt_lookup_prefers_longer_and_more_recent_matches():
+def test_prompt_lookup_prefers_longer_and_better_agreeing_matches():
     lookup = PromptLookup(max_ngram=2, min_ngram=1, num_pred_tokens=3)
     # tail (7, 1): only "7 1" at 0..1 matches with n=2, although "1" alone occurs more recently.
     assert lookup.propose([7, 1, 2, 3, 1, 9, 7, 1], 3) == [2, 3, 1]
-    assert lookup.propose([4, 1, 5, 6, 1, 8, 3, 1], 2) == [8, 3]  # n=1, most recent earlier "1"
+    # n=1: "1" occurs at 1 and 4; neither agrees further back, so the earliest (the "source") wins.
+    assert lookup.propose_with_match([4, 1, 5, 6, 1, 8, 3, 1], 2) == ([5, 6], 1)
+    # ...unless a later one agrees longer: "3 1" at 5..6 matches the tail's "3 1".
+    assert PromptLookup(max_ngram=1).propose_with_match([4, 1, 5, 3, 1, 8, 3, 1], 2) == ([8, 3], 2)
     assert lookup.propose([1, 2, 3], 3) == []
-    assert lookup.propose(np.array([5, 6, 5]), 3) == [6, 5]  # arrays accepted, Python ints returned
+    assert lookup.propose(np.array([5, 6, 5]), 3) == [6, 5, 6]  # arrays accepted, Python ints returned
     assert all(type(t) is int for t in lookup.propose(np.array([5, 6, 5]), 3))
+    # A repeating pattern is continued periodically (an overlapping copy), not cut at the context's end.
+    assert lookup.propose([1, 2, 1, 2, 1, 2], 3) == [1, 2, 1]
 
 
 def test_prompt_lookup_long_context_stays_exact():

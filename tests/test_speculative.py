@@ -345,3 +345,89 @@ def test_seeded_sampling_with_auto_gamma_is_reproducible(draft_kind):
     runs = [generate(_JitteryTarget(TARGET), [1], draft=draft, gamma="auto", max_new_tokens=80,
                      temperature=0.8, seed=7).tokens for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_auto_gamma_learns_acceptance_per_situation():
+    # Prompt lookup after a long match is copied whole, after a 1-token match it fails: with statistics
+    # kept per context key, γ is long in the first situation and 0 (a plain step) in the second.
+    ctl = GammaController(max_gamma=16)
+    ctl.observe_target(1, 0.010)
+    for n in range(2, 18):
+        ctl.observe_target(n, 0.010 + 0.001 * n)
+    for _ in range(30):
+        ctl.observe_acceptance(proposed=8, accepted=8, key="long match")
+        ctl.observe_acceptance(proposed=8, accepted=0, key="1-token match")
+    assert ctl.next_gamma("long match") >= 8
+    assert ctl.next_gamma("1-token match") == 0
+    # An unseen situation starts from the pooled estimate (half the blocks were accepted whole).
+    assert ctl.key_acceptance("new") == pytest.approx(ctl.acceptance)
+
+
+# Verification cost (ms) of n tokens on SmolLM2-135M float32, 2 CPU cores: a step at 4, flat from 12 to 16.
+_CPU_VERIFY_MS = {1: 31.5, 2: 34.1, 3: 36.4, 4: 50.1, 5: 52.0, 6: 53.6, 7: 60.0, 8: 65.1, 9: 67.0, 10: 69.8,
+                  11: 71.5, 12: 73.1, 13: 73.3, 14: 73.5, 15: 73.6, 16: 73.7, 17: 75.1}
+
+
+@pytest.mark.parametrize("explore_every,reaches_long_blocks", [(8, True), (10**9, False)])
+def test_auto_gamma_explores_longer_blocks_than_it_has_tried(explore_every, reaches_long_blocks):
+    # Every proposal is accepted, but after short blocks the curve looks steep (3 -> 4 tokens jumps by
+    # 14 ms), so extrapolation alone keeps γ short: exploration must try longer blocks, which then pay.
+    ctl = GammaController(max_gamma=16, prior_draft_ratio=0.0, explore_every=explore_every)
+    for n in (1, 3, 4):
+        ctl.observe_target(n, _CPU_VERIFY_MS[n] / 1000)
+    chosen = []
+    for _ in range(60):
+        gamma = ctl.next_gamma()
+        chosen.append(gamma)
+        ctl.observe_target(gamma + 1, _CPU_VERIFY_MS[gamma + 1] / 1000)
+        ctl.observe_acceptance(proposed=gamma, accepted=gamma)
+    assert (min(chosen[-10:]) >= 12) == reaches_long_blocks, chosen
+
+
+class _MatchReportingProposer(GreedyChainProposer):
+    """A proposer that also reports a match length (like PromptLookup); records what it was asked."""
+
+    def __init__(self, model, match):
+        super().__init__(model)
+        self.match, self.calls = match, 0
+
+    def propose_with_match(self, context, max_tokens):
+        self.calls += 1
+        return self.propose(context, max_tokens), self.match
+
+
+@pytest.mark.parametrize("match,key", [(1, 1), (9, 4), (1000, 6)])
+def test_decoder_chooses_gamma_from_the_proposers_match(match, key, monkeypatch):
+    asked = []
+    original = GammaController.next_gamma
+    monkeypatch.setattr(GammaController, "next_gamma", lambda self, k=None: asked.append(k) or original(self, k))
+    proposer = _MatchReportingProposer(NEAR, match)
+    got = generate(TARGET, [1], draft=proposer, gamma="auto", max_new_tokens=60, temperature=0)
+    assert got.tokens == plain_greedy(TARGET, [1], 60)       # still exact
+    # γ was chosen after proposing, in the match length's log-scale bucket (capped at 6).
+    assert proposer.calls > 0 and set(asked) == {key}
+
+
+class _FlatCostTarget(Counting):
+    """A target whose forward costs the same for any number of tokens (like a GPU), so drafting pays."""
+
+    def start(self, prompt):
+        session = super().start(prompt)
+        extend = session.extend
+
+        def flat_extend(tokens):
+            time.sleep(0.002)
+            return extend(tokens)
+
+        session.extend = flat_extend
+        return session
+
+
+def test_prompt_lookup_auto_equals_plain_on_repetitive_text():
+    # A greedy chain that cycles: lookup with gamma="auto" must copy long runs and stay exact.
+    target = MarkovModel.random(V, seed=3, order=2, scale=4.0)
+    expected = plain_greedy(target, [1, 2], 120)
+    got = generate(_FlatCostTarget(target), [1, 2], draft=models.PromptLookup(), gamma="auto",
+                   max_new_tokens=120, temperature=0)
+    assert got.tokens == expected
+    assert got.stats.tokens_per_target_forward > 4.0

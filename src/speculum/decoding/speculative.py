@@ -158,20 +158,24 @@ class _Decoder:
                 timed=not (plan.seeded and not self.greedy),
                 prior_draft_ratio=0.1 if plan.draft_kind == "model" else 0.0)
         self.context = list(plan.prompt)          # prompt + emitted tokens
+        self.key: Any = None                      # the controller's situation key for this block
         self.draft_consumed = 0                   # context tokens the draft session has consumed
         self.draft_max_context = getattr(plan.draft, "max_context", None) if plan.draft_kind == "model" else None
 
     # ------------------------------------------------------------------------------------------ drafting
-    def _gamma(self, remaining: int) -> int:
-        if self.plan.draft_kind == "none":
-            return 0
-        gamma = self.controller.next_gamma() if self.controller else int(self.plan.gamma)
-        # Never overshoot: a block emits at most γ + 1 tokens.
-        gamma = min(gamma, remaining - 1)
+    def _gamma_cap(self, remaining: int) -> int:
+        """Most proposals this block may carry."""
+        cap = remaining - 1                      # never overshoot: a block emits at most γ + 1 tokens
         if self.draft_max_context is not None:
             # The draft consumes the context plus γ − 1 proposals.
-            gamma = min(gamma, self.draft_max_context - len(self.context) + 1)
-        return max(gamma, 0)
+            cap = min(cap, self.draft_max_context - len(self.context) + 1)
+        return max(cap, 0)
+
+    def _gamma(self, remaining: int, key: Any = None) -> int:
+        if self.plan.draft_kind == "none":
+            return 0
+        gamma = self.controller.next_gamma(key) if self.controller else int(self.plan.gamma)
+        return max(min(gamma, self._gamma_cap(remaining)), 0)
 
     def _draft_with_model(self, session: Any, gamma: int) -> tuple[list[int], np.ndarray | None]:
         """Sample up to γ proposals from the draft's warped rows; returns tokens and those exact rows."""
@@ -202,8 +206,20 @@ class _Decoder:
             self.stats.draft_forwards += 1
         return tokens, (np.stack(reported) if reported else None)
 
-    def _draft_with_proposer(self, gamma: int) -> list[int]:
-        proposal = self.plan.draft.propose(self.context, gamma)
+    def _draft_with_proposer(self, remaining: int) -> list[int]:
+        draft = self.plan.draft
+        if self.controller is not None and callable(getattr(draft, "propose_with_match", None)):
+            # Propose first, then let the controller choose γ knowing how well the proposal matched
+            # (controller.py: acceptance is learnt per situation; log-scale buckets of the match length).
+            cap = min(self._gamma_cap(remaining), self.controller.max_gamma)
+            proposal, match = draft.propose_with_match(self.context, cap) if cap > 0 else ([], 0)
+            if not proposal:
+                return []
+            self.key = min(int(match).bit_length(), 6)
+            gamma = max(min(self.controller.next_gamma(self.key), cap), 0)
+        else:
+            gamma = self._gamma(remaining)
+            proposal = draft.propose(self.context, gamma) if gamma > 0 else []
         tokens = check_token_ids(proposal, self.vocab_size, name="draft proposal")[:gamma]
         if self.plan.eos_token_id in tokens:
             tokens = tokens[: tokens.index(self.plan.eos_token_id) + 1]
@@ -239,16 +255,17 @@ class _Decoder:
 
         while True:
             remaining = plan.budget - stats.emitted
-            gamma = self._gamma(remaining)
+            self.key = None
 
             t0 = time.perf_counter()
             draft_rows = None
-            if gamma == 0:
-                tokens: list[int] = []
+            tokens: list[int] = []
+            if plan.draft_kind == "proposer":
+                tokens = self._draft_with_proposer(remaining)
             elif draft_session is not None:
-                tokens, draft_rows = self._draft_with_model(draft_session, gamma)
-            else:
-                tokens = self._draft_with_proposer(gamma)
+                gamma = self._gamma(remaining)
+                if gamma > 0:
+                    tokens, draft_rows = self._draft_with_model(draft_session, gamma)
             t1 = time.perf_counter()
 
             feed = pending + tokens
@@ -268,7 +285,7 @@ class _Decoder:
             if self.controller is not None:
                 self.controller.observe_target(len(feed), t2 - t1)
                 self.controller.observe_draft(len(tokens), t1 - t0)
-                self.controller.observe_acceptance(proposed=len(tokens), accepted=verdict.accepted)
+                self.controller.observe_acceptance(proposed=len(tokens), accepted=verdict.accepted, key=self.key)
 
             # Keep both sessions on a prefix of the new context: the target drops the rejected proposals
             # (it consumed all of them); the draft consumed every proposal but the last.

@@ -47,11 +47,12 @@ def _check_max_tokens(max_tokens: int) -> int:
 
 
 class PromptLookup:
-    """Prompt-lookup proposer: the tokens that followed the most recent earlier match of the context's tail.
+    """Prompt-lookup proposer: the tokens that followed the best earlier match of the context's tail.
 
-    For ``n`` from ``max_ngram`` down to ``min_ngram``, find the latest position where the last ``n``
-    context tokens occurred before (not the tail itself) and propose up to ``min(num_pred_tokens,
-    max_tokens)`` tokens that followed it; ``[]`` when nothing matches.
+    For ``n`` from ``max_ngram`` down to ``min_ngram``, find the earlier occurrences of the last ``n``
+    context tokens (not the tail itself); among them take the one whose preceding tokens agree longest
+    with the context's (ties: the earliest) and propose up to ``min(num_pred_tokens, max_tokens)`` tokens
+    that followed it; ``[]`` when nothing matches.
 
     An incremental index (n-gram → its end positions) is kept across calls, so a context that grows by
     a few tokens costs O(new tokens), not a rescan. A context that was truncated (rejected tokens rolled
@@ -61,16 +62,21 @@ class PromptLookup:
     Example:
         >>> PromptLookup(max_ngram=3).propose([1, 2, 3, 4, 1, 2, 3], max_tokens=2)
         [4, 1]
+        >>> PromptLookup(max_ngram=1).propose_with_match([7, 5, 1, 6, 5, 1, 9, 5, 1], max_tokens=1)
+        ([6], 2)
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_pred_tokens: int = 10,
-                 *, vocab_size: int | None = None) -> None:
+                 *, vocab_size: int | None = None, max_agreement: int = 32) -> None:
         if not 1 <= int(min_ngram) <= int(max_ngram):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         if int(num_pred_tokens) < 1:
             raise ValueError(f"num_pred_tokens must be >= 1, got {num_pred_tokens}")
         self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
         self.num_pred_tokens = int(num_pred_tokens)
+        if int(max_agreement) < self.max_ngram:
+            raise ValueError(f"max_agreement must be >= max_ngram ({self.max_ngram}), got {max_agreement}")
+        self.max_agreement = int(max_agreement)
         self.vocab_size = vocab_size  # None: proposes whatever ids the context contains
         self._tokens: list[int] = []
         # _ends[n][ngram] = ascending end positions (exclusive) of that n-gram in _tokens.
@@ -113,24 +119,52 @@ class PromptLookup:
             self._append([int(t) for t in new_tokens])
 
     def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
-        """Up to ``max_tokens`` tokens copied from after the latest earlier match of the context's tail.
+        """Up to ``max_tokens`` tokens copied from after the best earlier match of the context's tail.
 
         Deterministic; the empty list means "no proposal" (the caller decodes one token plainly).
+        """
+        return self.propose_with_match(context, max_tokens)[0]
+
+    def propose_with_match(self, context: Sequence[int], max_tokens: int) -> tuple[list[int], int]:
+        """The proposal and its match length: how many context tokens agree with the copied source.
+
+        Among the earlier occurrences of the longest matching tail n-gram, the one whose preceding tokens
+        agree longest with the context's (up to ``max_agreement``) is copied; ties go to the earliest,
+        which in summaries and edits is the source text rather than the model's own output. A longer
+        agreement predicts a longer accepted run (measured on SmolLM2: ~0.4 accepted tokens after a
+        1-token match, ~2.6 after 2, ~10 after 7 or more), which ``gamma="auto"`` uses to choose γ.
+        The copy may overlap the tail (a repeating pattern continues periodically). ``([], 0)``: no match.
         """
         max_tokens = _check_max_tokens(max_tokens)
         self._sync(_as_list(context))
         tokens, length = self._tokens, len(self._tokens)
         budget = min(max_tokens, self.num_pred_tokens)
         if budget == 0:
-            return []
+            return [], 0
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if length <= n:
                 continue  # an earlier occurrence needs at least one token after it
             ends = self._ends[n].get(tuple(tokens[length - n:]))
-            if ends is not None and len(ends) >= 2:
-                start = ends[-2]  # ends[-1] == length is the tail itself
-                return tokens[start:start + budget]
-        return []
+            if ends is None or len(ends) < 2:
+                continue
+            best_end, best_agreement = -1, -1
+            for end in ends[:-1]:  # ascending; ends[-1] == length is the tail itself
+                agreement = n + self._agreement(end - n, length - n, self.max_agreement - n)
+                if agreement > best_agreement:
+                    best_end, best_agreement = end, agreement
+            proposal: list[int] = []
+            for k in range(budget):  # an overlapping copy (LZ77-style) continues a repeating pattern
+                source = best_end + k
+                proposal.append(tokens[source] if source < length else proposal[source - length])
+            return proposal, best_agreement
+        return [], 0
+
+    def _agreement(self, earlier: int, later: int, limit: int) -> int:
+        """How many tokens before ``earlier`` equal those before ``later`` (at most ``limit``)."""
+        tokens, k = self._tokens, 0
+        while k < limit and earlier - 1 - k >= 0 and tokens[earlier - 1 - k] == tokens[later - 1 - k]:
+            k += 1
+        return k
 
 
 class NGramProposer:

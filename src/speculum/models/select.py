@@ -28,10 +28,10 @@ DRAFT_KINDS = {
     "PATH": "another local model directory (or embedded name) with the same tokenizer",
 }
 
-# Prompt lookup and n-gram settings: 3-token matches fall back to 1, proposals of up to 10 tokens
+# Prompt lookup and n-gram settings: 3-token matches fall back to 1, proposals of up to 16 tokens
 # (Saxena 2023 uses max_ngram 3, 10 tokens); the n-gram draft only proposes from a seen bigram context.
 LOOKUP_MAX_NGRAM = 3
-LOOKUP_NUM_TOKENS = 10
+LOOKUP_NUM_TOKENS = 16
 NGRAM_ORDER = 3
 NGRAM_NUM_TOKENS = 8
 
