@@ -67,6 +67,18 @@ def test_extend_rows_match_fresh_sessions(tiny):
         np.testing.assert_allclose(rows[j], plain_rows(tiny, prompt + tokens[: j + 1]), atol=1e-5)
 
 
+def test_advance_equals_the_last_row_of_extend(tiny):
+    session = tiny.start([1, 3])
+    row = session.advance([4, 5, 6])
+    np.testing.assert_allclose(row, tiny.start([1, 3]).extend([4, 5, 6])[-1], atol=1e-5)
+    assert session.tokens == [1, 3, 4, 5, 6]
+    np.testing.assert_allclose(session.next_logprobs(), row)
+    # Rows before the last were never computed: rolling back into them recomputes, still exact.
+    session.rollback(1)
+    np.testing.assert_allclose(session.next_logprobs(), plain_rows(tiny, [1, 3, 4, 5]), atol=1e-5)
+    np.testing.assert_allclose(session.extend([7]), tiny.start([1, 3, 4, 5]).extend([7]), atol=1e-5)
+
+
 def test_extend_after_rollback_equals_fresh_session(tiny):
     session = tiny.start([1, 3])
     session.extend([4, 5, 6, 7])

@@ -46,9 +46,11 @@ class GammaController:
     min_confidence: float = 0.3      # greedy: stop drafting after a proposal the draft gives p < this
     decay: float = 0.9               # per-observation decay of acceptance and cost estimates
     probe_every: int = 16            # plain steps between re-probes once drafting stopped paying
+    max_probe_gap: int = 128         # ...doubling after each probe that fails to resume drafting, up to this
     explore_every: int = 8           # while drafting, every this many blocks try a longer one
-    probe_sizes: tuple = (2, 4, 8)  # probes cycle through these, so the cost table learns long blocks too
-    probe_draft_budget: float = 0.5  # ...capped so that a probe's drafting costs at most this many steps
+    probe_sizes: tuple = (2, 4, 8)   # probes cycle through these (within probe_cost_budget)
+    probe_draft_budget: float = 0.5  # ...and an exploratory block's drafting at most this many steps
+    probe_cost_budget: float = 0.8   # a probe may cost at most this many steps more than a plain step
     prior_acceptance: float = 0.6
     prior_weight: float = 2.0        # pseudo-observations behind the acceptance prior
     prior_draft_ratio: float = 0.1   # c before any draft timing is known
@@ -193,10 +195,14 @@ class GammaController:
             best = 0
         if best == 0:
             stats.plain_steps += 1
-            if stats.plain_steps % self.probe_every == 0:
+            gap = stats.probe_gap or self.probe_every
+            if stats.plain_steps >= gap:
+                # Exponential back-off: each probe that does not bring drafting back doubles the wait
+                # (up to max_probe_gap), so a useless draft costs ever less.
+                stats.plain_steps, stats.probe_gap = 0, min(2 * gap, self.max_probe_gap)
                 return self._probe_gamma()
         else:
-            stats.plain_steps = 0
+            stats.plain_steps, stats.probe_gap = 0, 0
             stats.drafting_blocks += 1
             if stats.drafting_blocks % self.explore_every == 0:
                 # Acceptance of deep positions and the cost of long blocks are only learnt by trying them:
@@ -211,13 +217,16 @@ class GammaController:
         return max(1, min(cap, self.max_gamma))
 
     def _probe_gamma(self) -> int:
-        """Next probe size: cycles through ``probe_sizes``; an expensive draft is held to short probes."""
+        """Next probe size: cycles through ``probe_sizes``, shortened until the probe's extra cost over a
+        plain step (drafting + verification) is within ``probe_cost_budget``: a probe usually fails, and
+        on backends where each verified token costs a good part of a step (llama.cpp) long ones are dear."""
         size = self.probe_sizes[self._probes % len(self.probe_sizes)]
         self._probes += 1
+        size = max(1, min(size, self.max_gamma))
         ratio = self.draft_ratio()
-        if ratio > 0:
-            size = min(size, max(1, int(self.probe_draft_budget / ratio)))
-        return max(1, min(size, self.max_gamma))
+        while size > 1 and size * ratio + self.verify_cost(size) - 1.0 > self.probe_cost_budget:
+            size -= 1
+        return size
 
     def stop_drafting(self, draft_probability: float) -> bool:
         """True when the draft's own probability of the argmax it just proposed is below the threshold.
@@ -237,7 +246,8 @@ class _Acceptance:
     rejected: float = 0.0
     tried: list = field(default_factory=list)     # [j]: decayed tries of position j
     passed: list = field(default_factory=list)    # [j]: decayed passes of position j
-    plain_steps: int = 0                          # consecutive plain steps chosen in this situation
+    plain_steps: int = 0                          # plain steps chosen in this situation since the last probe
+    probe_gap: int = 0                            # plain steps before the next probe (0: probe_every)
     drafting_blocks: int = 0                      # drafting blocks chosen in this situation
 
     def observe(self, proposed: int, accepted: int, decay: float) -> None:

@@ -180,7 +180,12 @@ class _Decoder:
     def _draft_with_model(self, session: Any, gamma: int) -> tuple[list[int], np.ndarray | None]:
         """Sample up to γ proposals from the draft's warped rows; returns tokens and those exact rows."""
         backlog = self.context[self.draft_consumed:]
-        row = (session.extend(backlog) if backlog else session.next_logprobs()[None, :])[-1]
+        if not backlog:
+            row = session.next_logprobs()
+        elif callable(getattr(session, "advance", None)):
+            row = session.advance(backlog)         # catching up needs only the last row
+        else:
+            row = session.extend(backlog)[-1]
         self.draft_consumed = len(self.context)
         self.stats.draft_forwards += 1
         tokens: list[int] = []

@@ -104,6 +104,10 @@ class Session(Protocol):
     def rollback(self, n: int) -> None:  # forget the last n tokens, cheaply
         ...
 
+    # Optional: ``advance(tokens) -> (vocab,)`` consumes tokens like ``extend`` but returns only the row
+    # after the last one (cheaper where the vocabulary projection is costly). Callers fall back to
+    # ``extend(tokens)[-1]`` when a session lacks it.
+
 
 @runtime_checkable
 class AutoregressiveModel(Protocol):

@@ -416,6 +416,23 @@ class HFSession:
         self._rows = _logprob_rows(logits[0])
         return self._rows
 
+    def advance(self, tokens: Sequence[int]) -> np.ndarray:
+        """Consume ``tokens`` in one forward; ``(vocab,)`` log-probs after the LAST of them only.
+
+        Same cache state as ``extend``, but the vocabulary projection runs at one position instead of
+        ``len(tokens)``: a draft catching up on accepted tokens needs only that row, and for a small model
+        with a large vocabulary (SmolLM2: 49152 × 576) the projection is most of a short forward."""
+        tokens = check_token_ids(tokens, self.model.vocab_size, name="tokens")
+        if not tokens:
+            return self.next_logprobs()
+        self.model._check_length(len(self.tokens) + len(tokens), name="the session")
+        with torch.inference_mode():
+            logits = self.model._forward(torch.tensor([tokens]), self._cache, keep=1)
+        self.tokens.extend(tokens)
+        self._rows = _logprob_rows(logits[0])
+        self._rows_start = len(self.tokens) - 1
+        return self._rows[0]
+
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` tokens by cropping the KV cache (no recomputation)."""
         if not 0 <= n <= len(self.tokens):
