@@ -26,40 +26,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Passive OpenMP waiting (as speculum.models.hf sets it): spinning threads on shared cores cost ~8 ms a torch op.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from counting import CountingModel  # noqa: E402  (benchmarks/counting.py)
+
 from speculum.enumeration import AutoregressiveEnumerable  # noqa: E402
 
 PROMPT_TEXT = "The capital of France is"
-
-
-class CountingModel:
-    """Forwards to ``inner``; counts the prefixes it is asked to forward."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.vocab_size = inner.vocab_size
-        self.accepts_empty_prompt = getattr(inner, "accepts_empty_prompt", False)
-        self.bos_token_id = getattr(inner, "bos_token_id", None)
-        self.forwards = 0
-
-    def next_logprobs(self, prefixes):
-        self.forwards += len(prefixes)
-        return self.inner.next_logprobs(prefixes)
-
-    def __getattr__(self, name):
-        # The sparse hook (``next_logprobs_above``) is passed on, and counted, only when the model has it.
-        if name != "next_logprobs_above" or not hasattr(self.inner, name):
-            raise AttributeError(name)
-
-        def next_logprobs_above(prefixes, min_logprobs):
-            self.forwards += len(prefixes)
-            return self.inner.next_logprobs_above(prefixes, min_logprobs)
-        return next_logprobs_above
-
-    def score_sequences(self, sequences, prompt=()):
-        return self.inner.score_sequences(sequences, prompt)
-
-    def start(self, prompt):
-        return self.inner.start(prompt)
 
 
 def part_a(rank: int, queries: int, seed: int) -> dict:

@@ -24,45 +24,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Passive OpenMP waiting (as speculum.models.hf sets it): spinning threads on shared cores cost ~8 ms a torch op.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from counting import CountingModel  # noqa: E402  (benchmarks/counting.py)
+
 PROMPTS = ["The capital of France is", "My favourite food is", "Once upon a time"]
-
-
-class CountingTarget:
-    """Delegates to the target, counting batched calls and the positions (rows) it computes."""
-
-    def __init__(self, model):
-        self.model, self.vocab_size = model, model.vocab_size
-        self.eos_token_id = getattr(model, "eos_token_id", None)
-        self.bos_token_id = getattr(model, "bos_token_id", None)
-        self.calls = self.positions = 0
-
-    def next_logprobs(self, prefixes):
-        self.calls += 1
-        self.positions += len(prefixes)
-        return self.model.next_logprobs(prefixes)
-
-    def __getattr__(self, name):
-        # The sparse hook of the PyTorch backend (``next_logprobs_above``): passed on and counted alike.
-        if name != "next_logprobs_above" or not hasattr(self.model, name):
-            raise AttributeError(name)
-
-        def next_logprobs_above(prefixes, min_logprobs):
-            self.calls += 1
-            self.positions += len(prefixes)
-            return self.model.next_logprobs_above(prefixes, min_logprobs)
-        return next_logprobs_above
-
-    def score_sequences(self, sequences, prompt=()):
-        self.calls += 1
-        # A prefix-sharing forward computes one row per distinct proper prefix of the batch.
-        self.positions += len({tuple(s[:j]) for s in sequences for j in range(len(s))})
-        return self.model.score_sequences(sequences, prompt=prompt)
-
-    def start(self, prompt):
-        return self.model.start(prompt)
-
-    def reset(self):
-        self.calls = self.positions = 0
 
 
 def run_rescored(name, draft_model, counting, prompt, truth, args, build_seconds=0.0):
@@ -110,7 +74,7 @@ def main() -> None:
     for name in ("bf16", "int8"):
         if name in args.drafts:
             twins[name] = make_draft(name, target)
-    counting = CountingTarget(target)
+    counting = CountingModel(target)
     rows = []
     for text in PROMPTS[: args.prompts]:
         prompt = target.encode(text, chat=False)

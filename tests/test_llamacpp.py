@@ -95,6 +95,17 @@ def test_rollback_equals_fresh_session_and_reevaluates_nothing(model, prompt_ids
     np.testing.assert_array_equal(after_rollback, fresh)  # same batch shapes: bit-identical
 
 
+def test_advance_is_the_last_row_of_extend_and_decodes_each_token_once(model, prompt_ids, decoded_tokens):
+    session = model.start(prompt_ids)
+    decoded_tokens.clear()
+    row = session.advance([28, 29, 30])
+    assert decoded_tokens == [28, 29, 30]
+    assert_same_rows(row[None], model.start(prompt_ids).extend([28, 29, 30])[-1:])
+    assert session.tokens[-3:] == [28, 29, 30] and np.array_equal(session.next_logprobs(), row)
+    session.rollback(1)  # into rows never computed: re-evaluated, still the exact row
+    assert_same_rows(session.next_logprobs()[None], model.start(prompt_ids + [28, 29]).next_logprobs()[None])
+
+
 def test_partial_rollback_keeps_rows_and_continues_exactly(model, prompt_ids, decoded_tokens):
     session = model.start(prompt_ids)
     rows = session.extend([28, 29, 30])

@@ -224,6 +224,17 @@ class LlamaCppSession:
         self.tokens.extend(new)
         return rows
 
+    def advance(self, tokens: Sequence[int]) -> np.ndarray:
+        """Consume ``tokens`` like ``extend``; ``(vocab,)`` exact log-probs after the LAST one only (llama.cpp
+        then computes logits at one position: a draft catching up on accepted tokens needs no more)."""
+        new = check_token_ids(tokens, self.model.vocab_size, name="tokens")
+        if not new:
+            return self.next_logprobs()
+        rows = self.model._logprobs(self.tokens + new, 1)  # (1, vocab)
+        self.tokens.extend(new)
+        self._anchor_row, self._rows_start, self._rows = None, len(self.tokens) - 1, rows
+        return rows[0]
+
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` tokens by truncating the KV cache (no re-evaluation of kept tokens)."""
         if not isinstance(n, (int, np.integer)) or not 0 <= n <= len(self.tokens):
