@@ -59,7 +59,13 @@ def test_transformer_session_matches_recompute_through_extend_rollback(tiny, pro
     session = tiny.start(prompt)
     assert np.allclose(session.next_logprobs(), naive_rows(tiny, prompt)[-1], atol=ATOL, rtol=0)
     for op, arg in ops:
-        if op == "extend":
+        if op == "extend" and session.length + len(arg) > tiny.max_len:
+            before = list(session.tokens)
+            with pytest.raises(ValueError, match="max_len"):
+                session.extend(arg)           # refused before any work: the session is unchanged
+            assert session.tokens == before
+            full = naive_rows(tiny, session.tokens)
+        elif op == "extend":
             rows = session.extend(arg)
             full = naive_rows(tiny, session.tokens)
             assert rows.shape == (len(arg), VOCAB)
