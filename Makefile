@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-# llamacpp compiles llama-cpp-python from source once (~7 min on 2 cores; pip caches the wheel).
+# llamacpp compiles llama-cpp-python from source once per .venv (~7 min on 2 cores).
 EXTRAS ?= llm,test,llamacpp
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
