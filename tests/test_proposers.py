@@ -137,3 +137,14 @@ def test_ngram_proposer_learns_the_context_online():
     strict = NGramProposer(NGramModel.fit([[0, 1, 2, 3]], 3, 8), min_context=2)
     assert strict.propose([5, 6], 4) == []
     assert strict.propose([0, 1], 4) == [2, 3]
+
+
+def test_ngram_proposer_reports_the_evidence_behind_its_first_token():
+    model = NGramModel.fit([[1, 2, 3, 1, 2, 3, 1, 2, 4]], n=3, vocab_size=6)
+    proposer = NGramProposer(model, num_pred_tokens=3)
+    tokens, (order, quarter) = proposer.propose_with_match([1, 2], 3)
+    assert tokens == proposer.propose([1, 2], 3)
+    assert order == model.context_order([1, 2]) == 2
+    assert quarter == min(int(4 * model.next_probabilities([1, 2]).max()), 3)
+    # No seen context and min_context=1: no proposal, no evidence.
+    assert NGramProposer(model, min_context=1).propose_with_match([5, 5], 3) == ([], (0, 0))

@@ -396,7 +396,7 @@ class _MatchReportingProposer(GreedyChainProposer):
         return self.propose(context, max_tokens), self.match
 
 
-@pytest.mark.parametrize("match,key", [(1, 1), (9, 4), (1000, 6)])
+@pytest.mark.parametrize("match,key", [(1, 1), (9, 4), (1000, 6), ((2, 3), (2, 3))])
 def test_decoder_chooses_gamma_from_the_proposers_match(match, key, monkeypatch):
     asked = []
     original = GammaController.next_gamma

@@ -220,7 +220,8 @@ class _Decoder:
             proposal, match = draft.propose_with_match(self.context, cap) if cap > 0 else ([], 0)
             if not proposal:
                 return []
-            self.key = min(int(match).bit_length(), 6)
+            # An int is a match length, bucketed on a log scale; other evidence is the key as it is.
+            self.key = min(int(match).bit_length(), 6) if isinstance(match, Integral) else match
             gamma = max(min(self.controller.next_gamma(self.key), cap), 0)
         else:
             gamma = self._gamma(remaining)
