@@ -127,7 +127,11 @@ class AutoregressiveModel(Protocol):
 class Proposer(Protocol):
     """A draft that proposes fixed tokens with no honest distribution (prompt lookup, n-gram argmax).
 
-    Verified by the point-mass rule, which is exact for any proposal (field.md)."""
+    Verified by the point-mass rule, which is exact for any proposal (field.md).
+
+    Optional: ``propose_with_match(context, max_tokens) -> (tokens, evidence)`` proposes first and says
+    how good the proposal looks — an int match length (bucketed on a log scale) or any hashable key —
+    so that ``gamma="auto"`` learns acceptance per situation and picks γ after seeing it."""
 
     def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
         ...
