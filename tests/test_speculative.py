@@ -241,13 +241,19 @@ def test_auto_gamma_falls_back_to_plain_decoding_for_a_useless_draft():
     assert result.stats.gamma_history.count(0) > 0.7 * len(result.stats.gamma_history)
 
 
+def _controller_with_verify_costs(max_gamma, seconds_per_token):
+    """A controller that has timed a 10 ms plain step and every block size up to max_gamma + 1 tokens."""
+    ctl = GammaController(max_gamma=max_gamma)
+    ctl.observe_target(1, 0.010)
+    for n in range(2, max_gamma + 2):
+        ctl.observe_target(n, 0.010 + seconds_per_token * n)
+    return ctl
+
+
 def test_auto_gamma_speculates_deeply_when_drafting_pays():
     # Deterministic: costs are injected, not timed (wall-clock timings are noisy on shared machines).
     # A cheap draft (c = 0.01) that is always accepted, and a verifier whose cost barely grows with γ.
-    ctl = GammaController(max_gamma=8)
-    ctl.observe_target(1, 0.010)
-    for n in range(2, 10):
-        ctl.observe_target(n, 0.010 + 0.0005 * n)
+    ctl = _controller_with_verify_costs(max_gamma=8, seconds_per_token=0.0005)
     for _ in range(20):
         ctl.observe_draft(4, 0.0004)
         ctl.observe_acceptance(proposed=4, accepted=4)
@@ -350,10 +356,7 @@ def test_seeded_sampling_with_auto_gamma_is_reproducible(draft_kind):
 def test_auto_gamma_learns_acceptance_per_situation():
     # Prompt lookup after a long match is copied whole, after a 1-token match it fails: with statistics
     # kept per context key, γ is long in the first situation and 0 (a plain step) in the second.
-    ctl = GammaController(max_gamma=16)
-    ctl.observe_target(1, 0.010)
-    for n in range(2, 18):
-        ctl.observe_target(n, 0.010 + 0.001 * n)
+    ctl = _controller_with_verify_costs(max_gamma=16, seconds_per_token=0.001)
     for _ in range(30):
         ctl.observe_acceptance(proposed=8, accepted=8, key="long match")
         ctl.observe_acceptance(proposed=8, accepted=0, key="1-token match")
