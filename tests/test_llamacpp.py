@@ -233,3 +233,26 @@ def test_logprobs_agree_with_pytorch_backend_within_quantisation_error(model):
     total_variation = 0.5 * np.abs(np.exp(ours) - np.exp(theirs)).sum(axis=1)
     assert total_variation.max() < 0.11 and total_variation.mean() < 0.03
     assert (ours.argmax(axis=1) == theirs.argmax(axis=1)).mean() >= 0.9
+
+
+# ------------------------------------------------------------------------------ crashing native builds
+def _probe_command(exit_code=None, signum=None):
+    """A stand-in probe: exits with ``exit_code`` or kills itself with ``signum``."""
+    body = f"import os, signal; os.kill(os.getpid(), {signum})" if signum else f"raise SystemExit({exit_code})"
+    return [sys.executable, "-c", body]
+
+
+def test_native_build_check_turns_a_crash_into_a_one_line_error(tmp_path, monkeypatch):
+    from speculum.models.llamacpp_check import REBUILD_COMMAND, check_native_build
+
+    monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ImportError, match="SIGSEGV") as info:
+        check_native_build(str(gguf), "CPU : AVX2 = 1 | AMX_INT8 = 1 |", command=_probe_command(signum=11))
+    assert REBUILD_COMMAND in str(info.value) and "\n" not in str(info.value)
+    # A build without AMX is not probed at all (the command would crash).
+    check_native_build(str(gguf), "CPU : AVX2 = 1 |", command=_probe_command(signum=11))
+    # A probe that passes is remembered: the next check runs no command (it would crash otherwise).
+    check_native_build(str(gguf), "AMX_INT8 = 1", command=_probe_command(exit_code=0))
+    check_native_build(str(gguf), "AMX_INT8 = 1", command=_probe_command(signum=11))

@@ -52,6 +52,7 @@ import numpy as np
 
 from .base import BaseModel, check_prompt, check_token_ids
 from .default import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path
+from .llamacpp_check import check_native_build
 
 __all__ = [
     "LlamaCppModel",
@@ -286,6 +287,8 @@ class LlamaCppModel(BaseModel):
             raise ValueError(f"n_threads must be a positive int or None, got {n_threads!r}")
         threads = n_threads or os.cpu_count() or 1
         n_batch = min(n_batch, n_ctx)
+        # A crashing native build would kill the process with no message: probe it once (llamacpp_check).
+        check_native_build(path, llama_cpp.llama_print_system_info().decode(errors="replace"))
         self._lib = llama_cpp
         self.model_path = path
         self.name = os.path.basename(path)
