@@ -434,3 +434,29 @@ def test_prompt_lookup_auto_equals_plain_on_repetitive_text():
                    max_new_tokens=120, temperature=0)
     assert got.tokens == expected
     assert got.stats.tokens_per_target_forward > 4.0
+
+
+class _AdvancingSession(CountingSession):
+    """A session that also offers ``advance`` (the last row only), recording the tokens it was given."""
+
+    advanced: list = []
+
+    def advance(self, tokens):
+        type(self).advanced.append(list(tokens))
+        return self.extend(tokens)[-1]
+
+
+class _AdvancingModel(Counting):
+    def start(self, prompt):
+        self.calls += 1
+        return _AdvancingSession(self, self.model.start(prompt))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_draft_catch_up_uses_advance_when_the_session_has_it(temperature):
+    _AdvancingSession.advanced = []
+    draft = _AdvancingModel(NEAR)
+    got = generate(TARGET, [1], draft=draft, gamma=3, max_new_tokens=40, temperature=temperature, seed=3)
+    ref = generate(TARGET, [1], draft=NEAR, gamma=3, max_new_tokens=40, temperature=temperature, seed=3)
+    assert got.tokens == ref.tokens                      # same rows, same random draws: same output
+    assert _AdvancingSession.advanced and all(len(t) >= 1 for t in _AdvancingSession.advanced)
