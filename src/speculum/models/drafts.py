@@ -224,7 +224,7 @@ class NGramProposer:
         proposal: list[int] = []
         evidence = (0, 0)
         for _ in range(min(max_tokens, self.num_pred_tokens)):
-            order = self.model.context_order(window)
+            order = self.model.context_order(window) if self.min_context or not proposal else 0
             if self.min_context and order < self.min_context:
                 break
             probabilities = self.model.next_probabilities(window)

@@ -69,7 +69,10 @@ def check_native_build(model_path: str, system_info: str, *, command: list[str] 
         return  # inconclusive (a slow machine), not a crash: do not block the user
     if result.returncode < 0 or result.returncode in (128 + signal.SIGSEGV, 128 + signal.SIGILL):
         signum = -result.returncode if result.returncode < 0 else result.returncode - 128
-        name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else str(signum)
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
         raise ImportError(
             f"the installed llama-cpp-python build crashes on this machine ({name} in a test decode; its CPU kernels "
             f"use AMX, which this environment does not allow). Rebuild it for AVX2: {REBUILD_COMMAND}")
