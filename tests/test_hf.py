@@ -189,6 +189,27 @@ def test_truncated_draft_shares_weights_and_validates(tiny):
         make_draft("layers:x", tiny)
 
 
+def test_layer_draft_reads_the_targets_cache_instead_of_catching_up(tiny, monkeypatch):
+    draft = truncated_draft(tiny, 2)
+    assert draft.prefix_of is tiny
+    # A session adopting the target's first layers gives the rows a session of its own would.
+    target_session = tiny.start([1, 3, 4, 5, 6])
+    shared = draft.start_sharing(target_session)
+    np.testing.assert_allclose(shared.advance([7]), draft.start([1, 3, 4, 5, 6]).advance([7]), atol=1e-5)
+    assert target_session.tokens == [1, 3, 4, 5, 6]            # the target's session is untouched
+    np.testing.assert_allclose(target_session.extend([7]), tiny.start([1, 3, 4, 5, 6]).extend([7]), atol=1e-5)
+    # In the decoding loop the draft never runs over accepted tokens: each of its forwards is one token.
+    fed = []
+    real_forward = draft._forward
+    monkeypatch.setattr(draft, "_forward", lambda ids, cache, keep=0: fed.append(ids.shape[1]) or
+                        real_forward(ids, cache, keep))
+    prompt = [1, 3, 4, 5]
+    plain = speculum.generate(tiny, prompt, max_new_tokens=30, temperature=0)
+    fast = speculum.generate(tiny, prompt, draft=draft, gamma=3, max_new_tokens=30, temperature=0)
+    assert fast.tokens == plain.tokens
+    assert fed and max(fed) == 1
+
+
 @pytest.mark.parametrize("spec", ["none", "lookup", "ngram", "int8", "bf16", "layers:1", "layers:2"])
 def test_greedy_speculative_equals_plain_on_tiny(tiny, spec):
     prompt = tiny.encode("the cat sat on the mat and the dog ran to the big red house")

@@ -159,6 +159,8 @@ class _Decoder:
                 prior_draft_ratio=0.1 if plan.draft_kind == "model" else 0.0)
         self.context = list(plan.prompt)          # prompt + emitted tokens
         self.key: Any = None                      # the controller's situation key for this block
+        self.shares_target_layers = False         # the draft reads the target's KV cache (truncated_draft)
+        self.target_session: Any = None
         self.draft_consumed = 0                   # context tokens the draft session has consumed
         self.draft_max_context = getattr(plan.draft, "max_context", None) if plan.draft_kind == "model" else None
 
@@ -179,6 +181,11 @@ class _Decoder:
 
     def _draft_with_model(self, session: Any, gamma: int) -> tuple[list[int], np.ndarray | None]:
         """Sample up to γ proposals from the draft's warped rows; returns tokens and those exact rows."""
+        if self.shares_target_layers:
+            # The draft is the target's first blocks: take their keys and values from the target's cache
+            # (it holds everything but the pending token) instead of running the draft over accepted tokens.
+            session.adopt_prefix_layers(self.target_session)
+            self.draft_consumed = session.length
         backlog = self.context[self.draft_consumed:]
         if not backlog:
             row = session.next_logprobs()
@@ -252,10 +259,15 @@ class _Decoder:
         target_session = plan.target.start(context[:-1])
         pending = context[-1:]
         stats.target_seconds += time.perf_counter() - started
+        self.target_session = target_session
         draft_session = None
         if plan.draft_kind == "model":
             t0 = time.perf_counter()
-            draft_session = plan.draft.start(context[:-1])
+            if getattr(plan.draft, "prefix_of", None) is plan.target and hasattr(plan.draft, "start_sharing"):
+                draft_session = plan.draft.start_sharing(target_session)   # None: layout not shareable
+                self.shares_target_layers = draft_session is not None
+            if draft_session is None:
+                draft_session = plan.draft.start(context[:-1])
             self.draft_consumed = max(len(context) - 1, 0)
             stats.draft_seconds += time.perf_counter() - t0
 

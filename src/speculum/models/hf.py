@@ -176,6 +176,14 @@ class HFModel(BaseModel):
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
     # ------------------------------------------------------------------------------------ protocol
+    def start_sharing(self, source: "HFSession") -> "HFSession | None":
+        """A session on ``source``'s tokens that reuses its KV cache instead of a prefill, for a model that
+        is ``source``'s model truncated to its first blocks (see ``HFSession.adopt_prefix_layers``);
+        None when the cache layout does not allow it."""
+        session = HFSession.__new__(HFSession)
+        session.model, session.tokens = self, []
+        return session if session.adopt_prefix_layers(source) else None
+
     def start(self, prompt: Sequence[int]) -> "HFSession":
         """A KV-cached session after ``prompt`` (an empty prompt starts from BOS). Exact."""
         return HFSession(self, prompt)
@@ -432,6 +440,26 @@ class HFSession:
         self._rows = _logprob_rows(logits[0])
         self._rows_start = len(self.tokens) - 1
         return self._rows[0]
+
+    def adopt_prefix_layers(self, source: "HFSession") -> bool:
+        """Take ``source``'s tokens and its KV cache for this model's layers (the first ones): exact for a
+        draft that *is* the source model's first blocks (``truncated_draft``), whose keys and values for
+        every consumed token equal the source's there. Replaces catching up with a forward. Returns False
+        (and changes nothing) when the cache layout does not allow it."""
+        layers = getattr(getattr(source, "_cache", None), "layers", None)
+        count = int(self.model.config.num_hidden_layers)
+        if not isinstance(layers, list) or len(layers) < count or not source.tokens:
+            return False
+        cache = self.model._new_cache()
+        if not isinstance(getattr(cache, "layers", None), list):
+            return False
+        # Shallow copies: appending or cropping re-binds a copy's tensors and leaves the source's alone.
+        cache.layers = [copy.copy(layer) for layer in layers[:count]]
+        self._cache = cache
+        self.tokens = list(source.tokens)
+        self._rows = np.zeros((0, self.model.vocab_size))  # no row known: next_logprobs recomputes
+        self._rows_start = len(self.tokens)
+        return True
 
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` tokens by cropping the KV cache (no recomputation)."""

@@ -80,4 +80,8 @@ def truncated_draft(target: HFModel, layers: int) -> HFModel:
     leftovers = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if leftovers:
         raise ValueError(f"cannot truncate {target.name}: unshared tensors {leftovers[:3]}")
-    return HFModel(module.eval(), target.tokenizer, name=f"{target.name}-layers{layers}")
+    draft = HFModel(module.eval(), target.tokenizer, name=f"{target.name}-layers{layers}")
+    # Its keys and values are the target's first `layers` layers': a decoding loop may hand the draft the
+    # target's cache instead of running the draft over accepted tokens (HFSession.adopt_prefix_layers).
+    draft.prefix_of = target
+    return draft
