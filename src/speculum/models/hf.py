@@ -416,13 +416,7 @@ class HFSession:
         tokens = check_token_ids(tokens, self.model.vocab_size, name="tokens")
         if not tokens:
             return np.zeros((0, self.model.vocab_size))
-        self.model._check_length(len(self.tokens) + len(tokens), name="the session")
-        with torch.inference_mode():
-            logits = self.model._forward(torch.tensor([tokens]), self._cache)
-        self._rows_start = len(self.tokens)
-        self.tokens.extend(tokens)
-        self._rows = _logprob_rows(logits[0])
-        return self._rows
+        return self._consume(tokens, keep=0)
 
     def advance(self, tokens: Sequence[int]) -> np.ndarray:
         """Consume ``tokens`` in one forward; ``(vocab,)`` log-probs after the LAST of them only.
@@ -433,13 +427,18 @@ class HFSession:
         tokens = check_token_ids(tokens, self.model.vocab_size, name="tokens")
         if not tokens:
             return self.next_logprobs()
+        return self._consume(tokens, keep=1)[0]
+
+    def _consume(self, tokens: list[int], keep: int) -> np.ndarray:
+        """One forward over checked, non-empty ``tokens``; keeps and returns the rows of the last ``keep``
+        positions (0: all of them)."""
         self.model._check_length(len(self.tokens) + len(tokens), name="the session")
         with torch.inference_mode():
-            logits = self.model._forward(torch.tensor([tokens]), self._cache, keep=1)
+            logits = self.model._forward(torch.tensor([tokens]), self._cache, keep=keep)
         self.tokens.extend(tokens)
         self._rows = _logprob_rows(logits[0])
-        self._rows_start = len(self.tokens) - 1
-        return self._rows[0]
+        self._rows_start = len(self.tokens) - len(self._rows)
+        return self._rows
 
     def adopt_prefix_layers(self, source: "HFSession") -> bool:
         """Take ``source``'s tokens and its KV cache for this model's layers (the first ones): exact for a
