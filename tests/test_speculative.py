@@ -366,6 +366,19 @@ def test_auto_gamma_learns_acceptance_per_situation():
     assert ctl.key_acceptance("new") == pytest.approx(ctl.acceptance)
 
 
+@pytest.mark.parametrize("probe_new_keys", [True, False])
+def test_auto_gamma_probes_a_situation_the_first_time_it_is_seen(probe_new_keys):
+    # Early blocks after 1-token matches fail and drag the pooled rate down; a situation first seen later
+    # (a long match) must still be tried at once, not wait probe_every plain steps behind that rate.
+    ctl = _controller_with_verify_costs(max_gamma=16, seconds_per_token=0.001)
+    ctl.probe_new_keys = probe_new_keys
+    for _ in range(10):
+        ctl.observe_acceptance(proposed=4, accepted=0, key="1-token match")
+    assert ctl.next_gamma("1-token match") == 0
+    assert (ctl.next_gamma("long match") > 0) == probe_new_keys
+    assert ctl.next_gamma("long match") == 0          # tried once; its own statistics decide from now on
+
+
 # Verification cost (ms) of n tokens on SmolLM2-135M float32, 2 CPU cores: a step at 4, flat from 12 to 16.
 _CPU_VERIFY_MS = {1: 31.5, 2: 34.1, 3: 36.4, 4: 50.1, 5: 52.0, 6: 53.6, 7: 60.0, 8: 65.1, 9: 67.0, 10: 69.8,
                   11: 71.5, 12: 73.1, 13: 73.3, 14: 73.5, 15: 73.6, 16: 73.7, 17: 75.1}
