@@ -107,6 +107,7 @@ def load_model(
     backend: str = "hf",
     dtype: str = "float32",
     progress: bool = True,
+    prepack: bool = True,
 ) -> Any:
     """Load a target or draft model by embedded name or local path.
 
@@ -116,6 +117,9 @@ def load_model(
         backend: ``"hf"`` (PyTorch via transformers) or ``"llamacpp"`` (llama-cpp-python, optional).
         dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` — hf backend only.
         progress: show a progress bar while converting the embedded model the first time.
+        prepack: hf backend, float32 on CPU: pre-pack Linear weights for oneDNN
+            (:mod:`speculum.models.prepack`; same results to float32 rounding, faster verification);
+            False keeps PyTorch's default kernels, bit for bit what transformers computes.
 
     Raises ValueError (unknown name / backend), FileNotFoundError (missing path), ImportError (missing
     optional dependency). Never contacts a model hub.
@@ -139,12 +143,12 @@ def load_model(
 
     key = _canonical(str(name_or_path))
     if key is not None:
-        model = HFModel.from_pretrained(_converted_dir(key, progress=progress), dtype=dtype)
+        model = HFModel.from_pretrained(_converted_dir(key, progress=progress), dtype=dtype, prepack=prepack)
         model.name = key
         return model
     path = Path(name_or_path).expanduser()
     if path.exists():
-        return HFModel.from_pretrained(path, dtype=dtype)
+        return HFModel.from_pretrained(path, dtype=dtype, prepack=prepack)
     if os.sep in str(name_or_path) or str(name_or_path).startswith("."):
         raise FileNotFoundError(f"model path {str(name_or_path)!r} does not exist")
     raise ValueError(

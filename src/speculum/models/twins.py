@@ -26,13 +26,14 @@ import warnings
 import torch
 
 from .hf import HFModel
+from .prepack import unpacked_copy
 
 __all__ = ["int8_twin", "bf16_twin", "truncated_draft"]
 
 
 def int8_twin(target: HFModel) -> HFModel:
     """A copy of ``target`` with int8 dynamically quantised Linear layers (the target is untouched)."""
-    module = copy.deepcopy(target.module)
+    module = unpacked_copy(target.module)
     with warnings.catch_warnings():
         # torch.ao.quantization is deprecated in favour of torchao, which is not a dependency here; the eager
         # dynamic path still ships with torch and is what this twin needs.
@@ -45,7 +46,7 @@ def int8_twin(target: HFModel) -> HFModel:
 
 def bf16_twin(target: HFModel) -> HFModel:
     """A bfloat16 copy of ``target`` (its logits are converted to float32 before the log-softmax)."""
-    module = copy.deepcopy(target.module).to(torch.bfloat16)
+    module = unpacked_copy(target.module).to(torch.bfloat16)
     return HFModel(module, target.tokenizer, name=f"{target.name}-bf16")
 
 
