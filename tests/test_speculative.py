@@ -473,3 +473,15 @@ def test_draft_catch_up_uses_advance_when_the_session_has_it(temperature):
     ref = generate(TARGET, [1], draft=NEAR, gamma=3, max_new_tokens=40, temperature=temperature, seed=3)
     assert got.tokens == ref.tokens                      # same rows, same random draws: same output
     assert _AdvancingSession.advanced and all(len(t) >= 1 for t in _AdvancingSession.advanced)
+
+
+@pytest.mark.parametrize("catch_up_seconds_per_token,probes", [(0.0001, True), (0.01, False)])
+def test_auto_gamma_does_not_probe_a_draft_whose_catch_up_is_dear(catch_up_seconds_per_token, probes):
+    # After plain steps a draft model must re-read every token it missed: with a 10 ms step, a backlog of
+    # 5 tokens at 10 ms each costs 5 steps, beyond the 0.8-step probe budget; at 0.1 ms, 0.05 steps.
+    ctl = _controller_with_verify_costs(max_gamma=8, seconds_per_token=0.001)
+    for _ in range(10):
+        ctl.observe_acceptance(proposed=2, accepted=0)       # drafting does not pay: plain steps
+    ctl.observe_catch_up(16, 16 * catch_up_seconds_per_token)
+    chosen = [ctl.next_gamma(backlog=5) for _ in range(200)]
+    assert (max(chosen) > 0) == probes

@@ -70,6 +70,7 @@ class GammaController:
     _by_key: dict = field(default_factory=dict, init=False, repr=False)     # context key -> _Acceptance
     _target_seconds: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # tokens fed -> s
     _draft_seconds_per_token: float | None = field(default=None, init=False, repr=False)
+    _catch_up_seconds_per_token: float | None = field(default=None, init=False, repr=False)
     _probes: int = field(default=0, init=False, repr=False)
 
     # ----------------------------------------------------------------------------------- observations
@@ -105,6 +106,21 @@ class GammaController:
         per_token = seconds / n_tokens
         old = self._draft_seconds_per_token
         self._draft_seconds_per_token = per_token if old is None else self.decay * old + (1 - self.decay) * per_token
+
+    def observe_catch_up(self, n_tokens: int, seconds: float) -> None:
+        """Record a draft model consuming ``n_tokens`` accepted tokens it had not seen, in ``seconds``."""
+        if n_tokens <= 0 or not self.timed:
+            return
+        per_token = seconds / n_tokens
+        old = self._catch_up_seconds_per_token
+        self._catch_up_seconds_per_token = per_token if old is None else self.decay * old + (1 - self.decay) * per_token
+
+    def catch_up_ratio(self) -> float:
+        """Cost of a draft model consuming one accepted token in a batch, in plain decode steps (0: unknown)."""
+        step = self._step_seconds()
+        if self._catch_up_seconds_per_token is None or not step:
+            return 0.0
+        return self._catch_up_seconds_per_token / step
 
     # --------------------------------------------------------------------------------------- estimates
     @property
@@ -187,8 +203,14 @@ class GammaController:
         return self.expected_tokens(gamma, key) / (gamma * self.draft_ratio() + self.verify_cost(gamma))
 
     # ---------------------------------------------------------------------------------------- decisions
-    def next_gamma(self, key: Hashable = None) -> int:
-        """γ for the next iteration in the situation ``key``; 0 means a plain decode step."""
+    def next_gamma(self, key: Hashable = None, backlog: int = 0) -> int:
+        """γ for the next iteration in the situation ``key``; 0 means a plain decode step.
+
+        ``backlog``: accepted tokens a draft model must consume before it can propose (its catch-up). A
+        probe whose catch-up alone would cost more than ``probe_cost_budget`` steps is not made: after
+        plain steps a draft model must re-read everything it missed, so probing a draft that is dear to
+        run (a bf16 twin on a CPU without bf16 matrix instructions) would cost a share of every token.
+        """
         if not self._target_seconds:
             return 0                   # calibrate: time one plain step first
         if max(self._target_seconds) == 1:
@@ -210,7 +232,8 @@ class GammaController:
                 # Exponential back-off: each probe that does not bring drafting back doubles the wait
                 # (up to max_probe_gap), so a useless draft costs ever less.
                 stats.plain_steps, stats.probe_gap = 0, min(2 * gap, self.max_probe_gap)
-                return self._probe_gamma()
+                if backlog * self.catch_up_ratio() <= self.probe_cost_budget:
+                    return self._probe_gamma()
         else:
             stats.plain_steps, stats.probe_gap = 0, 0
             stats.drafting_blocks += 1

@@ -176,7 +176,13 @@ class _Decoder:
     def _gamma(self, remaining: int, key: Any = None) -> int:
         if self.plan.draft_kind == "none":
             return 0
-        gamma = self.controller.next_gamma(key) if self.controller else int(self.plan.gamma)
+        if self.controller is None:
+            gamma = int(self.plan.gamma)
+        else:
+            # A draft model re-reads what it missed during plain steps (not one reading the target's cache).
+            backlog = (len(self.context) - self.draft_consumed
+                       if self.plan.draft_kind == "model" and not self.shares_target_layers else 0)
+            gamma = self.controller.next_gamma(key, backlog=backlog)
         return max(min(gamma, self._gamma_cap(remaining)), 0)
 
     def _draft_with_model(self, session: Any, gamma: int) -> tuple[list[int], np.ndarray | None]:
@@ -189,10 +195,14 @@ class _Decoder:
         backlog = self.context[self.draft_consumed:]
         if not backlog:
             row = session.next_logprobs()
-        elif callable(getattr(session, "advance", None)):
-            row = session.advance(backlog)         # catching up needs only the last row
         else:
-            row = session.extend(backlog)[-1]
+            t0 = time.perf_counter()
+            if callable(getattr(session, "advance", None)):
+                row = session.advance(backlog)     # catching up needs only the last row
+            else:
+                row = session.extend(backlog)[-1]
+            if self.controller is not None:
+                self.controller.observe_catch_up(len(backlog), time.perf_counter() - t0)
         self.draft_consumed = len(self.context)
         self.stats.draft_forwards += 1
         tokens: list[int] = []
