@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-from speculum.decoding.controller import GammaController  # noqa: E402
+from speculum.decoding.controller import GammaController, situation_key  # noqa: E402
 from speculum.models.select import make_draft  # noqa: E402
 
 
@@ -73,7 +73,7 @@ def replay(data: dict, draft_spec: str, *, controller_args: dict | None = None, 
             key, proposal = None, []
             if cap > 0:
                 proposal, match = proposer.propose_with_match(context, cap)
-                key = min(int(match).bit_length(), 6) if isinstance(match, int) else match
+                key = situation_key(match)
             if fixed_gamma is not None:
                 gamma = min(fixed_gamma, cap)
             else:

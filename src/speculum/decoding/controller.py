@@ -27,9 +27,16 @@ None of this can affect exactness: γ and early stopping only change *what is pr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable
+from numbers import Integral
+from typing import Any, Hashable
 
-__all__ = ["GammaController"]
+__all__ = ["GammaController", "situation_key"]
+
+
+def situation_key(match: Any) -> Hashable:
+    """The controller key for a proposer's evidence (``Proposer.propose_with_match``): an int is a match
+    length, bucketed on a log scale (1, 2-3, 4-7, ... up to 32+); any other evidence is the key as it is."""
+    return min(int(match).bit_length(), 6) if isinstance(match, Integral) else match
 
 
 @dataclass
@@ -94,8 +101,7 @@ class GammaController:
         """Record one target call that fed ``n_tokens`` tokens and took ``seconds``."""
         if not self.timed:
             seconds = 1.0 + self.prior_verify_slope * (n_tokens - 1)
-        old = self._target_seconds.get(n_tokens)
-        self._target_seconds[n_tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self._target_seconds[n_tokens] = self._decayed(self._target_seconds.get(n_tokens), seconds)
 
     def observe_draft(self, n_tokens: int, seconds: float) -> None:
         """Record drafting ``n_tokens`` proposals in ``seconds`` (catch-up included: it is a real cost)."""
@@ -103,17 +109,17 @@ class GammaController:
             return
         if not self.timed:
             seconds = n_tokens * self.prior_draft_ratio
-        per_token = seconds / n_tokens
-        old = self._draft_seconds_per_token
-        self._draft_seconds_per_token = per_token if old is None else self.decay * old + (1 - self.decay) * per_token
+        self._draft_seconds_per_token = self._decayed(self._draft_seconds_per_token, seconds / n_tokens)
 
     def observe_catch_up(self, n_tokens: int, seconds: float) -> None:
         """Record a draft model consuming ``n_tokens`` accepted tokens it had not seen, in ``seconds``."""
         if n_tokens <= 0 or not self.timed:
             return
-        per_token = seconds / n_tokens
-        old = self._catch_up_seconds_per_token
-        self._catch_up_seconds_per_token = per_token if old is None else self.decay * old + (1 - self.decay) * per_token
+        self._catch_up_seconds_per_token = self._decayed(self._catch_up_seconds_per_token, seconds / n_tokens)
+
+    def _decayed(self, old: float | None, value: float) -> float:
+        """Exponentially decayed average of timings (the first observation stands alone)."""
+        return value if old is None else self.decay * old + (1 - self.decay) * value
 
     def catch_up_ratio(self) -> float:
         """Cost of a draft model consuming one accepted token in a batch, in plain decode steps (0: unknown)."""

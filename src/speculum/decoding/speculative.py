@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from ..models.base import check_prompt, check_token_ids, from_forward
-from .controller import GammaController
+from .controller import GammaController, situation_key
 from .events import Chunk, DecodingStats, GenerationResult
 from .verify import verify_distribution, verify_greedy, verify_point_mass
 from .warp import check_sampling_args, is_identity_warp, sample_from_logprobs, warp_logprobs
@@ -237,8 +237,7 @@ class _Decoder:
             proposal, match = draft.propose_with_match(self.context, cap) if cap > 0 else ([], 0)
             if not proposal:
                 return []
-            # An int is a match length, bucketed on a log scale; other evidence is the key as it is.
-            self.key = min(int(match).bit_length(), 6) if isinstance(match, Integral) else match
+            self.key = situation_key(match)
             gamma = max(min(self.controller.next_gamma(self.key), cap), 0)
         else:
             gamma = self._gamma(remaining)
