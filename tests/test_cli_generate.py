@@ -137,3 +137,14 @@ def test_demo_runs_and_matches_plain_greedy(capsys):
     assert main(["demo", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert out.count("identical tokens: yes") == 2 and "acceptance rate" in out
+
+
+def test_stats_table_says_why_the_draft_was_skipped():
+    from speculum.cli.generate import format_stats
+    from speculum.decoding.events import DecodingStats
+
+    stats = DecodingStats(emitted=3, target_forwards=3, total_seconds=1.0)
+    assert "draft skipped" not in format_stats(stats, draft="bf16", gamma="auto")
+    stats.draft_skipped = "drafting cannot pay"
+    last = format_stats(stats, draft="bf16", gamma="auto").splitlines()[-1]
+    assert last.startswith("draft skipped") and last.endswith("drafting cannot pay")

@@ -485,3 +485,42 @@ def test_auto_gamma_does_not_probe_a_draft_whose_catch_up_is_dear(catch_up_secon
     ctl.observe_catch_up(16, 16 * catch_up_seconds_per_token)
     chosen = [ctl.next_gamma(backlog=5) for _ in range(200)]
     assert (max(chosen) > 0) == probes
+
+
+def test_draft_can_pay_bounds_the_best_case_speed_up():
+    ctl = _controller_with_verify_costs(max_gamma=8, seconds_per_token=0.001)   # a 10 ms plain step
+    assert ctl.draft_can_pay(0.002)                 # c = 0.2: up to 5x with perfect acceptance
+    assert not ctl.draft_can_pay(0.0095)            # c = 0.95: under 1/c < min_gain even if all accepted
+    assert GammaController().draft_can_pay(1.0)     # no step timed yet: cannot tell, so try
+    assert GammaController(timed=False).draft_can_pay(1.0)
+
+
+@pytest.mark.parametrize("draft_step_seconds,target_step_seconds,used", [(0.01, 0.0, False), (0.0, 0.01, True)])
+def test_auto_gamma_starts_a_draft_model_only_if_it_can_pay(draft_step_seconds, target_step_seconds, used):
+    # A draft dearer per step than the target is timed on a throwaway session and never started: the
+    # prompt prefill it would cost is never spent and every token comes from plain target steps.
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7]
+    draft = Counting(NEAR, step_seconds=draft_step_seconds)
+    target = Counting(TARGET, step_seconds=target_step_seconds)
+    result = generate(target, prompt, draft=draft, gamma="auto", max_new_tokens=30, temperature=0)
+    assert result.tokens == plain_greedy(TARGET, prompt, 30)
+    if used:
+        assert result.stats.draft_skipped is None and result.stats.draft_forwards > 0
+    else:
+        assert "cannot pay" in result.stats.draft_skipped
+        assert draft.calls == 3                     # the trial: one start, two timed steps
+        assert result.stats.draft_forwards == 0 and max(result.stats.gamma_history) == 0
+
+
+def test_auto_gamma_counts_a_long_catch_up_against_resuming_a_dear_draft():
+    # Drafting pays block by block (c = 0.05, always accepted), but a draft that missed 40 tokens and reads
+    # each for 0.5 steps would first spend 19 steps catching up: a plain step is better.
+    ctl = _controller_with_verify_costs(max_gamma=8, seconds_per_token=0.0005)
+    for _ in range(20):
+        ctl.observe_draft(4, 0.002)
+        ctl.observe_acceptance(proposed=4, accepted=4)
+    ctl.observe_catch_up(16, 16 * 0.005)
+    assert ctl.next_gamma(backlog=2) > 0          # the usual catch-up (last proposal + bonus) is in c
+    assert ctl.next_gamma(backlog=40) == 0
+    ctl.observe_catch_up(3, 3 * 0.1)              # a short catch-up is mostly one call's fixed cost: ignored
+    assert ctl.catch_up_ratio() == pytest.approx(0.5)

@@ -166,5 +166,7 @@ def format_stats(stats: Any, *, draft: str, gamma: Any, stop_reason: str | None 
         ("tokens/target forward", f"{stats.tokens_per_target_forward:.2f} ({stats.target_forwards} forwards)"),
         ("draft vs target time", f"{stats.draft_seconds:.2f} s vs {stats.target_seconds:.2f} s"),
     ]
+    if getattr(stats, "draft_skipped", None):
+        rows.append(("draft skipped", stats.draft_skipped))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

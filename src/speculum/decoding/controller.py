@@ -70,6 +70,8 @@ class GammaController:
     timed: bool = True               # False: costs come from the prior model, not wall-clock timings, so
                                      # γ depends only on acceptance — reproducible draws for a seeded sampler
     probe_new_keys: bool = True      # probe a situation key the first time it is seen
+    optimistic_acceptance: float = 0.9  # acceptance assumed when deciding whether a draft can pay at all
+    min_catch_up: int = 4            # shortest draft catch-up whose timing is used as a per-token reading cost
     min_gain: float = 1.1            # speculate only if S(γ) beats plain decoding by this factor: the loop's
                                      # own overhead (sampling, verification) is not in the measured costs
     # Running state (not constructor arguments).
@@ -112,8 +114,11 @@ class GammaController:
         self._draft_seconds_per_token = self._decayed(self._draft_seconds_per_token, seconds / n_tokens)
 
     def observe_catch_up(self, n_tokens: int, seconds: float) -> None:
-        """Record a draft model consuming ``n_tokens`` accepted tokens it had not seen, in ``seconds``."""
-        if n_tokens <= 0 or not self.timed:
+        """Record a draft model consuming ``n_tokens`` accepted tokens it had not seen, in ``seconds``.
+
+        Catch-ups shorter than ``min_catch_up`` are ignored: their time is mostly one call's fixed cost (about
+        a draft step, already in c), which would overstate the per-token cost of reading a long backlog."""
+        if n_tokens < self.min_catch_up or not self.timed:
             return
         self._catch_up_seconds_per_token = self._decayed(self._catch_up_seconds_per_token, seconds / n_tokens)
 
@@ -140,6 +145,10 @@ class GammaController:
         if key is None or key not in self._by_key:
             return pooled
         return self._by_key[key].rate(pooled, self.prior_weight)
+
+    def step_seconds(self) -> float | None:
+        """Seconds of one plain target decode step (measured or inferred; None before any timing)."""
+        return self._step_seconds()
 
     def _step_seconds(self) -> float | None:
         if 1 in self._target_seconds:
@@ -202,11 +211,12 @@ class GammaController:
             total += survive
         return total
 
-    def expected_speedup(self, gamma: int, key: Hashable = None) -> float:
-        """S(γ) = E[N] / (γ·c + v(γ)) under the current estimates (S(0) = 1)."""
+    def expected_speedup(self, gamma: int, key: Hashable = None, overhead: float = 0.0) -> float:
+        """S(γ) = E[N] / (γ·c + v(γ) + overhead) under the current estimates (S(0) = 1); ``overhead``: a
+        one-off cost of this block in steps (a draft model's catch-up on tokens it missed)."""
         if gamma == 0:
             return 1.0
-        return self.expected_tokens(gamma, key) / (gamma * self.draft_ratio() + self.verify_cost(gamma))
+        return self.expected_tokens(gamma, key) / (gamma * self.draft_ratio() + self.verify_cost(gamma) + overhead)
 
     # ---------------------------------------------------------------------------------------- decisions
     def next_gamma(self, key: Hashable = None, backlog: int = 0) -> int:
@@ -228,8 +238,12 @@ class GammaController:
             self._stats(key)
             return self._probe_gamma()
         stats = self._stats(key)
-        best = max(range(1, self.max_gamma + 1), key=lambda g: self.expected_speedup(g, key)) if self.max_gamma else 0
-        if best and self.expected_speedup(best, key) < self.min_gain:
+        # Catching up on more than the usual last proposal + bonus token (already inside the measured c)
+        # is a one-off cost of this block: after plain steps a dear draft may not be worth resuming.
+        overhead = max(backlog - 2, 0) * self.catch_up_ratio()
+        best = max(range(1, self.max_gamma + 1),
+                   key=lambda g: self.expected_speedup(g, key, overhead)) if self.max_gamma else 0
+        if best and self.expected_speedup(best, key, overhead) < self.min_gain:
             best = 0
         if best == 0:
             stats.plain_steps += 1
@@ -248,6 +262,30 @@ class GammaController:
                 # without this the controller sticks to the short blocks it started with.
                 best = max(best, min(max(2 * best, best + 2), self._explore_cap()))
         return best
+
+    def draft_can_pay(self, draft_step_seconds: float, *, setup_seconds: float = 0.0,
+                      tokens_left: int | None = None) -> bool:
+        """False when a draft model cannot beat plain decoding even in a good case: acceptance
+        ``optimistic_acceptance`` at every position and verification as cheap as one step, so a block of γ
+        costs γ·c + 1 steps for E[N](γ) tokens (c = draft step / target step). The best such speed-up S* must
+        reach ``min_gain``, and the steps it saves, ``tokens_left·(1 − 1/S*)``, must exceed the draft's
+        one-off ``setup_seconds`` (reading the context).
+
+        Used before starting a draft: a bf16 twin on a CPU without bf16 matrix instructions decodes a token
+        for ~0.7 target steps but reads a prompt 4-5x slower than the float32 target, so it never pays back.
+        """
+        step = self._step_seconds()
+        if not step or not self.timed:
+            return True
+        ratio = draft_step_seconds / step
+        best, tokens, survive = 1.0, 1.0, 1.0
+        for gamma in range(1, max(self.max_gamma, 1) + 1):
+            survive *= self.optimistic_acceptance
+            tokens += survive
+            best = max(best, tokens / (gamma * ratio + 1.0))
+        if best < self.min_gain:
+            return False
+        return tokens_left is None or setup_seconds < tokens_left * step * (1.0 - 1.0 / best)
 
     def _explore_cap(self) -> int:
         """Largest exploratory block: drafting it may cost at most ``probe_draft_budget`` steps."""

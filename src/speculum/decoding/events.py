@@ -28,6 +28,7 @@ class DecodingStats:
     proposed_per_position: list[int] = field(default_factory=list)   # [i]: blocks that proposed position i
     accepted_per_position: list[int] = field(default_factory=list)   # [i]: blocks that accepted position i
     gamma_history: list[int] = field(default_factory=list)           # proposals verified per target forward
+    draft_skipped: str | None = None  # why gamma="auto" never started the draft model (None: it did, or no model)
 
     @property
     def acceptance_rate(self) -> float:

@@ -30,6 +30,7 @@ from .warp import check_sampling_args, is_identity_warp, sample_from_logprobs, w
 __all__ = ["generate", "stream", "make_rngs"]
 
 _ROW_MASS_TOLERANCE = 1e-6
+_TRIAL_TOKENS = 8    # context tokens a draft model reads in its timed trial (gamma="auto", _start_draft)
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -228,6 +229,44 @@ class _Decoder:
             self.stats.draft_forwards += 1
         return tokens, (np.stack(reported) if reported else None)
 
+    def _start_draft(self, tokens_left: int) -> Any:
+        """Start the draft model's session, or None when a timed trial shows drafting cannot pay.
+
+        The trial reads the last ``_TRIAL_TOKENS`` context tokens (timing the draft's reading rate, so its
+        cost for the whole context can be estimated) and times two decode steps (best of two). A draft that
+        loses is thus rejected for the price of a short read instead of a read of the whole context. A
+        context no longer than the trial is read once: the trial session is then the real one.
+        """
+        draft, context = self.plan.draft, self.context
+        if len(context) < 2:
+            session = draft.start(context[:-1])
+            self.draft_consumed = max(len(context) - 1, 0)
+            return session
+        trial = context[-_TRIAL_TOKENS - 1:]
+        t0 = time.perf_counter()
+        session = draft.start(trial[:-1])
+        read = time.perf_counter() - t0
+        step = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            session.extend(trial[-1:])
+            step = min(step, time.perf_counter() - t0)
+            session.rollback(1)
+        # Reading n tokens costs about one call (a step) plus n - 1 times the marginal rate.
+        read_rate = max(read - step, 0.0) / max(len(trial) - 2, 1)
+        self.controller.observe_catch_up(len(trial) - 1, read)
+        reread = 0 if len(trial) == len(context) else len(context) - 1
+        if not self.controller.draft_can_pay(step, setup_seconds=read_rate * reread, tokens_left=tokens_left):
+            target_step = self.controller.step_seconds()
+            self.stats.draft_skipped = (
+                f"a draft step costs {step / target_step:.2f} target steps and reading the context "
+                f"~{read_rate * reread / target_step:.0f}: drafting cannot pay, so the draft model was not used")
+            return None
+        if reread:
+            session = draft.start(context[:-1])
+        self.draft_consumed = len(context) - 1
+        return session
+
     def _draft_with_proposer(self, remaining: int) -> list[int]:
         draft = self.plan.draft
         if self.controller is not None and callable(getattr(draft, "propose_with_match", None)):
@@ -270,14 +309,20 @@ class _Decoder:
         stats.target_seconds += time.perf_counter() - started
         self.target_session = target_session
         draft_session = None
+        # gamma="auto" (timed) starts a draft model only when it first wants to draft, after timing one draft
+        # step: the prompt prefill of a draft that cannot pay is then never spent (see _start_draft).
+        lazy_draft = False
         if plan.draft_kind == "model":
             t0 = time.perf_counter()
             if getattr(plan.draft, "prefix_of", None) is plan.target and hasattr(plan.draft, "start_sharing"):
                 draft_session = plan.draft.start_sharing(target_session)   # None: layout not shareable
                 self.shares_target_layers = draft_session is not None
             if draft_session is None:
-                draft_session = plan.draft.start(context[:-1])
-            self.draft_consumed = max(len(context) - 1, 0)
+                if self.controller is not None and self.controller.timed:
+                    lazy_draft = True
+                else:
+                    draft_session = plan.draft.start(context[:-1])
+                    self.draft_consumed = max(len(context) - 1, 0)
             stats.draft_seconds += time.perf_counter() - t0
 
         while True:
@@ -285,13 +330,17 @@ class _Decoder:
             self.key = None
 
             t0 = time.perf_counter()
+            setup = 0.0
             draft_rows = None
             tokens: list[int] = []
             if plan.draft_kind == "proposer":
                 tokens = self._draft_with_proposer(remaining)
-            elif draft_session is not None:
+            elif draft_session is not None or lazy_draft:
                 gamma = self._gamma(remaining)
-                if gamma > 0:
+                if gamma > 0 and draft_session is None:
+                    draft_session, lazy_draft = self._start_draft(remaining), False
+                    setup = time.perf_counter() - t0   # a one-off: not a per-token drafting cost
+                if gamma > 0 and draft_session is not None:
                     tokens, draft_rows = self._draft_with_model(draft_session, gamma)
             t1 = time.perf_counter()
 
@@ -311,7 +360,7 @@ class _Decoder:
             stats.record_block(len(tokens), verdict.accepted)
             if self.controller is not None:
                 self.controller.observe_target(len(feed), t2 - t1)
-                self.controller.observe_draft(len(tokens), t1 - t0)
+                self.controller.observe_draft(len(tokens), t1 - t0 - setup)
                 self.controller.observe_acceptance(proposed=len(tokens), accepted=verdict.accepted, key=self.key)
 
             # Keep both sessions on a prefix of the new context: the target drops the rejected proposals
