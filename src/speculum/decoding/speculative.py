@@ -239,9 +239,7 @@ class _Decoder:
         """
         draft, context = self.plan.draft, self.context
         if len(context) < 2:
-            session = draft.start(context[:-1])
-            self.draft_consumed = max(len(context) - 1, 0)
-            return session
+            return self._open_draft_session()
         trial = context[-_TRIAL_TOKENS - 1:]
         t0 = time.perf_counter()
         session = draft.start(trial[:-1])
@@ -263,9 +261,14 @@ class _Decoder:
                 f"~{read_rate * reread / target_step:.0f}: drafting cannot pay, so the draft model was not used")
             return None
         if reread:
-            session = draft.start(context[:-1])
+            return self._open_draft_session()
         self.draft_consumed = len(context) - 1
         return session
+
+    def _open_draft_session(self) -> Any:
+        """The draft model's session over all but the last context token (the target's ``pending``)."""
+        self.draft_consumed = max(len(self.context) - 1, 0)
+        return self.plan.draft.start(self.context[:-1])
 
     def _draft_with_proposer(self, remaining: int) -> list[int]:
         draft = self.plan.draft
@@ -321,8 +324,7 @@ class _Decoder:
                 if self.controller is not None and self.controller.timed:
                     lazy_draft = True
                 else:
-                    draft_session = plan.draft.start(context[:-1])
-                    self.draft_consumed = max(len(context) - 1, 0)
+                    draft_session = self._open_draft_session()
             stats.draft_seconds += time.perf_counter() - t0
 
         while True:
