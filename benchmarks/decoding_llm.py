@@ -13,14 +13,21 @@ prints ratios to our plain decoding and to transformers' assisted generation wit
 asserts that every greedy output equals plain greedy decoding. End-of-sequence is disabled on both sides
 so every run emits exactly the same number of tokens.
 
-    .venv/bin/python benchmarks/decoding_llm.py                      # full run (~6-10 min idle, 2 cores)
-    .venv/bin/python benchmarks/decoding_llm.py --repeats 3          # median of 3 per run (~30 min)
+Ratios are paired: each round runs ``plain, group, plain, group, ..., plain`` (a group is one draft's
+fixed-γ, auto and transformers runs), and a run is compared with the mean of the two plain runs around
+its group and with the transformers run of its own group; the table reports the median over rounds of
+those ratios (tokens/s: the median run). Shared 2-core machines drift by ±25 % over minutes, which
+unpaired medians turn into whole columns off by 10 %.
+
+    .venv/bin/python benchmarks/decoding_llm.py                      # one round (~25-35 min, 2 cores)
+    .venv/bin/python benchmarks/decoding_llm.py --repeats 3          # three rounds, median ratios (~100 min)
     .venv/bin/python benchmarks/decoding_llm.py --tasks summarise --max-new-tokens 32 --drafts lookup
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -95,12 +102,55 @@ def transformers_generate(target, prompt_ids, n, **assist) -> Run:
     return Run("", seconds, out[0, len(prompt_ids):].tolist())
 
 
-def median_run(repeats: int, measure) -> Run:
-    """The run with the median time of ``repeats`` calls of ``measure()`` (outputs must agree): one-off
-    stalls of a shared machine move a single measurement by ±25 %."""
-    runs = sorted((measure() for _ in range(repeats)), key=lambda run: run.seconds)
+def median_run(runs: list[Run]) -> Run:
+    """The run with the median time (outputs must agree): one-off stalls of a shared machine move a single
+    measurement by ±25 %."""
+    runs = sorted(runs, key=lambda run: run.seconds)
     assert all(run.tokens == runs[0].tokens for run in runs), "repeated runs produced different outputs"
     return runs[len(runs) // 2]
+
+
+@dataclass
+class Measured:
+    """One method's runs on one task, each paired with the plain-decoding time measured around it."""
+    label: str
+    runs: list[Run]
+    plain_seconds: list[float]          # per round: mean of our plain runs just before and just after its group
+    versus: str | None = None           # label of transformers' run with the same draft, if any
+
+    def run(self) -> Run:
+        return median_run(self.runs)
+
+    def speedup(self) -> float:
+        """Median over rounds of (bracketing plain time / this time): a paired ratio, so a slow minute of the
+        machine slows both sides instead of one."""
+        return statistics.median(p / r.seconds for p, r in zip(self.plain_seconds, self.runs))
+
+    def ratio_to(self, other: "Measured") -> float:
+        """Median over rounds of other's time / this time (both measured in the same group of a round)."""
+        return statistics.median(o.seconds / r.seconds for o, r in zip(other.runs, self.runs))
+
+
+def measure_task(groups, plain_measure, repeats: int) -> tuple[list[Run], dict[str, Measured]]:
+    """Interleaved rounds: ``plain, group 1, plain, group 2, ..., plain``, ``repeats`` times. Each group's
+    ratios are taken against the mean of the two plain runs bracketing it in the same round (this machine's
+    speed drifts by ±25 % over minutes; measuring every method back to back, then the next, biased whole
+    columns)."""
+    plain_runs: list[Run] = []
+    measured: dict[str, Measured] = {}
+    for _ in range(repeats):
+        plain_runs.append(plain_measure())
+        for group in groups:
+            done = [(label, measure(), versus) for label, measure, versus in group]
+            plain_runs.append(plain_measure())
+            around = (plain_runs[-2].seconds + plain_runs[-1].seconds) / 2
+            for label, run, versus in done:
+                if run is None:
+                    continue
+                entry = measured.setdefault(label, Measured(label, [], [], versus))
+                entry.runs.append(run)
+                entry.plain_seconds.append(around)
+    return plain_runs, measured
 
 
 def main(argv=None) -> int:
@@ -108,7 +158,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     parser.add_argument("--drafts", nargs="+", default=list(DRAFTS), help=f"subset of {DRAFTS}")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=1, help="time each run this many times, keep the median")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="interleaved rounds: time each run this many times; report medians of paired ratios")
     parser.add_argument("--no-transformers", dest="transformers", action="store_false",
                         help="skip transformers' runs (ours only)")
     args = parser.parse_args(argv)
@@ -134,39 +185,53 @@ def main(argv=None) -> int:
         prompt_ids = target.encode(TASKS[task])
         n = args.max_new_tokens
         print(f"\n## {task} ({len(prompt_ids)} prompt tokens)", flush=True)
-        R = args.repeats
-        plain = median_run(R, lambda: ours(target, prompt_ids, n))
-        rows = [("ours plain", plain, None)]
-        hf_plain = median_run(R, lambda: transformers_generate(tf_target, prompt_ids, n)) if args.transformers else None
-        if hf_plain:
-            rows.append(("transformers plain", hf_plain, None))
+        failed: set[str] = set()
+
+        def guarded(label, measure):
+            """transformers' runs may fail (an assistant it cannot use): report once, keep measuring the rest."""
+            def call():
+                if label in failed:
+                    return None
+                try:
+                    return measure()
+                except Exception as exc:
+                    failed.add(label)
+                    print(f"{label}: failed: {type(exc).__name__}: {exc}".splitlines()[0], flush=True)
+                    return None
+            return call
+
+        groups = []
+        if args.transformers:
+            groups.append([("transformers plain", guarded("transformers plain",
+                            lambda: transformers_generate(tf_target, prompt_ids, n)), None)])
         for spec in args.drafts:
             draft = model_drafts.get(spec) or (lambda spec=spec: make_draft(spec, target))
-            fixed = median_run(R, lambda: ours(target, prompt_ids, n, draft=draft, gamma=FIXED_GAMMA.get(spec, 4)))
-            auto = median_run(R, lambda: ours(target, prompt_ids, n, draft=draft, gamma="auto"))
-            hf = None
-            if args.transformers and spec != "ngram":
+            gamma = FIXED_GAMMA.get(spec, 4)
+            versus = f"transformers {spec}" if args.transformers and spec != "ngram" else None
+            group = [(f"ours {spec} γ={gamma}", lambda d=draft, g=gamma: ours(target, prompt_ids, n, draft=d, gamma=g),
+                      versus),
+                     (f"ours {spec} auto", lambda d=draft: ours(target, prompt_ids, n, draft=d, gamma="auto"), versus)]
+            if versus:
                 assist = ({"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS} if spec == "lookup"
                           else {"assistant_model": tf_drafts[spec].module})
-                try:
-                    hf = median_run(R, lambda: transformers_generate(tf_target, prompt_ids, n, **assist))
-                except Exception as exc:  # report, keep measuring the rest
-                    print(f"transformers {spec}: failed: {type(exc).__name__}: {exc}".splitlines()[0])
-            rows += [(f"ours {spec} γ={FIXED_GAMMA.get(spec, 4)}", fixed, hf), (f"ours {spec} auto", auto, hf)]
-            print(f"  measured {spec}: ours fixed {fixed.rate():.2f}, auto {auto.rate():.2f}, transformers "
-                  f"{hf.rate() if hf else float('nan'):.2f} tokens/s (plain {plain.rate():.2f})", flush=True)
-            if hf:
-                rows.append((f"transformers {spec}", hf, None))
+                group.append((versus, guarded(versus, lambda a=assist: transformers_generate(tf_target, prompt_ids,
+                                                                                             n, **a)), None))
+            groups.append(group)
+        plain_runs, measured = measure_task(groups, lambda: ours(target, prompt_ids, n), args.repeats)
+        plain = median_run(plain_runs)
         print(f"{'method':<26}{'tokens/s':>9}{'x ours plain':>14}{'x tf same draft':>17}{'tok/fwd':>9}  same")
-        for label, run, hf in rows:  # printed once the task's runs are done: ratios need the whole row set
-            same = run.tokens == plain.tokens
+        print(f"{'ours plain':<26}{plain.rate():>9.2f}{1.0:>14.2f}{'-':>17}{'-':>9}  yes")
+        for label, entry in measured.items():
+            run = entry.run()
+            same = all(r.tokens == plain.tokens for r in entry.runs)
             if not same:
                 mismatches.append((task, label))
-            vs_hf = f"{run.rate() / hf.rate():.2f}" if hf else "-"
+            versus = measured.get(entry.versus) if entry.versus else None
+            vs_hf = f"{entry.ratio_to(versus):.2f}" if versus else "-"
             tpf = f"{run.tokens_per_forward:.2f}" if run.tokens_per_forward else "-"
-            print(f"{label:<26}{run.rate():>9.2f}{run.rate() / plain.rate():>14.2f}{vs_hf:>17}{tpf:>9}  "
+            print(f"{label:<26}{run.rate():>9.2f}{entry.speedup():>14.2f}{vs_hf:>17}{tpf:>9}  "
                   f"{'yes' if same else 'NO'}", flush=True)
-        goals += goal_checks(task, rows, plain, hf_plain)
+        goals += goal_checks(task, measured)
     print("\n## goals (issue 3)")
     for ok, text in goals:
         print(f"{'met ' if ok else 'MISS'}  {text}")
@@ -179,23 +244,27 @@ def main(argv=None) -> int:
     return 0
 
 
-def goal_checks(task: str, rows, plain: Run, hf_plain: Run | None) -> list[tuple[bool, str]]:
-    """The issue's performance goals for one task, as (met, description) pairs."""
+def goal_checks(task: str, measured: dict[str, Measured]) -> list[tuple[bool, str]]:
+    """The issue's performance goals for one task, as (met, description) pairs, on paired ratios."""
     checks = []
+    hf_plain = measured.get("transformers plain")
     if hf_plain:
-        ratio = plain.rate() / hf_plain.rate()
+        ratio = 1 / hf_plain.speedup()
         checks.append((ratio >= 1.0, f"{task}: ours plain {ratio:.2f}x transformers plain (goal >= 1)"))
-    for label, run, hf in rows:
-        if not label.startswith("ours ") or label == "ours plain":
+    for label, entry in measured.items():
+        if not label.startswith("ours "):
             continue
-        speedup = run.rate() / plain.rate()
+        speedup = entry.speedup()
         if label.startswith("ours lookup") and task in ("summarise", "rewrite"):
             checks.append((speedup >= 2.0, f"{task}: {label} {speedup:.2f}x ours plain (goal >= 2.0)"))
         if label.endswith(" auto"):
             checks.append((speedup >= 0.95, f"{task}: {label} {speedup:.2f}x ours plain (goal >= 0.95)"))
+        hf = measured.get(entry.versus) if entry.versus else None
         if hf is not None:
-            needed = 1.25 if hf_plain is not None and hf.rate() < hf_plain.rate() else 1.0
-            ratio = run.rate() / hf.rate()
+            # "Slower than plain decoding": transformers' assisted run against its own plain generate.
+            slower = hf_plain is not None and hf.speedup() < hf_plain.speedup()
+            needed = 1.25 if slower else 1.0
+            ratio = entry.ratio_to(hf)
             checks.append((ratio >= needed, f"{task}: {label} {ratio:.2f}x transformers with the same draft "
                                             f"(goal >= {needed})"))
     return checks

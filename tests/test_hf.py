@@ -283,19 +283,26 @@ def test_smollm_rollback_then_extend_equals_fresh(smollm):
 
 @pytest.mark.llm
 @needs_smollm
-def test_smollm_prepacked_kernels_agree_with_default_kernels(smollm):
-    """The oneDNN pre-packed Linear layers (the default) change only float32 rounding (measured ~5e-5)."""
-    from speculum.models.prepack import prepack_linears, unpack_linears
-
-    assert smollm.prepacked_layers > 0
+def test_smollm_fused_forward_agrees_with_transformers_forward(smollm):
+    """The fused Llama forward (the default on CPU) changes only float32 rounding, in a session after a
+    rollback and in a batched call; transformers' own forward (default kernels) is the reference."""
+    assert smollm.fused_forward and smollm.prepacked_layers == 0
     prompt, tokens = smollm.encode(PROMPTS[0]), [504, 2017, 314, 253, 1345, 17, 29, 9]
-    packed = smollm.start(prompt).extend(tokens)
-    unpack_linears(smollm.module)
+    session = smollm.start(prompt)
+    session.extend(tokens[:3])
+    session.rollback(3)
+    fused = session.extend(tokens)
+    fused_batch = smollm.next_logprobs([prompt + tokens[:2], prompt + tokens[:5]])
+    fused_model, smollm._fused = smollm._fused, None
     try:
-        default = smollm.start(prompt).extend(tokens)
+        reference = smollm.start(prompt).extend(tokens)
+        reference_batch = smollm.next_logprobs([prompt + tokens[:2], prompt + tokens[:5]])
     finally:
-        prepack_linears(smollm.module)
-    assert np.abs(packed - default).max() < 1e-3
+        smollm._fused = fused_model
+        smollm._shared_tokens, smollm._shared_cache = (), None
+    assert np.abs(fused - reference).max() < 1e-4
+    assert np.abs(fused_batch - reference_batch).max() < 1e-4
+    assert (fused.argmax(axis=1) == reference.argmax(axis=1)).all()
 
 
 @pytest.mark.llm

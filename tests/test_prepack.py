@@ -1,4 +1,5 @@
-"""Pre-packed oneDNN Linear layers: same results as F.linear to float32 rounding, reversible, copyable."""
+"""CPU fast paths: pre-packed oneDNN Linear layers (same results as F.linear to float32 rounding, reversible,
+copyable) and the fused Llama forward built on them."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,6 +10,7 @@ pytest.importorskip("transformers")
 
 import speculum  # noqa: E402
 from hf_tiny import save_tiny_model  # noqa: E402
+from speculum.models.fused_llama import FusedLlama  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.prepack import is_prepacked, prepack_linears, unpack_linears, unpacked_copy  # noqa: E402
 from speculum.models.select import make_draft  # noqa: E402
@@ -63,10 +65,16 @@ def test_unpacked_copy_is_plain_and_leaves_the_original_packed():
 
 
 @needs_onednn
-def test_hf_model_rows_match_default_kernels_and_drafts_still_build(tiny_path):
+@pytest.mark.parametrize("path", ["fused", "prepacked"])
+def test_hf_model_rows_match_default_kernels_and_drafts_still_build(tiny_path, monkeypatch, path):
+    """Both CPU fast paths (the fused Llama forward; per-layer packing for other architectures, forced here
+    by refusing the fused one) agree with transformers' default forward, and every draft still works."""
+    if path == "prepacked":
+        monkeypatch.setattr(FusedLlama, "build", classmethod(lambda cls, module: None))
     packed = HFModel.from_pretrained(tiny_path)
     default = HFModel.from_pretrained(tiny_path, prepack=False)
-    assert packed.prepacked_layers > 0 and default.prepacked_layers == 0
+    assert packed.fused_forward == (path == "fused") and not default.fused_forward
+    assert (packed.prepacked_layers > 0) == (path == "prepacked") and default.prepacked_layers == 0
     prompt, tokens = [1, 3, 4, 5], [6, 7, 8, 9, 10]
     rows_packed = packed.start(prompt).extend(tokens)
     rows_default = default.start(prompt).extend(tokens)

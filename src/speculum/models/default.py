@@ -117,9 +117,10 @@ def load_model(
         backend: ``"hf"`` (PyTorch via transformers) or ``"llamacpp"`` (llama-cpp-python, optional).
         dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` — hf backend only.
         progress: show a progress bar while converting the embedded model the first time.
-        prepack: hf backend, float32 on CPU: pre-pack Linear weights for oneDNN
-            (:mod:`speculum.models.prepack`; same results to float32 rounding, faster verification);
-            False keeps PyTorch's default kernels, bit for bit what transformers computes.
+        prepack: hf backend, float32 on CPU: the fast path, same results to float32 rounding — the fused
+            Llama forward (:mod:`speculum.models.fused_llama`) where it applies, else Linear weights
+            pre-packed for oneDNN (:mod:`speculum.models.prepack`); False keeps transformers' forward with
+            PyTorch's default kernels, bit for bit what transformers computes.
 
     Raises ValueError (unknown name / backend), FileNotFoundError (missing path), ImportError (missing
     optional dependency). Never contacts a model hub.

@@ -43,6 +43,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from .base import BaseModel, check_prompt, check_token_ids
+from .fused_llama import FusedLlama
 from .prepack import prepack_linears
 
 __all__ = ["HFModel", "HFSession", "parse_dtype"]
@@ -88,12 +89,16 @@ class HFModel(BaseModel):
             ``module(input_ids=, cache=, use_cache=True, logits_to_keep=)``).
         tokenizer: the matching transformers tokenizer, or None.
         name: a label for messages and benchmarks.
-        prepack: run float32 ``nn.Linear`` layers on CPU through pre-packed oneDNN weights
-            (:mod:`speculum.models.prepack`: same results to float32 rounding, 2+ token forwards ~1.5x
-            cheaper, one more copy of the weights); False keeps PyTorch's default kernels.
+        prepack: the CPU fast path for float32 models, same results to float32 rounding, one more copy
+            of the weights. Llama-architecture models run the fused forward of
+            :mod:`speculum.models.fused_llama` (one token ~1.6x cheaper than transformers' forward on
+            SmolLM2); other models run their float32 ``nn.Linear`` layers through pre-packed oneDNN weights
+            (:mod:`speculum.models.prepack`: 2+ token forwards ~1.5x cheaper). False keeps transformers'
+            forward with PyTorch's default kernels.
 
     Attributes: ``vocab_size`` (width of the logits), ``max_context`` (from the config),
-    ``eos_token_id``, ``bos_token_id``, ``tokenizer``, ``module``, ``config``, ``dtype``.
+    ``eos_token_id``, ``bos_token_id``, ``tokenizer``, ``module``, ``config``, ``dtype``,
+    ``fused_forward`` (the fused Llama forward is in use), ``prepacked_layers`` (Linear layers packed).
     """
 
     def __init__(self, module: torch.nn.Module, tokenizer: Any = None, *, name: str = "hf-model",
@@ -103,7 +108,10 @@ class HFModel(BaseModel):
         self.tokenizer = tokenizer
         self.name = name
         self.dtype = next(module.parameters()).dtype
-        self.prepacked_layers = prepack_linears(module) if prepack else 0
+        # The fused forward packs its own (fused) weights, so per-layer packing would only add a third copy.
+        self._fused = FusedLlama.build(module) if prepack else None
+        self.prepacked_layers = prepack_linears(module) if prepack and self._fused is None else 0
+        self.fused_forward = self._fused is not None
         head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
         self.vocab_size = int(getattr(head, "out_features", 0) or self.config.vocab_size)
         if tokenizer is not None and len(tokenizer) > self.vocab_size:
@@ -322,6 +330,8 @@ class HFModel(BaseModel):
     def _forward(self, input_ids: torch.Tensor, cache: Any, keep: int = 0) -> torch.Tensor:
         """One forward of ``input_ids (batch, n)`` on top of ``cache`` (updated in place) ->
         logits ``(batch, keep or n, vocab)`` in the model's dtype."""
+        if self._fused is not None:
+            return self._fused(input_ids, cache, keep)
         return self.module(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep).logits
 
     def _new_cache(self) -> Any:

@@ -1,0 +1,95 @@
+"""The fused Llama forward: transformers' forward to float32 rounding on every path that uses it.
+
+Invariants: every public HFModel call (sessions with rollback, batched trie rows, teacher-forced scores,
+the layer-truncated draft) returns the same log-probs as the same model on transformers' own forward; it
+is used only where it applies; the truncated draft shares the target's packed weights.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from hf_tiny import save_tiny_model  # noqa: E402
+from speculum.models.fused_llama import FusedLlama, unsupported_reason  # noqa: E402
+from speculum.models.hf import HFModel  # noqa: E402
+from speculum.models.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+TOLERANCE = 1e-4   # nats: float32 rounding of the tiny model's large random logits (differences seen: ~5e-6)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(fused, reference): the same tiny Llama with the fused forward and with transformers' forward."""
+    path = save_tiny_model(tmp_path_factory.mktemp("fused") / "model", layers=3)
+    fused, reference = HFModel.from_pretrained(path), HFModel.from_pretrained(path, prepack=False)
+    assert fused.fused_forward and not reference.fused_forward
+    return fused, reference
+
+
+tokens_strategy = st.lists(st.integers(min_value=3, max_value=22), min_size=1, max_size=12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(prompt=tokens_strategy, first=tokens_strategy, second=tokens_strategy, back=st.integers(0, 12))
+def test_session_rows_match_after_extend_and_rollback(pair, prompt, first, second, back):
+    fused, reference = pair
+    back = min(back, len(first))
+    rows = []
+    for model in pair:
+        session = model.start(prompt)
+        session.extend(first)
+        session.rollback(back)
+        rows.append(np.vstack([session.extend(second), session.advance(first)[None, :]]))
+    assert np.abs(rows[0] - rows[1]).max() < TOLERANCE
+    assert fused.start(prompt).next_logprobs().argmax() == reference.start(prompt).next_logprobs().argmax()
+
+
+@settings(max_examples=10, deadline=None)
+@given(prefixes=st.lists(tokens_strategy, min_size=1, max_size=6), prompt=tokens_strategy)
+def test_batched_rows_and_scores_match(pair, prefixes, prompt):
+    """Batch > 1 through the trie (shared cache rows) and right-padded teacher forcing."""
+    fused, reference = pair
+    assert np.abs(fused.next_logprobs(prefixes) - reference.next_logprobs(prefixes)).max() < TOLERANCE
+    got = fused.score_sequences(prefixes, prompt=prompt)
+    want = reference.score_sequences(prefixes, prompt=prompt)
+    assert np.abs(got - want).max() < TOLERANCE * 12
+
+
+def test_truncated_draft_shares_packed_blocks_and_matches(pair):
+    fused, reference = pair
+    draft, reference_draft = truncated_draft(fused, 2), truncated_draft(reference, 2)
+    assert draft.fused_forward and len(draft._fused.blocks) == 2
+    assert all(a is b for a, b in zip(draft._fused.blocks, fused._fused.blocks))   # no second copy
+    assert draft._fused.head is fused._fused.head
+    prompt, tokens = [3, 4, 5, 6], [7, 8, 9]
+    got = draft.start(prompt).extend(tokens)
+    want = reference_draft.start(prompt).extend(tokens)
+    assert np.abs(got - want).max() < TOLERANCE
+    # Adopting the target's (fused-written) cache gives the draft's own rows.
+    target_session, draft_session = fused.start(prompt + tokens), draft.start([3])
+    assert draft_session.adopt_prefix_layers(target_session)
+    assert np.abs(draft_session.next_logprobs() - got[-1]).max() < TOLERANCE
+
+
+def test_applies_only_where_it_reproduces_the_forward(pair):
+    fused, _ = pair
+    assert unsupported_reason(fused.module) is None
+    assert "quantised" in unsupported_reason(int8_twin(fused).module)
+    assert "float32" in unsupported_reason(bf16_twin(fused).module)
+    assert not int8_twin(fused).fused_forward and not bf16_twin(fused).fused_forward
+    config = fused.module.config
+    for field, value, words in (("model_type", "mistral", "not llama"), ("attention_bias", True, "biased"),
+                                ("hidden_act", "gelu", "activation")):
+        saved = getattr(config, field)
+        setattr(config, field, value)
+        try:
+            assert words in unsupported_reason(fused.module)
+            assert FusedLlama.build(fused.module) is None
+        finally:
+            setattr(config, field, saved)
