@@ -121,10 +121,14 @@ class Measured:
     def run(self) -> Run:
         return median_run(self.runs)
 
+    def speedups(self) -> list[float]:
+        """Per round: bracketing plain time / this time (a paired ratio: a slow minute of the machine slows
+        both sides instead of one)."""
+        return [p / r.seconds for p, r in zip(self.plain_seconds, self.runs)]
+
     def speedup(self) -> float:
-        """Median over rounds of (bracketing plain time / this time): a paired ratio, so a slow minute of the
-        machine slows both sides instead of one."""
-        return statistics.median(p / r.seconds for p, r in zip(self.plain_seconds, self.runs))
+        """Median over rounds of the paired ratio."""
+        return statistics.median(self.speedups())
 
     def ratio_to(self, other: "Measured") -> float:
         """Median over rounds of other's time / this time (both measured in the same group of a round)."""
@@ -219,8 +223,11 @@ def main(argv=None) -> int:
             groups.append(group)
         plain_runs, measured = measure_task(groups, lambda: ours(target, prompt_ids, n), args.repeats)
         plain = median_run(plain_runs)
-        print(f"{'method':<26}{'tokens/s':>9}{'x ours plain':>14}{'x tf same draft':>17}{'tok/fwd':>9}  same")
-        print(f"{'ours plain':<26}{plain.rate():>9.2f}{1.0:>14.2f}{'-':>17}{'-':>9}  yes")
+        print(f"{'method':<26}{'tokens/s':>9}{'x ours plain':>14}{'x tf same draft':>17}{'tok/fwd':>9}  same"
+              f"  x ours plain per round")
+        spread = sorted(run.rate() for run in plain_runs)
+        print(f"{'ours plain':<26}{plain.rate():>9.2f}{1.0:>14.2f}{'-':>17}{'-':>9}  yes  "
+              f"({len(spread)} runs, {spread[0]:.1f}-{spread[-1]:.1f} tokens/s)")
         for label, entry in measured.items():
             run = entry.run()
             same = all(r.tokens == plain.tokens for r in entry.runs)
@@ -229,8 +236,9 @@ def main(argv=None) -> int:
             versus = measured.get(entry.versus) if entry.versus else None
             vs_hf = f"{entry.ratio_to(versus):.2f}" if versus else "-"
             tpf = f"{run.tokens_per_forward:.2f}" if run.tokens_per_forward else "-"
+            rounds = " ".join(f"{x:.2f}" for x in entry.speedups())
             print(f"{label:<26}{run.rate():>9.2f}{entry.speedup():>14.2f}{vs_hf:>17}{tpf:>9}  "
-                  f"{'yes' if same else 'NO'}", flush=True)
+                  f"{'yes' if same else 'NO ':<3}  {rounds}", flush=True)
         goals += goal_checks(task, measured)
     print("\n## goals (issue 3)")
     for ok, text in goals:

@@ -510,6 +510,14 @@ def test_auto_gamma_starts_a_draft_model_only_if_it_can_pay(draft_step_seconds, 
         assert "cannot pay" in result.stats.draft_skipped
         assert draft.calls == 3                     # the trial: one start, two timed steps
         assert result.stats.draft_forwards == 0 and max(result.stats.gamma_history) == 0
+    # The trial's timings are kept for the draft object: a second generation decides without a trial.
+    calls = draft.calls
+    again = generate(target, prompt, draft=draft, gamma="auto", max_new_tokens=30, temperature=0)
+    assert again.tokens == result.tokens
+    if used:
+        assert again.stats.draft_forwards > 0
+    else:
+        assert draft.calls == calls and "cannot pay" in again.stats.draft_skipped
 
 
 def test_auto_gamma_counts_a_long_catch_up_against_resuming_a_dear_draft():

@@ -106,7 +106,8 @@ def unsupported_reason(module: torch.nn.Module) -> str | None:
 class FusedLlama:
     """``(input_ids (batch, n), DynamicCache, keep) -> logits (batch, keep or n, vocab)``: the forward of a
     Llama ``*ForCausalLM`` module, exact to float32 rounding (see the module docstring). Build it with
-    :meth:`build`, which returns None when the module is not one it reproduces."""
+    :meth:`build`, which returns None when the module is not one it reproduces. Build it after the weights
+    are final: the packed copies do not see later in-place changes of the module's weights."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         config = module.config
