@@ -409,6 +409,7 @@ class _MatchReportingProposer(GreedyChainProposer):
 
     def propose_with_match(self, context, max_tokens):
         self.calls += 1
+        self.asked = [*getattr(self, "asked", []), max_tokens]
         return self.propose(context, max_tokens), self.match
 
 
@@ -422,6 +423,18 @@ def test_decoder_chooses_gamma_from_the_proposers_match(match, key, monkeypatch)
     assert got.tokens == plain_greedy(TARGET, [1], 60)       # still exact
     # γ was chosen after proposing, in the match length's log-scale bucket (capped at 6).
     assert proposer.calls > 0 and set(asked) == {key}
+
+
+def test_decoder_asks_a_proposer_for_more_than_one_token_only_when_drafting():
+    # Evidence first (one token), the full proposal only for a block that drafts: an n-gram proposal costs
+    # a vocabulary row per token, and most steps of a draft that does not pay draft nothing.
+    proposer = _MatchReportingProposer(NEAR, 1)
+    got = generate(TARGET, [1], draft=proposer, gamma="auto", max_new_tokens=60, temperature=0)
+    assert got.tokens == plain_greedy(TARGET, [1], 60)
+    drafting_blocks = sum(1 for proposed in got.stats.gamma_history if proposed > 1)
+    long_asks = [i for i, asked in enumerate(proposer.asked) if asked > 1]
+    assert len(long_asks) == drafting_blocks and 0 < drafting_blocks < len(got.stats.gamma_history)
+    assert all(proposer.asked[i - 1] == 1 for i in long_asks)      # always after reading the evidence
 
 
 class _FlatCostTarget(Counting):

@@ -288,14 +288,17 @@ class _Decoder:
     def _draft_with_proposer(self, remaining: int) -> list[int]:
         draft = self.plan.draft
         if self.controller is not None and callable(getattr(draft, "propose_with_match", None)):
-            # Propose first, then let the controller choose γ knowing how well the proposal matched
-            # (controller.py: acceptance is learnt per situation; log-scale buckets of the match length).
+            # Find the evidence first (one proposed token), then let the controller choose γ knowing how well
+            # the proposal matched (controller.py: acceptance is learnt per situation), and only then propose
+            # γ tokens: most steps draft nothing, and an n-gram proposal costs a vocabulary row per token.
             cap = min(self._gamma_cap(remaining), self.controller.max_gamma)
-            proposal, match = draft.propose_with_match(self.context, cap) if cap > 0 else ([], 0)
+            proposal, match = draft.propose_with_match(self.context, 1) if cap > 0 else ([], 0)
             if not proposal:
                 return []
             self.key = situation_key(match)
             gamma = max(min(self.controller.next_gamma(self.key), cap), 0)
+            if gamma > 1:
+                proposal, _ = draft.propose_with_match(self.context, gamma)
         else:
             gamma = self._gamma(remaining)
             proposal = draft.propose(self.context, gamma) if gamma > 0 else []

@@ -131,7 +131,9 @@ class Proposer(Protocol):
 
     Optional: ``propose_with_match(context, max_tokens) -> (tokens, evidence)`` proposes first and says
     how good the proposal looks — an int match length (bucketed on a log scale) or any hashable key —
-    so that ``gamma="auto"`` learns acceptance per situation and picks γ after seeing it."""
+    so that ``gamma="auto"`` learns acceptance per situation and picks γ after seeing it. The loop calls
+    it with ``max_tokens=1`` to read the evidence, then again with the chosen γ, so the evidence must not
+    depend on ``max_tokens`` and the first token must be the same."""
 
     def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
         ...
