@@ -19,8 +19,8 @@ its group and with the transformers run of its own group; the table reports the 
 those ratios (tokens/s: the median run). Shared 2-core machines drift by ±25 % over minutes, which
 unpaired medians turn into whole columns off by 10 %.
 
-    .venv/bin/python benchmarks/decoding_llm.py                      # one round (~25-35 min, 2 cores)
-    .venv/bin/python benchmarks/decoding_llm.py --repeats 3          # three rounds, median ratios (~100 min)
+    .venv/bin/python benchmarks/decoding_llm.py                      # one round (~12 min, 2 cores)
+    .venv/bin/python benchmarks/decoding_llm.py --repeats 5          # five rounds, median ratios (~60 min)
     .venv/bin/python benchmarks/decoding_llm.py --tasks summarise --max-new-tokens 32 --drafts lookup
 """
 from __future__ import annotations
