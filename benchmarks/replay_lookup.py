@@ -9,6 +9,8 @@ decode steps, timed once on the real target). The predicted speed-up is tokens /
 
     .venv/bin/python benchmarks/replay_lookup.py --record /tmp/outs.json      # once: outputs + cost curve
     .venv/bin/python benchmarks/replay_lookup.py --replay /tmp/outs.json      # then: policies, in seconds
+
+The last row is a hindsight bound for any γ rule keyed on lookup's match length (``per_key_bound``).
 """
 from __future__ import annotations
 
@@ -97,6 +99,41 @@ def replay(data: dict, draft_spec: str, *, controller_args: dict | None = None, 
     return results
 
 
+def per_key_bound(data: dict, draft_spec: str, task: str, *, sweeps: int = 3,
+                  choices: tuple = (0, 1, 2, 3, 4, 6, 8, 12, 16)) -> tuple[dict, float]:
+    """Hindsight bound for γ rules keyed on the proposer's evidence: the best fixed γ per situation key for
+    this one output, found by coordinate search (each key in turn, ``sweeps`` passes). Returns the table
+    and its predicted speed-up. No rule that sees only the key can beat the true optimum, which this
+    search approaches from below."""
+    curve = {int(n): v for n, v in data["verify_cost"].items()}
+    run = data["outputs"][task]
+
+    def speedup(table: dict) -> float:
+        proposer = make_draft(draft_spec, SimpleNamespace(vocab_size=data["vocab_size"]))
+        context, output = list(run["prompt"]), run["output"]
+        done, cost = 0, 0.0
+        while done < len(output):
+            cap, proposal, key = min(len(output) - done - 1, max(choices)), [], None
+            if cap > 0:
+                proposal, match = proposer.propose_with_match(context, cap)
+                key = situation_key(match)
+            proposal = proposal[:min(table.get(key, 0), cap)]
+            accepted = 0
+            while accepted < len(proposal) and proposal[accepted] == output[done + accepted]:
+                accepted += 1
+            cost += curve[min(len(proposal) + 1, max(curve))]
+            context.extend(output[done:done + accepted + 1])
+            done += accepted + 1
+        return len(output) / cost
+
+    keys = range(7) if draft_spec == "lookup" else []
+    table = {key: 0 for key in keys}
+    for _ in range(sweeps):
+        for key in keys:
+            table[key] = max(choices, key=lambda g: speedup({**table, key: g}))
+    return table, speedup(table)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--record", metavar="JSON", help="record greedy outputs and v(n) into JSON")
@@ -115,6 +152,9 @@ def main(argv=None) -> int:
             for label, kwargs in ((f"{spec} γ=8", {"fixed_gamma": 8}), (f"{spec} auto", {})):
                 res = replay(data, spec, **kwargs)
                 print(f"{label:<24}" + "".join(f"{s:>9.2f}x {t:>5.2f}t/f" for s, t in res.values()))
+        if "lookup" in args.drafts:
+            bounds = [per_key_bound(data, "lookup", task) for task in data["outputs"]]
+            print(f"{'lookup best γ per key':<24}" + "".join(f"{s:>9.2f}x {'':>8}" for _, s in bounds))
     return 0
 
 
