@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .prepack import onednn_available, pack_weight, packed_linear
+
 __all__ = ["FusedLlama", "unsupported_reason"]
 
 # Fused packed weights per decoder block (and output head), keyed by the module itself: a layer-truncated
@@ -52,15 +54,6 @@ class _Block:
     mlp_eps: float
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-
-
-def _linear(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``rows (m, in) -> (m, out)`` through a packed weight (no bias: supported models have none)."""
-    return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
-
-
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # LlamaRMSNorm for float32 inputs, operation for operation.
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -76,7 +69,7 @@ def unsupported_reason(module: torch.nn.Module) -> str | None:
     config = getattr(module, "config", None)
     if getattr(config, "model_type", None) != "llama":
         return f"architecture {getattr(config, 'model_type', None)!r} is not llama"
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if not onednn_available():
         return "this torch build has no oneDNN"
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         return "biased projections"
@@ -123,7 +116,7 @@ class FusedLlama:
         self.blocks = [self._block(block) for block in list(decoder.layers)[:count]]
         head = module.get_output_embeddings()
         if head not in _PACKED:
-            _PACKED[head] = _pack(head.weight)
+            _PACKED[head] = pack_weight(head.weight)
         self.head = _PACKED[head]
 
     @classmethod
@@ -143,10 +136,10 @@ class FusedLlama:
         if block not in _PACKED:
             attn, mlp = block.self_attn, block.mlp
             _PACKED[block] = _Block(
-                qkv=_pack(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
-                out=_pack(attn.o_proj.weight),
-                gate_up=_pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                down=_pack(mlp.down_proj.weight),
+                qkv=pack_weight(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
+                out=pack_weight(attn.o_proj.weight),
+                gate_up=pack_weight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                down=pack_weight(mlp.down_proj.weight),
                 attn_norm=block.input_layernorm.weight.detach(),
                 mlp_norm=block.post_attention_layernorm.weight.detach(),
                 attn_eps=float(block.input_layernorm.variance_epsilon),
@@ -169,7 +162,7 @@ class FusedLlama:
         gqa = self.heads != self.kv_heads
         for index, block in enumerate(self.blocks):
             h = _rms_norm(x, block.attn_norm, block.attn_eps).reshape(batch * n, hidden)
-            qkv = _linear(h, block.qkv).view(batch, n, -1)
+            qkv = packed_linear(h, block.qkv).view(batch, n, -1)
             q = qkv[..., :q_end].view(batch, n, self.heads, self.head_dim).transpose(1, 2)
             k = qkv[..., q_end:k_end].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
             v = qkv[..., k_end:].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -177,11 +170,11 @@ class FusedLlama:
             k = k * cos + _rotate_half(k) * sin
             k, v = cache.update(k, v, index)                                        # (batch, kv, past+n, d)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-            x = x + _linear(attn.transpose(1, 2).reshape(batch * n, q_end), block.out).view(batch, n, hidden)
+            x = x + packed_linear(attn.transpose(1, 2).reshape(batch * n, q_end), block.out).view(batch, n, hidden)
             h = _rms_norm(x, block.mlp_norm, block.mlp_eps).reshape(batch * n, hidden)
-            gate, up = _linear(h, block.gate_up).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, block.down).view(batch, n, hidden)
+            gate, up = packed_linear(h, block.gate_up).chunk(2, dim=-1)
+            x = x + packed_linear(F.silu(gate) * up, block.down).view(batch, n, hidden)
         if keep:
             x = x[:, -keep:]
         x = _rms_norm(x, self.norm, self.norm_eps)
-        return _linear(x.reshape(-1, hidden), self.head).view(batch, x.shape[1], -1)
+        return packed_linear(x.reshape(-1, hidden), self.head).view(batch, x.shape[1], -1)

@@ -111,7 +111,6 @@ class HFModel(BaseModel):
         # The fused forward packs its own (fused) weights, so per-layer packing would only add a third copy.
         self._fused = FusedLlama.build(module) if prepack else None
         self.prepacked_layers = prepack_linears(module) if prepack and self._fused is None else 0
-        self.fused_forward = self._fused is not None
         head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
         self.vocab_size = int(getattr(head, "out_features", 0) or self.config.vocab_size)
         if tokenizer is not None and len(tokenizer) > self.vocab_size:
@@ -128,6 +127,11 @@ class HFModel(BaseModel):
         self._shared_cache: Any = None
         layers, kv_heads, head_dim = _kv_geometry(self.config)
         self._kv_bytes_per_token = 2 * layers * kv_heads * head_dim * torch.finfo(self.dtype).bits // 8
+
+    @property
+    def fused_forward(self) -> bool:
+        """True when forwards run the fused Llama forward (:mod:`speculum.models.fused_llama`)."""
+        return self._fused is not None
 
     # ------------------------------------------------------------------------------------ loading
     @classmethod

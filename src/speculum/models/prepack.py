@@ -31,10 +31,26 @@ import types
 
 import torch
 
-__all__ = ["prepack_linears", "unpack_linears", "unpacked_copy", "is_prepacked"]
+__all__ = ["prepack_linears", "unpack_linears", "unpacked_copy", "is_prepacked", "onednn_available", "pack_weight",
+           "packed_linear"]
 
 _PACKED = "_speculum_packed"          # instance attribute holding the oneDNN weight
 _SELF_CHECK_TOLERANCE = 1e-3          # relative: a packed layer must reproduce F.linear this closely
+
+
+def onednn_available() -> bool:
+    """True when this torch build has oneDNN and the packed-weight linear ops used here."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A ``(out, in)`` float32 weight reordered once into oneDNN's blocked layout."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def packed_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows (m, in) -> (m, out)`` through a weight from :func:`pack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +59,7 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
         return torch.nn.functional.linear(x, self.weight, self.bias)
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")
+    out = packed_linear(rows, packed, self.bias)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -55,11 +71,11 @@ def is_prepacked(layer: torch.nn.Module) -> bool:
 @torch.no_grad()
 def _pack(layer: torch.nn.Linear) -> bool:
     weight = layer.weight.detach()
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    packed = pack_weight(weight)
     # Self-check once per layer (a few microseconds): a kernel that does not reproduce F.linear is not used.
     probe = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0))
     expected = torch.nn.functional.linear(probe, weight, layer.bias)
-    got = torch.ops.mkldnn._linear_pointwise(probe, packed, layer.bias, "none", [], "")
+    got = packed_linear(probe, packed, layer.bias)
     scale = float(expected.abs().max()) or 1.0
     if got.shape != expected.shape or not float((got - expected).abs().max()) <= _SELF_CHECK_TOLERANCE * scale:
         return False
@@ -75,7 +91,7 @@ def prepack_linears(module: torch.nn.Module) -> int:
     are final: a later in-place change of ``layer.weight`` is not seen by the packed copy (re-pack, or call
     :func:`unpack_linears` first). Guarantee: same results as ``F.linear`` up to float32 rounding.
     """
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if not onednn_available():
         return 0
     count = 0
     for layer in module.modules():
