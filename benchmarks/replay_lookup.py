@@ -61,11 +61,14 @@ def record(path: str, max_new_tokens: int, backend: str) -> None:
 
 
 def replay(data: dict, draft_spec: str, *, controller_args: dict | None = None, fixed_gamma: int | None = None,
-           overhead: float = 0.0) -> dict:
-    """One policy on every task: predicted speed-up and tokens per forward, per task."""
+           gamma_by_key: dict | None = None, overhead: float = 0.0, tasks=None) -> dict:
+    """One policy on every task (or ``tasks``): predicted speed-up and tokens per forward, per task. The
+    policy is ``gamma="auto"``, or ``fixed_gamma``, or ``gamma_by_key`` (a γ per situation key, 0 if absent)."""
     curve = {int(n): v for n, v in data["verify_cost"].items()}
     results = {}
     for task, run in data["outputs"].items():
+        if tasks is not None and task not in tasks:
+            continue
         proposer = make_draft(draft_spec, SimpleNamespace(vocab_size=data["vocab_size"]))
         controller = GammaController(**(controller_args or {}))
         context, output = list(run["prompt"]), run["output"]
@@ -78,6 +81,8 @@ def replay(data: dict, draft_spec: str, *, controller_args: dict | None = None, 
                 key = situation_key(match)
             if fixed_gamma is not None:
                 gamma = min(fixed_gamma, cap)
+            elif gamma_by_key is not None:
+                gamma = min(gamma_by_key.get(key, 0), cap) if proposal else 0
             else:
                 gamma = min(controller.next_gamma(key), cap) if proposal else 0
             proposal = proposal[:gamma]
@@ -105,26 +110,8 @@ def per_key_bound(data: dict, draft_spec: str, task: str, *, sweeps: int = 3,
     this one output, found by coordinate search (each key in turn, ``sweeps`` passes). Returns the table
     and its predicted speed-up. No rule that sees only the key can beat the true optimum, which this
     search approaches from below."""
-    curve = {int(n): v for n, v in data["verify_cost"].items()}
-    run = data["outputs"][task]
-
     def speedup(table: dict) -> float:
-        proposer = make_draft(draft_spec, SimpleNamespace(vocab_size=data["vocab_size"]))
-        context, output = list(run["prompt"]), run["output"]
-        done, cost = 0, 0.0
-        while done < len(output):
-            cap, proposal, key = min(len(output) - done - 1, max(choices)), [], None
-            if cap > 0:
-                proposal, match = proposer.propose_with_match(context, cap)
-                key = situation_key(match)
-            proposal = proposal[:min(table.get(key, 0), cap)]
-            accepted = 0
-            while accepted < len(proposal) and proposal[accepted] == output[done + accepted]:
-                accepted += 1
-            cost += curve[min(len(proposal) + 1, max(curve))]
-            context.extend(output[done:done + accepted + 1])
-            done += accepted + 1
-        return len(output) / cost
+        return replay(data, draft_spec, gamma_by_key=table, tasks=[task])[task][0]
 
     keys = range(7) if draft_spec == "lookup" else []
     table = {key: 0 for key in keys}
