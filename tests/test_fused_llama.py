@@ -93,3 +93,22 @@ def test_applies_only_where_it_reproduces_the_forward(pair):
             assert FusedLlama.build(fused.module) is None
         finally:
             setattr(config, field, saved)
+
+
+def test_load_time_probe_rejects_a_forward_that_differs(pair, monkeypatch):
+    fused, _ = pair
+    built = FusedLlama.build(fused.module)
+    assert built is not None and built.self_check(fused.module) is None
+    # A fused forward whose math drifted from transformers' (here: a wrong attention scale) is refused at
+    # build time, with a warning, and the model keeps transformers' forward.
+    monkeypatch.setattr(FusedLlama, "__init__", _scaled_init)
+    with pytest.warns(RuntimeWarning, match="differs from transformers' forward"):
+        assert FusedLlama.build(fused.module) is None
+
+
+_original_init = FusedLlama.__init__
+
+
+def _scaled_init(self, module):
+    _original_init(self, module)
+    self.scale *= 1.5

@@ -17,7 +17,8 @@ output equals plain greedy output as before.
 
 It reads and writes transformers' own ``DynamicCache`` (``cache.update``), so cropping, batch selection and
 the layer-truncated draft's adoption of the target's cache work unchanged. Only what it reproduces exactly
-is accepted (:func:`unsupported_reason`); anything else keeps transformers' forward.
+is accepted (:func:`unsupported_reason`), and only after a load-time probe agrees with transformers' own
+forward (:meth:`FusedLlama.self_check`); anything else keeps transformers' forward.
 
 Example:
     >>> fused = FusedLlama.build(model.module)          # doctest: +SKIP  (None if not applicable)
@@ -25,6 +26,7 @@ Example:
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,9 @@ __all__ = ["FusedLlama", "unsupported_reason"]
 # Fused packed weights per decoder block (and output head), keyed by the module itself: a layer-truncated
 # draft shares the target's block objects and so shares their packed weights, and deep copies (the twins)
 # never see oneDNN tensors, which cannot be copied.
+# Relative logit difference above which the load-time probe rejects the fused forward: float32 reordering
+# moves logits by ~1e-6 relative, a formula change by far more.
+_SELF_CHECK_TOLERANCE = 1e-4
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
@@ -121,15 +126,44 @@ class FusedLlama:
 
     @classmethod
     def build(cls, module: torch.nn.Module) -> "FusedLlama | None":
-        """The fused forward of ``module``, or None when :func:`unsupported_reason` finds a difference or
-        packing fails (the caller then keeps transformers' forward)."""
+        """The fused forward of ``module``, or None when :func:`unsupported_reason` finds a difference,
+        packing fails, or the load-time probe (:meth:`self_check`) disagrees (with a warning). The caller
+        then keeps transformers' forward."""
         if unsupported_reason(module) is not None:
             return None
         try:
             with torch.no_grad():
-                return cls(module)
+                fused = cls(module)
         except RuntimeError:        # a shape or op this oneDNN build refuses
             return None
+        difference = fused.self_check(module)
+        if difference is not None:
+            warnings.warn(f"the fused Llama forward differs from transformers' forward by {difference:.2g} "
+                          "(relative) on a probe; using transformers' forward", RuntimeWarning, stacklevel=2)
+            return None
+        return fused
+
+    def self_check(self, module: torch.nn.Module, tolerance: float = _SELF_CHECK_TOLERANCE) -> float | None:
+        """None when this forward reproduces ``module``'s own forward on a probe, else the relative
+        difference. The probe is a prefill of 3 tokens, then 2 more on that cache (causal mask offset by
+        the cached length), each against transformers' forward on its own cache: a guard against a
+        transformers release whose Llama math this module no longer mirrors, at the cost of one short
+        forward at load."""
+        from transformers import DynamicCache
+
+        vocab = int(module.config.vocab_size)
+        probe = torch.randint(0, vocab, (1, 5), generator=torch.Generator().manual_seed(0))
+        caches = DynamicCache(config=module.config), DynamicCache(config=module.config)
+        worst = 0.0
+        with torch.inference_mode():
+            for chunk in (probe[:, :3], probe[:, 3:]):
+                ours = self(chunk, caches[0])
+                theirs = module(input_ids=chunk, cache=caches[1], use_cache=True).logits
+                scale = float(theirs.abs().max()) or 1.0
+                if ours.shape != theirs.shape:
+                    return float("inf")
+                worst = max(worst, float((ours - theirs).abs().max()) / scale)
+        return None if worst <= tolerance else worst
 
     @staticmethod
     def _block(block: torch.nn.Module) -> _Block:
