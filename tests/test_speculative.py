@@ -545,3 +545,38 @@ def test_auto_gamma_counts_a_long_catch_up_against_resuming_a_dear_draft():
     assert ctl.next_gamma(backlog=40) == 0
     ctl.observe_catch_up(3, 3 * 0.1)              # a short catch-up is mostly one call's fixed cost: ignored
     assert ctl.catch_up_ratio() == pytest.approx(0.5)
+
+
+def test_recall_keeps_a_bounded_memory_of_acceptance_and_half_the_probe_gap():
+    earlier = _controller_with_verify_costs(max_gamma=8, seconds_per_token=0.001)
+    for _ in range(30):
+        earlier.observe_acceptance(proposed=2, accepted=0)
+    earlier._pooled.probe_gap = 128
+    ctl = _controller_with_verify_costs(max_gamma=8, seconds_per_token=0.001)
+    ctl.recall(earlier.remembered())
+    assert ctl.acceptance < 0.2                                   # the evidence came along...
+    assert ctl._pooled.accepted + ctl._pooled.rejected <= 8.0 + 1e-9   # ...worth at most 8 observations
+    assert ctl._pooled.probe_gap == 64
+    for _ in range(20):                                           # so this prompt's evidence soon wins
+        ctl.observe_acceptance(proposed=2, accepted=2)
+    assert ctl.acceptance > 0.6
+    assert earlier.acceptance < 0.2                               # the earlier controller is untouched
+
+
+def test_auto_gamma_remembers_a_disagreeing_draft_across_generations():
+    # A draft whose argmax is always the target's argmin never agrees at temperature 0. The first
+    # generation learns that by probing, starting with a block at once (to time verification); the next
+    # one (same draft object) starts from what was learnt: no opening probe, and the back-off it had
+    # reached. Outputs stay plain greedy decoding.
+    flipped = -TARGET.transition_logprobs
+    flipped = flipped - np.log(np.exp(flipped).sum(axis=-1, keepdims=True))
+    draft = Counting(MarkovModel(flipped, TARGET.initial_logprobs, order=2), step_seconds=0.0025)
+    target = Counting(TARGET, step_seconds=0.005)
+    prompt = [1, 2, 3, 4]
+    runs = [generate(target, prompt, draft=draft, gamma="auto", max_new_tokens=60, temperature=0) for _ in range(2)]
+    for run in runs:
+        assert run.tokens == plain_greedy(TARGET, prompt, 60)
+        assert run.stats.accepted == 0
+    first, second = ([i for i, g in enumerate(run.stats.gamma_history) if g > 0] for run in runs)
+    assert first and first[0] <= 2 and len(first) >= 2
+    assert not [i for i in second if i < 16] and len(second) < len(first)

@@ -36,6 +36,10 @@ _TRIAL_TOKENS = 8    # context tokens a draft model reads in its timed trial (ga
 # the life of the process: later generations with the same draft decide without a trial. On SmolLM2 with
 # the fused forward a trial costs 2-4 % of a 128-token generation.
 _DRAFT_TIMINGS: "weakref.WeakKeyDictionary[Any, tuple[float, float]]" = weakref.WeakKeyDictionary()
+# The latest timed controller per draft model: a new generation starts from its pooled acceptance and probe
+# back-off (GammaController.recall), so a draft that rarely agrees is not re-probed from scratch each time.
+# Not for untimed controllers (seeded sampling): their γ sequence must not depend on earlier calls.
+_DRAFT_CONTROLLERS: "weakref.WeakKeyDictionary[Any, GammaController]" = weakref.WeakKeyDictionary()
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -163,6 +167,8 @@ class _Decoder:
             self.controller = GammaController(
                 timed=not (plan.seeded and not self.greedy),
                 prior_draft_ratio=0.1 if plan.draft_kind == "model" else 0.0)
+            if plan.draft_kind == "model" and self.controller.timed:
+                _recall_acceptance(plan.draft, self.controller)
         self.context = list(plan.prompt)          # prompt + emitted tokens
         self.key: Any = None                      # the controller's situation key for this block
         self.shares_target_layers = False         # the draft reads the target's KV cache (truncated_draft)
@@ -471,6 +477,16 @@ def _known_timings(draft: Any) -> tuple[float, float] | None:
         return _DRAFT_TIMINGS.get(draft)
     except TypeError:          # not weak-referenceable or not hashable: time it every time
         return None
+
+
+def _recall_acceptance(draft: Any, controller: GammaController) -> None:
+    try:
+        earlier = _DRAFT_CONTROLLERS.get(draft)
+        _DRAFT_CONTROLLERS[draft] = controller
+    except TypeError:          # not weak-referenceable or not hashable: learn afresh every time
+        return
+    if earlier is not None:
+        controller.recall(earlier.remembered())
 
 
 def _remember_timings(draft: Any, step: float, read_rate: float) -> None:
