@@ -43,12 +43,12 @@ from .prepack import onednn_available, pack_weight, packed_linear
 
 __all__ = ["FusedLlama", "unsupported_reason"]
 
-# Fused packed weights per decoder block (and output head), keyed by the module itself: a layer-truncated
-# draft shares the target's block objects and so shares their packed weights, and deep copies (the twins)
-# never see oneDNN tensors, which cannot be copied.
 # Relative logit difference above which the load-time probe rejects the fused forward: float32 reordering
 # moves logits by ~1e-6 relative, a formula change by far more.
 _SELF_CHECK_TOLERANCE = 1e-4
+# Fused products per decoder block (and output head), keyed by the module itself: a layer-truncated draft
+# shares the target's block objects and so shares their packed weights, and deep copies (the twins) never
+# see oneDNN tensors, which cannot be copied.
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
