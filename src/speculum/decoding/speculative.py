@@ -32,14 +32,22 @@ __all__ = ["generate", "stream", "make_rngs"]
 
 _ROW_MASS_TOLERANCE = 1e-6
 _TRIAL_TOKENS = 8    # context tokens a draft model reads in its timed trial (gamma="auto", _start_draft)
-# A draft model's trial timings (step seconds, marginal read seconds per token), kept per draft object for
-# the life of the process: later generations with the same draft decide without a trial. On SmolLM2 with
-# the fused forward a trial costs 2-4 % of a 128-token generation.
-_DRAFT_TIMINGS: "weakref.WeakKeyDictionary[Any, tuple[float, float]]" = weakref.WeakKeyDictionary()
-# The latest timed controller per draft model: a new generation starts from its pooled acceptance and probe
-# back-off (GammaController.recall), so a draft that rarely agrees is not re-probed from scratch each time.
-# Not for untimed controllers (seeded sampling): their γ sequence must not depend on earlier calls.
-_DRAFT_CONTROLLERS: "weakref.WeakKeyDictionary[Any, GammaController]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _DraftMemory:
+    """What ``gamma="auto"`` keeps per draft model object for the life of the process."""
+
+    # The trial's timings (step seconds, marginal read seconds per token): later generations with the same
+    # draft decide without a trial. On SmolLM2 with the fused forward a trial costs 2-4 % of 128 tokens.
+    timings: tuple[float, float] | None = None
+    # The latest timed controller: a new generation starts from its pooled acceptance and probe back-off
+    # (GammaController.recall), so a draft that rarely agrees is not re-probed from scratch each time. Not
+    # for untimed controllers (seeded sampling): their γ sequence must not depend on earlier calls.
+    controller: GammaController | None = None
+
+
+_DRAFT_MEMORY: "weakref.WeakKeyDictionary[Any, _DraftMemory]" = weakref.WeakKeyDictionary()
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -167,8 +175,11 @@ class _Decoder:
             self.controller = GammaController(
                 timed=not (plan.seeded and not self.greedy),
                 prior_draft_ratio=0.1 if plan.draft_kind == "model" else 0.0)
-            if plan.draft_kind == "model" and self.controller.timed:
-                _recall_acceptance(plan.draft, self.controller)
+            memory = _draft_memory(plan.draft) if plan.draft_kind == "model" and self.controller.timed else None
+            if memory is not None:
+                earlier, memory.controller = memory.controller, self.controller
+                if earlier is not None:
+                    self.controller.recall(earlier.remembered())
         self.context = list(plan.prompt)          # prompt + emitted tokens
         self.key: Any = None                      # the controller's situation key for this block
         self.shares_target_layers = False         # the draft reads the target's KV cache (truncated_draft)
@@ -253,7 +264,8 @@ class _Decoder:
         draft, context = self.plan.draft, self.context
         if len(context) < 2:
             return self._open_draft_session()
-        known = _known_timings(draft)
+        memory = _draft_memory(draft)
+        known = memory.timings if memory is not None else None
         session = None
         trial = context[-_TRIAL_TOKENS - 1:]
         if known is None:
@@ -269,7 +281,8 @@ class _Decoder:
             # Reading n tokens costs about one call (a step) plus n - 1 times the marginal rate.
             read_rate = max(read - step, 0.0) / max(len(trial) - 2, 1)
             self.controller.observe_catch_up(len(trial) - 1, read)
-            _remember_timings(draft, step, read_rate)
+            if memory is not None:
+                memory.timings = (step, read_rate)
         else:
             step, read_rate = known
             # What the trial's read would have told the controller (its catch-up cost estimate).
@@ -472,25 +485,10 @@ def generate(target: Any, prompt_ids: Sequence[int], *, draft: Any = None, max_n
     return GenerationResult(tokens, stats, stop_reason)
 
 
-def _known_timings(draft: Any) -> tuple[float, float] | None:
+def _draft_memory(draft: Any) -> _DraftMemory | None:
+    """The process-wide memory of ``draft`` (created empty), or None when the draft object cannot key a
+    weak dictionary (not weak-referenceable or not hashable): it is then timed and learnt afresh each time."""
     try:
-        return _DRAFT_TIMINGS.get(draft)
-    except TypeError:          # not weak-referenceable or not hashable: time it every time
-        return None
-
-
-def _recall_acceptance(draft: Any, controller: GammaController) -> None:
-    try:
-        earlier = _DRAFT_CONTROLLERS.get(draft)
-        _DRAFT_CONTROLLERS[draft] = controller
-    except TypeError:          # not weak-referenceable or not hashable: learn afresh every time
-        return
-    if earlier is not None:
-        controller.recall(earlier.remembered())
-
-
-def _remember_timings(draft: Any, step: float, read_rate: float) -> None:
-    try:
-        _DRAFT_TIMINGS[draft] = (step, read_rate)
+        return _DRAFT_MEMORY.setdefault(draft, _DraftMemory())
     except TypeError:
-        pass
+        return None
