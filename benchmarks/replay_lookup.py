@@ -62,11 +62,24 @@ def record(path: str, max_new_tokens: int, backend: str) -> None:
                    "verify_cost": curve}, f)
 
 
+def _cost_curve(data: dict) -> dict[int, float]:
+    """v(n) from a recording: the cost of feeding n tokens in one call, in decode steps."""
+    return {int(n): v for n, v in data["verify_cost"].items()}
+
+
+def _agreement(proposal: list[int], truth: list[int]) -> int:
+    """How many leading tokens of ``proposal`` the recorded output ``truth`` accepts (greedy)."""
+    accepted = 0
+    while accepted < len(proposal) and accepted < len(truth) and proposal[accepted] == truth[accepted]:
+        accepted += 1
+    return accepted
+
+
 def replay(data: dict, draft_spec: str, *, controller_args: dict | None = None, fixed_gamma: int | None = None,
            gamma_by_key: dict | None = None, overhead: float = 0.0, tasks=None) -> dict:
     """One policy on every task (or ``tasks``): predicted speed-up and tokens per forward, per task. The
     policy is ``gamma="auto"``, or ``fixed_gamma``, or ``gamma_by_key`` (a γ per situation key, 0 if absent)."""
-    curve = {int(n): v for n, v in data["verify_cost"].items()}
+    curve = _cost_curve(data)
     results = {}
     for task, run in data["outputs"].items():
         if tasks is not None and task not in tasks:
@@ -88,10 +101,7 @@ def replay(data: dict, draft_spec: str, *, controller_args: dict | None = None, 
             else:
                 gamma = min(controller.next_gamma(key), cap) if proposal else 0
             proposal = proposal[:gamma]
-            truth = output[done:done + len(proposal) + 1]
-            accepted = 0
-            while accepted < len(proposal) and proposal[accepted] == truth[accepted]:
-                accepted += 1
+            accepted = _agreement(proposal, output[done:done + len(proposal) + 1])
             n = len(proposal) + 1
             block = curve[min(n, max(curve))] + overhead
             cost += block
@@ -129,7 +139,7 @@ def hindsight_bound(data: dict, draft_spec: str, task: str) -> float:
     ``a_i`` tokens; proposing g ≤ a_i tokens advances g + 1 at cost v(g + 1) (proposing more than a_i only
     costs more). Dynamic programming over positions gives the exact minimum, so no rule that sees less than
     the future can do better (assumes proposals depend only on the context, true of prompt lookup)."""
-    curve = {int(n): v for n, v in data["verify_cost"].items()}
+    curve = _cost_curve(data)
     run = data["outputs"][task]
     proposer = make_draft(draft_spec, SimpleNamespace(vocab_size=data["vocab_size"]))
     output, n = run["output"], len(run["output"])
@@ -137,10 +147,7 @@ def hindsight_bound(data: dict, draft_spec: str, task: str) -> float:
     for i in range(n):
         cap = min(n - i - 1, max(curve) - 1)
         proposal = proposer.propose_with_match(list(run["prompt"]) + output[:i], cap)[0] if cap > 0 else []
-        a = 0
-        while a < len(proposal) and proposal[a] == output[i + a]:
-            a += 1
-        agreed.append(a)
+        agreed.append(_agreement(proposal, output[i:]))
     best = [0.0] + [float("inf")] * n        # best[i]: least cost to have emitted the first i tokens
     for i in range(n):
         for g in range(agreed[i] + 1):
