@@ -101,9 +101,12 @@ class _Histograms:
             counts = np.zeros(size)
             last = d == self.horizon - 1
             if fixed or not last:
-                step = np.bincount(self.bins[d][self.bins[d] <= top], minlength=size).astype(np.float64)
-                with np.errstate(over="ignore", invalid="ignore"):
-                    counts += np.convolve(step, suffix[-1])[:size]
+                # Only as long as the step's largest bin: a direct convolution costs size x len(step), and
+                # padding the step to ``size`` made a deep build cubic in the length.
+                step = np.bincount(self.bins[d][self.bins[d] <= top]).astype(np.float64)
+                if len(step):
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        counts += np.convolve(suffix[-1], step)[:size]
             if not fixed and self.eos_bins[d] is not None and self.eos_bins[d] <= top:
                 counts[self.eos_bins[d]] += 1.0
             suffix.append(counts)

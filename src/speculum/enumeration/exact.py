@@ -28,9 +28,10 @@ import numpy as np
 
 from ..models.base import check_prompt, check_token_ids, from_forward
 from .histogram import DEFAULT_WIDTH_BITS, BucketIndex
-from .tree import BuildProgress, PrefixTree
+from .tree import DEFAULT_MAX_NODES, BuildProgress, IndexBudgetError, PrefixTree
 
-__all__ = ["AutoregressiveEnumerable", "SeekIndex", "BandTooLargeError", "DEFAULT_MAX_BAND"]
+__all__ = ["AutoregressiveEnumerable", "SeekIndex", "BandTooLargeError", "IndexBudgetError", "DEFAULT_MAX_BAND",
+           "DEFAULT_MAX_NODES"]
 
 DEFAULT_MAX_BAND = 1_000_000
 DEFAULT_BATCH_SIZE = 512
@@ -86,14 +87,16 @@ class SeekIndex:
     def __init__(self, model, *, max_len: int | None, eos: int | None, prompt: Sequence[int] = (),
                  branch_cap: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
                  width_bits: float = DEFAULT_WIDTH_BITS, reserve_bits: float = DEFAULT_RESERVE_BITS,
-                 max_band: int = DEFAULT_MAX_BAND,
+                 max_band: int = DEFAULT_MAX_BAND, max_nodes: int = DEFAULT_MAX_NODES,
                  progress: Callable[[BuildProgress], None] | None = None) -> None:
         self.model = model
         self.vocab_size = int(model.vocab_size)
         self.max_len, self.eos, self.prompt = max_len, eos, tuple(prompt)
         self.branch_cap, self.width_bits, self.max_band = branch_cap, width_bits, max_band
         self.tree = PrefixTree(model, prompt=self.prompt, max_len=max_len, eos=eos, branch_cap=branch_cap,
-                               batch_size=batch_size, reserve_bits=reserve_bits, progress=progress)
+                               batch_size=batch_size, reserve_bits=reserve_bits, max_nodes=max_nodes,
+                               progress=progress)
+        self._last_deepening: tuple[float, int] | None = None   # (bits, forwards) before the last deepening
         self._refresh()
 
     # ------------------------------------------------------------------------------------------ state
@@ -137,8 +140,10 @@ class SeekIndex:
         self.index = BucketIndex(self.leaf_lp, width_bits=self.width_bits)
         self._bands: dict[int, np.ndarray] = {}
 
-    def _extend(self, budget: float) -> None:
-        self.tree.extend(budget)
+    def _extend(self, budget: float, *, expected: float | None = None) -> None:
+        before = (-self.tree.budget / _LN2 if math.isfinite(self.tree.budget) else 0.0, self.tree.forwards)
+        self.tree.extend(budget, expected=expected)
+        self._last_deepening = before
         self._refresh()
 
     def _support_bound(self) -> float:
@@ -150,13 +155,25 @@ class SeekIndex:
         """Deepen until at least ``needed`` sequences are certified, or the support is exhausted.
 
         Forwards are what a query costs, and the fewest that can certify the top ``needed`` are the prefixes
-        with ``log p >= threshold(needed)``. Two kinds of step approach that from above: (1) once the tree
-        stores ``needed`` leaves (the certified ones plus those kept in the reserve below the budget), the
-        ``needed``-th best stored log-prob ``b`` is a budget that certainly suffices (at least ``needed``
-        support sequences have ``log p >= b``), and ``b <= threshold(needed)`` is usually close to it;
-        (2) before that, the count within ``B`` bits grows roughly exponentially in ``B``: the budget
-        extrapolates the growth seen so far (a pilot at half the bits first), aiming *short* of the need
-        (80 %) so that the reserve rather than an overshoot supplies the last leaves and step (1) finishes."""
+        with ``log p >= threshold(needed)`` — what a best-first search expands. Two kinds of step approach
+        that from above: (1) once the tree stores ``needed`` leaves (the certified ones plus those kept in
+        the reserve below the budget), the ``needed``-th best stored log-prob ``b`` is a budget that
+        certainly suffices (at least ``needed`` support sequences have ``log p >= b``), and
+        ``b <= threshold(needed)`` is usually close to it; (2) before that, the count within ``B`` bits
+        grows roughly exponentially in ``B``: the budget extrapolates the growth seen so far (a pilot at
+        half the bits first), aiming *short* of the need (80 %) so that the reserve rather than an
+        overshoot supplies the last leaves and step (1) finishes.
+
+        Every step is also capped so that the forwards it predicts at most double the forwards so far
+        (``_work_step_bits``): when leaves are rare (deep eos-terminated supports) the leaf extrapolation
+        knows nothing, and a step of many bits would expand exponentially more prefixes than the answer
+        needs. With the cap, the forwards of the last step are at most about twice those that certify the
+        answer, and all earlier steps together at most as many again (a doubling argument)."""
+        if self.index.total < needed and not self.tree.exhausted and needed > self.tree.max_nodes:
+            # Refused up front: every certified sequence is a stored node.
+            raise IndexBudgetError(
+                f"this query needs at least {needed:,} stored sequences, more than max_nodes="
+                f"{self.tree.max_nodes:,}; raise max_nodes (CLI: --max-nodes)")
         while self.index.total < needed and not self.tree.exhausted:
             have = self.index.total
             sufficient = self._stored_budget(needed)
@@ -166,9 +183,10 @@ class SeekIndex:
                 self._deepen(0.5 * math.log2(needed) + 2.0)     # pilot: cheap, and it measures the growth
                 continue
             built = -self.tree.budget / _LN2
+            cap = self._work_step_bits(built)
             # Growth rate (count doublings per bit) from the origin (1 sequence at 0 bits) to here.
             rate = max(math.log2(max(have, 2)) / max(built, 1e-9), 0.05)
-            if sufficient is not None:
+            if sufficient is not None and -sufficient / _LN2 - built <= cap:
                 # ``sufficient`` finishes for sure, but its bound misses the leaves of prefixes not yet
                 # forwarded, so it can lie well below the threshold: try the extrapolated budget first when
                 # that is shallower (no prefix is forwarded twice: children are kept down to ``sufficient``).
@@ -179,19 +197,33 @@ class SeekIndex:
                     self._extend(sufficient)       # the exact log-prob: no round trip through bits
                 continue
             step = math.log2(0.8 * needed / max(have, 1)) / rate
-            bits = built + min(max(step, 0.25), max(built, 4.0))
+            bits = built + min(max(step, 0.25), cap)
             # When the step was capped another deepening will follow; keep children down to where the
-            # extrapolation (with a margin) ends, so that it forwards none of these prefixes again.
-            expected = -(built + math.log2(1.5 * needed / max(have, 1)) / rate) * _LN2 if bits < built + step else None
+            # extrapolation (with a margin) ends — at most one more capped step away — so that it forwards
+            # none of these prefixes again.
+            expected = None
+            if bits < built + step:
+                reach = min(math.log2(1.5 * needed / max(have, 1)) / rate, 2.0 * cap)
+                expected = -(built + reach) * _LN2
             self._deepen(bits, expected=expected)
+
+    def _work_step_bits(self, built: float) -> float:
+        """Largest deepening (bits) past ``built`` whose forwards are predicted to at most double those so far.
+
+        The forward count grows about exponentially in the budget's bits; its rate is taken as the larger of
+        the rate from the origin and the rate over the last deepening (growth speeds up with depth, and an
+        underestimate would overshoot)."""
+        forwards = max(self.tree.forwards, 1)
+        rate = math.log2(forwards + 1) / max(built, 1e-9)
+        if self._last_deepening is not None:
+            past_bits, past_forwards = self._last_deepening
+            if built > past_bits and forwards > past_forwards:
+                rate = max(rate, math.log2(forwards / max(past_forwards, 1)) / (built - past_bits))
+        return max(0.25, min(1.0 / max(rate, 1e-9), max(built, 4.0)))
 
     def _deepen(self, bits: float, *, expected: float | None = None) -> None:
         """Extend the tree to ``bits`` of information (the whole support past 2000 bits) and re-index."""
-        if bits >= 2000.0:
-            self._extend(-math.inf)
-            return
-        self.tree.extend(-bits * _LN2, expected=expected)
-        self._refresh()
+        self._extend(-math.inf if bits >= 2000.0 else -bits * _LN2, expected=expected)
 
     def _stored_budget(self, needed: int) -> float | None:
         """The ``needed``-th largest log-prob among stored leaves (None when fewer are stored): every stored
@@ -398,6 +430,9 @@ class AutoregressiveEnumerable:
         reserve_bits: each expanded prefix also keeps children this far below the budget, so deepening by
             up to this much forwards no prefix twice.
         max_band: most sequences one query may sort exactly before raising ``BandTooLargeError``.
+        max_nodes: most prefix-tree nodes the index may store (about 60 bytes each at the peak of a
+            build): a query that needs more certified sequences is refused up front, and a build that
+            reaches it stops with ``IndexBudgetError``, leaving the index usable for smaller queries.
         progress: callable receiving ``BuildProgress`` events, or ``True`` for a tqdm bar.
 
     Every query (``top_k``, ``unrank``, ``slice``, ``rank``, ``count``, ``threshold``, ``mass_above``) is
@@ -414,6 +449,7 @@ class AutoregressiveEnumerable:
                  prompt: Sequence[int] = (), branch_cap: int | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, width_bits: float = DEFAULT_WIDTH_BITS,
                  reserve_bits: float = DEFAULT_RESERVE_BITS, max_band: int = DEFAULT_MAX_BAND,
+                 max_nodes: int = DEFAULT_MAX_NODES,
                  progress: Callable[[BuildProgress], None] | bool | None = None) -> None:
         model = from_forward(model)
         if eos is True:
@@ -432,6 +468,7 @@ class AutoregressiveEnumerable:
             branch_cap = _check_index(branch_cap, "branch_cap", minimum=1)
         batch_size = _check_index(batch_size, "batch_size", minimum=1)
         max_band = _check_index(max_band, "max_band", minimum=1)
+        max_nodes = _check_index(max_nodes, "max_nodes", minimum=1)
         if not width_bits > 0:
             raise ValueError(f"width_bits must be positive, got {width_bits}")
         if not reserve_bits >= 0:
@@ -446,7 +483,7 @@ class AutoregressiveEnumerable:
         self.model = model
         self._index = SeekIndex(model, max_len=max_len, eos=eos, prompt=prompt, branch_cap=branch_cap,
                                 batch_size=batch_size, width_bits=width_bits, reserve_bits=reserve_bits,
-                                max_band=max_band, progress=progress)
+                                max_band=max_band, max_nodes=max_nodes, progress=progress)
         self.vocab_size, self.max_len, self.eos = self._index.vocab_size, max_len, eos
         self.prompt = self._index.prompt
         self.order_error = 0.0

@@ -67,6 +67,8 @@ class BucketIndex:
         """``(band, present)``: the slot of the bucket of ``logprob`` (or where it would be inserted)."""
         if logprob == -math.inf:     # below every bucket
             return len(self.buckets), False
+        if logprob > 0.0:            # above every bucket (no sequence is more probable than certain)
+            return 0, False
         bucket = int(bucket_of(logprob, self.width_bits))
         band = int(np.searchsorted(self.buckets, bucket, side="left"))
         return band, band < len(self.buckets) and int(self.buckets[band]) == bucket

@@ -113,6 +113,28 @@ def _space_size(draft_index: Any) -> int | None:
     return sum((int(vocab) - 1) ** (length - 1) for length in range(1, int(max_len) + 1))
 
 
+def _check_same_support(target: Any, draft_index: Any, prompt: tuple[int, ...]) -> None:
+    """Refuse a target index whose support differs from the draft index's: results are drawn from the
+    draft's support, so a certificate about the target's top-k would otherwise cover sequences the target
+    index does not enumerate (or miss ones it does)."""
+    target_prompt = tuple(int(t) for t in (getattr(target, "prompt", None) or ()))
+    if target_prompt != prompt:
+        raise ValueError(f"the target index's prompt {list(target_prompt)} differs from the draft index's "
+                         f"{list(prompt)}")
+    for name in ("max_len", "eos"):
+        if not (hasattr(target, name) and hasattr(draft_index, name)):
+            raise ValueError(f"cannot check that the target and draft indexes enumerate the same support: "
+                             f"{'the draft' if hasattr(target, name) else 'the target'} index has no {name}")
+        target_value, draft_value = getattr(target, name), getattr(draft_index, name)
+        if target_value != draft_value:
+            what = "length" if name == "max_len" else "eos token (None: fixed-length continuations)"
+            raise ValueError(f"the target index enumerates a different support than the draft index: {what} "
+                             f"{target_value} vs {draft_value}")
+    if getattr(target, "capped", False):
+        raise ValueError("the target index is capped (branch_cap): it enumerates a sub-support; pass the target "
+                         "model itself to rescore")
+
+
 def _make_scorer(target: Any, draft_index: Any) -> Callable[[list[tuple]], Any]:
     """``[seqs] -> target log-probs`` for a protocol model, an enumerable, or a bare callable."""
     prompt = tuple(int(t) for t in (getattr(draft_index, "prompt", None) or ()))
@@ -121,10 +143,8 @@ def _make_scorer(target: Any, draft_index: Any) -> Callable[[list[tuple]], Any]:
     if draft_vocab is not None and target_vocab is not None and int(draft_vocab) != int(target_vocab):
         raise ValueError(f"target vocab_size {target_vocab} differs from the draft index's {draft_vocab}")
     if hasattr(target, "score_sequences"):
-        if hasattr(target, "unrank"):  # an enumerable: scores under its own prompt, which must match
-            target_prompt = tuple(int(t) for t in (getattr(target, "prompt", None) or ()))
-            if target_prompt != prompt:
-                raise ValueError("target enumerable's prompt differs from the draft index's prompt")
+        if hasattr(target, "unrank"):  # an enumerable: its support must be the draft index's
+            _check_same_support(target, draft_index, prompt)
             return lambda seqs: target.score_sequences(seqs)
         return lambda seqs: target.score_sequences(seqs, prompt=prompt)
     if callable(target):

@@ -26,12 +26,19 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["BuildProgress", "Level", "PrefixTree"]
+__all__ = ["BuildProgress", "Level", "PrefixTree", "IndexBudgetError", "DEFAULT_MAX_NODES"]
+
+# Default node budget of one index: ~60 bytes a node at the peak of a build, so about 1.2 GB.
+DEFAULT_MAX_NODES = 20_000_000
 
 _LN2 = math.log(2.0)
 # Terminating models without ``max_len`` are bounded by the budget alone; a model that can loop with
 # probability 1 (a step of log-prob exactly 0 forever) would never stop, so a generous depth guard remains.
 _MAX_UNBOUNDED_DEPTH = 100_000
+
+
+class IndexBudgetError(MemoryError):
+    """A build would store more prefix-tree nodes than its ``max_nodes`` budget allows."""
 
 
 @dataclass(frozen=True)
@@ -46,36 +53,57 @@ class BuildProgress:
 
 
 class Level:
-    """Flat, append-only arrays of the prefixes of one length (index ``i`` = one prefix)."""
+    """Flat, append-only arrays of the prefixes of one length (index ``i`` = one prefix).
+
+    The arrays live in buffers that grow geometrically, so appending a level's children chunk by chunk costs
+    amortised constant time per child (re-concatenating on every chunk made large builds quadratic); the
+    attributes are views of the first ``len(self)`` entries and can be assigned in place.
+    """
+
+    # name -> (dtype, fill of a new entry); the last three only for expandable levels.
+    _FIELDS = {"parent": (np.int32, 0), "token": (np.int32, 0), "logprob": (np.float64, 0.0),
+               "leaf": (bool, False), "floor": (np.float64, np.inf), "truncated": (bool, False),
+               "capped_mass": (np.float64, 0.0)}
+    _EXPANSION = ("floor", "truncated", "capped_mass")
 
     def __init__(self, expandable: bool = True) -> None:
         # A level of complete sequences only (the last level of fixed-length continuations) never expands:
         # it keeps no floor / truncated / capped_mass arrays (a third less memory per leaf).
+        # parent: index into the previous level; token: last token; logprob: exact log p(prefix | prompt);
+        # leaf: a complete sequence (ends in eos / has max_len). Children of prefix i are stored down to
+        # floor[i] (+inf: not expanded yet); truncated[i]: some positive-probability child lies below that
+        # floor and was not stored; capped_mass[i]: probability of children dropped by branch_cap.
         self.expandable = expandable
-        self.parent = np.zeros(0, dtype=np.int32)      # (n,) index into the previous level
-        self.token = np.zeros(0, dtype=np.int32)       # (n,) last token
-        self.logprob = np.zeros(0, dtype=np.float64)   # (n,) exact log p(prefix | prompt)
-        self.leaf = np.zeros(0, dtype=bool)            # (n,) a complete sequence (ends in eos / has max_len)
-        # Children of prefix i are stored down to ``floor[i]`` (+inf: not expanded yet); ``truncated[i]``:
-        # some positive-probability child lies below that floor and was not stored.
-        self.floor = np.zeros(0, dtype=np.float64)     # (n,)
-        self.truncated = np.zeros(0, dtype=bool)       # (n,)
-        self.capped_mass = np.zeros(0, dtype=np.float64)  # (n,) probability of children dropped by branch_cap
+        self._size = 0
+        self._buffers = {name: np.zeros(0, dtype=dtype) for name, (dtype, _) in self._FIELDS.items()
+                         if expandable or name not in self._EXPANSION}
 
     def __len__(self) -> int:
-        return len(self.token)
+        return self._size
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        buffers = self.__dict__.get("_buffers")
+        if buffers is not None and name in buffers:
+            return buffers[name][: self._size]
+        if name in self._EXPANSION:
+            return np.zeros(0, dtype=self._FIELDS[name][0])      # a leaf-only level has none
+        raise AttributeError(name)
 
     def append(self, parent: np.ndarray, token: np.ndarray, logprob: np.ndarray, leaf: np.ndarray) -> None:
         n = len(token)
-        self.parent = np.concatenate([self.parent, parent.astype(np.int32)])
-        self.token = np.concatenate([self.token, token.astype(np.int32)])
-        self.logprob = np.concatenate([self.logprob, logprob])
-        self.leaf = np.concatenate([self.leaf, leaf])
-        if not self.expandable:
-            return
-        self.floor = np.concatenate([self.floor, np.full(n, np.inf)])
-        self.truncated = np.concatenate([self.truncated, np.zeros(n, dtype=bool)])
-        self.capped_mass = np.concatenate([self.capped_mass, np.zeros(n)])
+        size = self._size + n
+        capacity = len(self._buffers["token"])
+        if size > capacity:
+            capacity = max(size, 2 * capacity, 64)
+            for name, buffer in self._buffers.items():
+                grown = np.empty(capacity, dtype=buffer.dtype)
+                grown[: self._size] = buffer[: self._size]
+                self._buffers[name] = grown
+        new = slice(self._size, size)
+        values = {"parent": parent, "token": token, "logprob": logprob, "leaf": leaf}
+        for name, buffer in self._buffers.items():
+            buffer[new] = values[name] if name in values else self._FIELDS[name][1]
+        self._size = size
 
     def capped_mass_above(self, min_log_prob: float) -> float:
         """Probability dropped by branch_cap below prefixes of this level with log p >= min_log_prob."""
@@ -84,8 +112,8 @@ class Level:
         return float(self.capped_mass[self.logprob >= min_log_prob].sum())
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.parent, self.token, self.logprob, self.leaf, self.floor,
-                                      self.truncated, self.capped_mass))
+        """Bytes of the stored entries (the buffers' spare capacity, at most as much again, not counted)."""
+        return sum(buffer[: self._size].nbytes for buffer in self._buffers.values())
 
 
 class PrefixTree:
@@ -98,6 +126,7 @@ class PrefixTree:
 
     def __init__(self, model, *, prompt: Sequence[int], max_len: int | None, eos: int | None,
                  branch_cap: int | None, batch_size: int, reserve_bits: float,
+                 max_nodes: int = DEFAULT_MAX_NODES,
                  progress: Callable[[BuildProgress], None] | None = None) -> None:
         self.model = model
         self.vocab_size = int(model.vocab_size)
@@ -108,6 +137,7 @@ class PrefixTree:
         self.batch_size = batch_size
         self.reserve = reserve_bits * _LN2          # in nats
         self.progress = progress
+        self.max_nodes = max_nodes                  # refuse to store more nodes than this (IndexBudgetError)
         self.forwards = 0                           # prefixes sent to next_logprobs, all passes
         self.reforwards = 0                         # of which: prefixes forwarded a second time
         self.length_truncated = False               # eos mode: max_len cut a positive-probability prefix
@@ -241,10 +271,10 @@ class PrefixTree:
         step = np.where(valid, np.take_along_axis(rows, np.maximum(allowed, 0), axis=1), -np.inf)
         full_lp = parent_lp[:, None] + step                               # (c, m)
         finite = np.isfinite(full_lp)
-        level.truncated[nodes] = (finite & (full_lp < floor)).any(axis=1)
+        truncated = (finite & (full_lp < floor)).any(axis=1)
         r, c = np.nonzero(finite & (full_lp >= floor))
         tok, child_lp = allowed[r, c], full_lp[r, c]
-        self._append_children(depth, nodes, first, floor, r, tok.astype(np.int64), child_lp)
+        self._append_children(depth, nodes, first, floor, truncated, r, tok.astype(np.int64), child_lp)
 
     def _expand_sparse(self, sparse, depth: int, nodes: np.ndarray, parent_lp: np.ndarray, floor: float) -> None:
         """``_expand`` through the model's ``next_logprobs_above`` hook: no ``(c, V)`` rows are built.
@@ -273,14 +303,14 @@ class PrefixTree:
         # a prefix's probability (the budget pruning relies on it), so clip those to 0.
         child_lp = parent_lp[r] + np.minimum(step, 0.0)
         keep = child_lp >= floor
-        level.truncated[nodes] = finite - np.bincount(r[keep], minlength=len(nodes)) > 0
-        self._append_children(depth, nodes, first, floor, r[keep], tok[keep], child_lp[keep])
+        truncated = finite - np.bincount(r[keep], minlength=len(nodes)) > 0
+        self._append_children(depth, nodes, first, floor, truncated, r[keep], tok[keep], child_lp[keep])
 
-    def _append_children(self, depth: int, nodes: np.ndarray, first: np.ndarray, floor: float, r: np.ndarray,
-                         tok: np.ndarray, child_lp: np.ndarray) -> None:
-        """Record the expansion of ``nodes`` to ``floor`` and append their (new) children to the next level."""
+    def _append_children(self, depth: int, nodes: np.ndarray, first: np.ndarray, floor: float,
+                         truncated: np.ndarray, r: np.ndarray, tok: np.ndarray, child_lp: np.ndarray) -> None:
+        """Record the expansion of ``nodes`` to ``floor`` (``truncated``: (c,) some child lies below it) and
+        append their (new) children to the next level."""
         level = self.levels[depth]
-        level.floor[nodes] = floor
         if not first.all() and depth + 1 < len(self.levels):
             # Forwarded again: keep only children not stored before (by key, not by comparing with the old
             # floor, so a backend whose rows move in the last bits between batches neither duplicates nor
@@ -290,6 +320,15 @@ class PrefixTree:
             old_keys = children.parent[stored].astype(np.int64) * self.vocab_size + children.token[stored]
             fresh = ~np.isin(nodes[r] * self.vocab_size + tok, old_keys)
             r, tok, child_lp = r[fresh], tok[fresh], child_lp[fresh]
+        total = sum(len(lvl) for lvl in self.levels)
+        if total + len(r) > self.max_nodes:
+            # Checked before anything is recorded: these parents stay unexpanded and the tree consistent.
+            raise IndexBudgetError(
+                f"the enumeration index reached its budget of {self.max_nodes:,} nodes ({total:,} stored, "
+                f"{len(r):,} more needed at length {depth + 1}); raise max_nodes (CLI: --max-nodes) or ask "
+                "for fewer or shorter sequences")
+        level.floor[nodes] = floor
+        level.truncated[nodes] = truncated
         # Within each parent, children in descending log-prob (then token id): the order a tree walk expects.
         order = np.lexsort((tok, -child_lp, r))
         r, child_tokens, child_lp = r[order], tok[order], child_lp[order]
