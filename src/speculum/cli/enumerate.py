@@ -11,8 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
+from pathlib import Path
 from typing import Any
+
+from speculum.cli.checks import CLIError, check_at_least, check_draft, quiet_progress_bars, utf8_text
+from speculum.cli.generate import add_cache_argument
+from speculum.enumeration.exact import DEFAULT_MAX_NODES, tqdm_progress
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_WINDOW = 64
@@ -39,6 +45,9 @@ def register(subparsers: Any) -> None:
     enum.add_argument("--max-window", type=int, default=4096, help="largest window --certify may reach")
     enum.add_argument("--assumed-gap", type=float, default=None,
                       help="assumed bound (nats) on |target - draft| log-prob, which certificates rest on")
+    enum.add_argument("--max-nodes", type=int, default=DEFAULT_MAX_NODES,
+                      help=f"most prefix-tree nodes the index may store, ~60 bytes each (default: "
+                           f"{DEFAULT_MAX_NODES:,}); a query that needs more stops with an error")
     _common(enum)
     enum.set_defaults(handler=run_enumerate)
 
@@ -64,10 +73,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--raw", dest="chat", action="store_false", help="use the prompt text as is")
     parser.add_argument("--seed", type=int, default=0, help="seed of every sampler (default: 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_cache_argument(parser)
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _load_target(spec: str) -> Any:
+def _load_target(spec: str, *, verify: bool = False) -> Any:
     # "markov:V:SEED" is an undocumented tiny reference target (eos = V-1), used by fast tests.
     if spec.startswith("markov:"):
         from speculum.models import MarkovModel
@@ -76,11 +86,12 @@ def _load_target(spec: str) -> Any:
             _, vocab, seed = spec.split(":")
             vocab, seed = int(vocab), int(seed)
         except ValueError:
-            raise ValueError(f"bad reference target {spec!r}") from None
+            raise CLIError(f"--target: bad reference target {spec!r}") from None
         return MarkovModel.random(vocab, seed=seed, eos_token_id=vocab - 1)
     from speculum.models import load_model
 
-    return load_model(spec)
+    quiet_progress_bars()
+    return load_model(spec, progress=sys.stderr.isatty(), verify=verify)
 
 
 def _encode(model: Any, text: str, *, chat: bool | None, prompt: bool) -> list[int]:
@@ -88,21 +99,37 @@ def _encode(model: Any, text: str, *, chat: bool | None, prompt: bool) -> list[i
         try:
             return [int(t) for t in text.split()]
         except ValueError:
-            raise ValueError(f"{getattr(model, 'name', 'this model')} has no tokenizer: give token ids") from None
+            raise CLIError(f"{getattr(model, 'name', 'this model')} has no tokenizer: give token ids") from None
     if prompt:
         return model.encode(text, chat=chat)
     return [int(t) for t in model.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
 def _text(model: Any, tokens) -> str:
-    if getattr(model, "tokenizer", None) is None:
+    # Special tokens stay in (an eos is part of what is ranked); the table prints the text repr-escaped.
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
         return " ".join(str(t) for t in tokens)
-    return model.decode(tokens)
+    return tokenizer.decode([int(t) for t in tokens], skip_special_tokens=False)
 
 
-def _positive(value: int | None, name: str) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+def _check_enumeration_draft(spec: str) -> None:
+    """``--draft`` of ``enumerate``, checked without loading: a draft *model* (never fixed proposals)."""
+    from speculum.enumeration.drafts import ENUMERATION_DRAFTS
+    from speculum.models.select import is_embedded_model
+
+    kind = spec.strip().lower()
+    if kind == "lookup":
+        raise CLIError(f"--draft lookup proposes fixed tokens; enumeration needs a draft model "
+                       f"({', '.join(ENUMERATION_DRAFTS)})")
+    if kind in ("none", "ngram", "llamacpp"):
+        return
+    if kind.startswith("llamacpp:"):
+        source = spec.strip()[len("llamacpp:"):]
+        if not (Path(source).expanduser().is_file() or is_embedded_model(source)):
+            raise CLIError(f"--draft: no GGUF file at {source!r} and no embedded model by that name")
+        return
+    check_draft(spec, kinds=ENUMERATION_DRAFTS)
 
 
 # ---------------------------------------------------------------------------------------- enumerate
@@ -110,32 +137,38 @@ def run_enumerate(args: argparse.Namespace) -> int:
     from speculum.enumeration import AutoregressiveEnumerable, RescoredIndex
     from speculum.enumeration.drafts import make_enumeration_draft
 
-    for name in ("length", "max_len", "top_k", "max_window"):
-        _positive(getattr(args, name), f"--{name.replace('_', '-')}")
-    if args.window < 0:
-        raise ValueError(f"--window must be >= 0, got {args.window}")
+    for name in ("length", "max_len", "top_k", "max_window", "max_nodes"):
+        check_at_least(getattr(args, name), 1, f"--{name.replace('_', '-')}")
+    check_at_least(args.window, 0, "--window")
+    check_at_least(args.assumed_gap, 0, "--assumed-gap")
+    check_at_least(args.seed, 0, "--seed")
+    _check_enumeration_draft(args.draft)
     if args.certify and args.assumed_gap is None and args.draft.strip().lower() != "none":
-        raise ValueError("--certify needs --assumed-gap: a certificate rests on a bound on |target - draft|")
+        raise CLIError("--certify needs --assumed-gap: a certificate rests on a bound on |target - draft|")
     if args.max_len is not None and not args.eos:
-        raise ValueError("--max-len goes with --eos (use --length for fixed-length continuations)")
-    target = _load_target(args.target)
-    prompt = _encode(target, args.prompt, chat=args.chat, prompt=True)
+        raise CLIError("--max-len goes with --eos (use --length for fixed-length continuations)")
+    prompt_text = utf8_text(args.prompt, "prompt", "enumerate")
+    target = _load_target(args.target, verify=args.verify_cache)
+    prompt = _encode(target, prompt_text, chat=args.chat, prompt=True)
     eos = None
     if args.eos:
         eos = getattr(target, "eos_token_id", None)
         if eos is None:
-            raise ValueError("--eos: the target has no eos token")
+            raise CLIError("--eos: the target has no eos token")
     max_len = args.length if args.length is not None else args.max_len
     started = time.perf_counter()
     draft = make_enumeration_draft(args.draft, target, prompt=prompt, length=max_len or 16, eos=eos,
                                    seed=args.seed)
+    # A bar on stderr while the index is built, only on a terminal (it would litter logs and pipes).
+    index_options = dict(max_len=max_len, eos=eos, prompt=prompt, max_nodes=args.max_nodes,
+                         progress=tqdm_progress(leave=False) if sys.stderr.isatty() else None)
     if draft is None:
-        exact = AutoregressiveEnumerable(target, max_len=max_len, eos=eos, prompt=prompt)
+        exact = AutoregressiveEnumerable(target, **index_options)
         items = exact.top_k(args.top_k)
         result = {"items": items, "draft_log_probs": [lp for _, lp in items], "certified": True,
                   "reason": "exact index on the target", "window": 0, "gap": 0.0, "target_calls": None}
     else:
-        draft_index = AutoregressiveEnumerable(draft, max_len=max_len, eos=eos, prompt=prompt)
+        draft_index = AutoregressiveEnumerable(draft, **index_options)
         index = RescoredIndex(draft_index, target, rerank_window=args.window, assumed_gap=args.assumed_gap,
                               certify=args.certify, max_window=max(args.max_window, args.window))
         result = index.top_k(args.top_k)
@@ -163,14 +196,16 @@ def run_enumerate(args: argparse.Namespace) -> int:
 def run_rank(args: argparse.Namespace) -> int:
     from speculum.enumeration.exposure import estimate_rank
 
-    _positive(args.n_paths, "--n-paths")
-    if args.exact_limit < 0:
-        raise ValueError(f"--exact-limit must be >= 0, got {args.exact_limit}")
-    target = _load_target(args.target)
-    prompt = _encode(target, args.prompt, chat=args.chat, prompt=True)
-    continuation = _encode(target, args.text, chat=None, prompt=False)
+    check_at_least(args.n_paths, 1, "--n-paths")
+    check_at_least(args.exact_limit, 0, "--exact-limit")
+    check_at_least(args.seed, 0, "--seed")
+    prompt_text = utf8_text(args.prompt, "prompt", "rank")
+    continuation_text = utf8_text(args.text, "--text", "rank")
+    target = _load_target(args.target, verify=args.verify_cache)
+    prompt = _encode(target, prompt_text, chat=args.chat, prompt=True)
+    continuation = _encode(target, continuation_text, chat=None, prompt=False)
     if not continuation:
-        raise ValueError("--text encodes to no tokens")
+        raise CLIError("--text encodes to no tokens")
     started = time.perf_counter()
     report = estimate_rank(target, continuation, prompt=prompt, exact_limit=args.exact_limit,
                            n_paths=args.n_paths, seed=args.seed)

@@ -11,6 +11,9 @@ import json
 import sys
 from typing import Any, Iterable
 
+from speculum.cli.checks import (CLIError, check_draft, check_sampling, quiet_progress_bars, read_stdin, utf8_text,
+                                 warn)
+
 __all__ = ["register", "run", "format_stats", "parse_gamma", "TextStream"]
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -48,8 +51,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="embedded model name or local model directory / GGUF file (default: smollm2-135m)")
     parser.add_argument("--backend", choices=("hf", "llamacpp"), default="hf",
                         help="hf: PyTorch via transformers (default); llamacpp: llama-cpp-python")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    # Default None, read as float32: an explicit --dtype with --backend llamacpp gets a warning.
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="weights' dtype for the hf backend (default: float32)")
+    add_cache_argument(parser)
+
+
+def add_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """``--verify-cache`` (every command that loads a model)."""
+    parser.add_argument("--verify-cache", action="store_true",
+                        help="check the checksum of every file of the embedded model's converted cache before "
+                             "loading (sizes and file stamps are always checked; a damaged cache is rebuilt)")
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,16 +100,35 @@ def load_target(args: argparse.Namespace) -> Any:
 
     if args.backend == "llamacpp":
         return load_model(args.target, backend="llamacpp")
-    return load_model(args.target, backend="hf", dtype=args.dtype, progress=sys.stderr.isatty())
+    quiet_progress_bars()
+    return load_model(args.target, backend="hf", dtype=args.dtype or "float32", progress=sys.stderr.isatty(),
+                      verify=args.verify_cache)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every check that needs no model, run before one loads; warns about flags that will have no effect."""
+    check_sampling(args)
+    check_draft(args.draft)
+    kind = args.draft.strip().lower()
+    if args.backend == "llamacpp" and (kind in ("int8", "bf16") or kind.startswith("layers:")):
+        raise CLIError(f"--draft {args.draft.strip()} is built from the target's PyTorch weights: "
+                       f"it needs --backend hf")
+    if args.temperature == 0:
+        unused = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
+                  if value is not None]
+        if unused:
+            warn("generate", f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect at "
+                             f"--temperature 0 (greedy decoding)")
+    if args.backend == "llamacpp" and args.dtype is not None:
+        warn("generate", "--dtype has no effect with --backend llamacpp (the GGUF file fixes the weights' types)")
 
 
 def run(args: argparse.Namespace) -> int:
     import speculum
     from speculum.models.select import make_draft
 
-    prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    check_args(args)
+    prompt_text = read_stdin("generate") if args.prompt == "-" else utf8_text(args.prompt, "PROMPT", "generate")
     target = load_target(args)
     prompt_ids = target.encode(prompt_text, chat=args.chat)
     draft = make_draft(args.draft, target)

@@ -3,6 +3,7 @@
 * :mod:`.warp` — temperature / top-k / top-p as one pure function on log-prob rows;
 * :mod:`.verify` — the acceptance rules (distribution-aware, point-mass, greedy) as pure functions;
 * :mod:`.controller` — adaptive γ for ``gamma="auto"``;
+* :mod:`.plan` — the arguments of one generation, validated before any model work;
 * :mod:`.speculative` — the loop: :func:`stream` (generator of :class:`Chunk`) and :func:`generate`;
 * :mod:`.compat` — the seed API, :class:`SpeculativeDecoder` / :class:`SpeculativeDecodingStats`.
 
@@ -19,7 +20,8 @@ from __future__ import annotations
 from .compat import SpeculativeDecoder, SpeculativeDecodingStats
 from .controller import GammaController
 from .events import Chunk, DecodingStats, GenerationResult
-from .speculative import generate, make_rngs, stream
+from .plan import make_rngs
+from .speculative import generate, stream
 from .verify import Verdict, residual_logprobs, verify_distribution, verify_greedy, verify_point_mass
 from .warp import check_sampling_args, sample_from_logprobs, warp_logprobs
 

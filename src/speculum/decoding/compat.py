@@ -15,7 +15,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..models.base import from_forward
-from .speculative import generate, make_rngs
+from .plan import make_rngs
+from .speculative import generate
 
 __all__ = ["SpeculativeDecoder", "SpeculativeDecodingStats"]
 
@@ -79,7 +80,10 @@ class SpeculativeDecoder:
         max_new_tokens: int = 50,
         eos_token_id: Optional[int] = None,
     ) -> Tuple[List[int], SpeculativeDecodingStats]:
-        """Run speculative decoding; returns ``(prompt + new token ids, stats)`` as the seed did."""
+        """Run speculative decoding; returns ``(prompt + new token ids, stats)`` as the seed did.
+
+        ``eos_token_id=None`` (the default) never stops early, as in the seed; :func:`speculum.generate`
+        instead defaults to the target's eos. Token ids are integers only, as there."""
         result = generate(_adapt(target_model), prompt_ids, draft=_adapt(draft_model),
                           max_new_tokens=max_new_tokens, gamma=self.gamma, temperature=self.temperature,
                           eos_token_id=eos_token_id, seed=self._rng)

@@ -28,7 +28,9 @@ class DecodingStats:
     proposed_per_position: list[int] = field(default_factory=list)   # [i]: blocks that proposed position i
     accepted_per_position: list[int] = field(default_factory=list)   # [i]: blocks that accepted position i
     gamma_history: list[int] = field(default_factory=list)           # proposals verified per target forward
-    draft_skipped: str | None = None  # why gamma="auto" never started the draft model (None: it did, or no model)
+    # Why the draft model was not used (gamma="auto" found it cannot pay; the prompt exceeds its max_context)
+    # or stopped being used (the context outgrew its max_context). None: used throughout, or no draft model.
+    draft_skipped: str | None = None
 
     @property
     def acceptance_rate(self) -> float:

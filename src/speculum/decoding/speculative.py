@@ -17,18 +17,18 @@ import time
 import weakref
 from dataclasses import dataclass
 from functools import partial
-from numbers import Integral
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..models.base import check_prompt, check_token_ids, from_forward
+from ..models.base import check_token_ids
 from .controller import GammaController, situation_key
 from .events import Chunk, DecodingStats, GenerationResult
+from .plan import MODEL_EOS, Plan, plan_generation
 from .verify import verify_distribution, verify_greedy, verify_point_mass
-from .warp import check_sampling_args, is_identity_warp, sample_from_logprobs, warp_logprobs
+from .warp import is_identity_warp, sample_from_logprobs, warp_logprobs
 
-__all__ = ["generate", "stream", "make_rngs"]
+__all__ = ["generate", "stream"]
 
 _ROW_MASS_TOLERANCE = 1e-6
 _TRIAL_TOKENS = 8    # context tokens a draft model reads in its timed trial (gamma="auto", _start_draft)
@@ -50,95 +50,7 @@ class _DraftMemory:
 _DRAFT_MEMORY: "weakref.WeakKeyDictionary[Any, _DraftMemory]" = weakref.WeakKeyDictionary()
 
 
-# ------------------------------------------------------------------------------------------ validation
-def make_rngs(seed: Any) -> tuple[np.random.Generator, np.random.Generator, np.random.Generator]:
-    """Three independent streams (drafting, acceptance, resampling) from one seed, via ``SeedSequence.spawn``.
-
-    ``seed`` may be None (fresh entropy), a non-negative int, a ``SeedSequence`` or a ``Generator`` (its
-    children are spawned, so the caller's stream advances but is never shared). Independent streams
-    matter: sharing one between drafting and resampling biases the output (vLLM #54282).
-    """
-    if isinstance(seed, np.random.Generator):
-        if hasattr(seed, "spawn"):                      # numpy >= 1.25
-            children = seed.spawn(3)
-            return children[0], children[1], children[2]
-        seed = np.random.SeedSequence(seed.integers(0, 2**63, size=4))
-    if isinstance(seed, bool) or not (seed is None or isinstance(seed, (Integral, np.random.SeedSequence))):
-        raise ValueError(f"seed must be None, a non-negative int, a SeedSequence or a numpy Generator, got {seed!r}")
-    if isinstance(seed, Integral) and seed < 0:
-        raise ValueError(f"seed must be non-negative, got {seed}")
-    sequence = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
-    drafting, acceptance, resampling = (np.random.default_rng(child) for child in sequence.spawn(3))
-    return drafting, acceptance, resampling
-
-
-def _classify_draft(draft: Any, vocab_size: int) -> tuple[str, Any]:
-    if draft is None:
-        return "none", None
-    if hasattr(draft, "start") and hasattr(draft, "vocab_size"):
-        kind, model = "model", draft
-    elif callable(getattr(draft, "propose", None)):
-        return "proposer", draft
-    elif callable(getattr(draft, "forward", None)):
-        kind, model = "model", from_forward(draft)
-    else:
-        raise ValueError("draft must be a model (with start/vocab_size), a proposer (with propose), "
-                         f"a seed-style model (with forward) or None, got {type(draft).__name__}")
-    if int(model.vocab_size) != vocab_size:
-        raise ValueError(f"draft vocab_size {model.vocab_size} differs from the target's {vocab_size}: "
-                         "draft and target must share one vocabulary")
-    return kind, model
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Validated arguments of one generation."""
-
-    target: Any
-    draft: Any
-    draft_kind: str              # "model" | "proposer" | "none"
-    prompt: list[int]
-    budget: int                  # tokens that may be emitted (max_new_tokens, capped by max_context)
-    budget_reason: str           # stop reason when the budget is reached
-    gamma: int | str
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    eos_token_id: int | None
-    rngs: tuple[np.random.Generator, np.random.Generator, np.random.Generator]
-    seeded: bool = False         # a seed was given: the run must be reproducible
-
-
-def _plan(target: Any, prompt_ids: Sequence[int], *, draft: Any, max_new_tokens: int, gamma: int | str,
-          temperature: float, top_k: int | None, top_p: float | None, eos_token_id: int | None,
-          seed: Any) -> _Plan:
-    """Validate everything before any model work; each failure is a ValueError naming the argument."""
-    check_sampling_args(temperature, top_k, top_p)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, Integral) or gamma < 1):
-        raise ValueError(f'gamma must be an integer >= 1 or "auto", got {gamma!r}')
-    if not (hasattr(target, "start") and hasattr(target, "vocab_size")):
-        if not callable(getattr(target, "forward", None)):
-            raise ValueError(f"target must be a model with start() and vocab_size, got {type(target).__name__}")
-        target = from_forward(target)       # a seed-style model without vocab_size costs one probe forward
-    vocab_size = int(target.vocab_size)
-    if eos_token_id is not None:
-        eos_token_id = check_token_ids([eos_token_id], vocab_size, name="eos_token_id")[0]
-    prompt = check_prompt(target, prompt_ids, name="prompt_ids")
-    draft_kind, draft = _classify_draft(draft, vocab_size)
-    budget, budget_reason = int(max_new_tokens), "max_new_tokens"
-    max_context = getattr(target, "max_context", None)
-    if max_context is not None:
-        if len(prompt) > max_context:
-            raise ValueError(f"prompt_ids has {len(prompt)} tokens, more than the target's max_context {max_context}")
-        if max_context - len(prompt) < budget:
-            budget, budget_reason = max_context - len(prompt), "max_context"
-    return _Plan(target, draft, draft_kind, prompt, budget, budget_reason, gamma, float(temperature),
-                 None if top_k is None else int(top_k), None if top_p is None else float(top_p),
-                 eos_token_id, make_rngs(seed), seeded=seed is not None)
-
-
+# -------------------------------------------------------------------------------------- checked rows
 def _checked_rows(rows: Any, expected: int, vocab_size: int, name: str) -> np.ndarray:
     """Cheap check of rows a model returned: shape, no NaN / +inf, some mass, normalised (fail at the origin)."""
     rows = np.asarray(rows, dtype=np.float64)
@@ -157,10 +69,10 @@ def _checked_rows(rows: Any, expected: int, vocab_size: int, name: str) -> np.nd
 class _Decoder:
     """State of one generation: both sessions, the context, the streams, the statistics."""
 
-    def __init__(self, plan: _Plan) -> None:
+    def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.vocab_size = int(plan.target.vocab_size)
-        self.stats = DecodingStats()
+        self.stats = DecodingStats(draft_skipped=plan.draft_skipped)
         self.drafting_rng, self.acceptance_rng, self.resampling_rng = plan.rngs
         self.greedy = plan.temperature == 0.0
         self.warp: Callable[[np.ndarray], np.ndarray]
@@ -188,6 +100,10 @@ class _Decoder:
         self.draft_max_context = getattr(plan.draft, "max_context", None) if plan.draft_kind == "model" else None
 
     # ------------------------------------------------------------------------------------------ drafting
+    def _draft_fits(self) -> bool:
+        """Whether the draft model can still propose: it reads the whole context to propose one token."""
+        return self.draft_max_context is None or len(self.context) <= self.draft_max_context
+
     def _gamma_cap(self, remaining: int) -> int:
         """Most proposals this block may carry."""
         cap = remaining - 1                      # never overshoot: a block emits at most γ + 1 tokens
@@ -367,6 +283,13 @@ class _Decoder:
         while True:
             remaining = plan.budget - stats.emitted
             self.key = None
+            if (draft_session is not None or lazy_draft) and not self._draft_fits():
+                # Proposing one token means reading the whole context: past the draft's window it can no
+                # longer propose, so the rest is plain decoding (exact anyway).
+                draft_session, lazy_draft = None, False
+                stats.draft_skipped = (
+                    f"the context reached {len(context)} tokens, more than the draft's max_context "
+                    f"{self.draft_max_context}: drafting stopped there")
 
             t0 = time.perf_counter()
             setup = 0.0
@@ -430,7 +353,7 @@ class _Decoder:
 # ------------------------------------------------------------------------------------------ public API
 def stream(target: Any, prompt_ids: Sequence[int], *, draft: Any = None, max_new_tokens: int = 64,
            gamma: int | str = 4, temperature: float = 1.0, top_k: int | None = None,
-           top_p: float | None = None, eos_token_id: int | None = None, seed: Any = None) -> Iterator[Chunk]:
+           top_p: float | None = None, eos_token_id: Any = MODEL_EOS, seed: Any = None) -> Iterator[Chunk]:
     """Speculative decoding, streamed: yields one :class:`Chunk` per target forward.
 
     Guarantee: exact — the emitted tokens have exactly the law of plain sampling from the target with the
@@ -438,13 +361,19 @@ def stream(target: Any, prompt_ids: Sequence[int], *, draft: Any = None, max_new
 
     Args:
         target: a protocol model (``speculum.models``); seed-style ``.forward`` models are adapted.
-        prompt_ids: the prompt; empty only if the target has a BOS token or an initial distribution.
+        prompt_ids: integer token ids (a list of Python / NumPy ints or an integer array; text, floats and
+            bools are refused: call ``model.encode(text)``); empty only if the target has a BOS token or
+            an initial distribution.
         draft: a model (distribution-aware verification), a proposer with ``propose(context, max_tokens)``
-            (point-mass verification), or None (plain decoding).
+            (point-mass verification), or None (plain decoding). A draft model whose ``max_context``
+            cannot hold the prompt is not used, and one whose window the context outgrows stops drafting
+            there: plain decoding continues, and ``stats.draft_skipped`` says why.
         max_new_tokens: exact cap on emitted tokens (also capped by the target's ``max_context``).
         gamma: proposals per target forward, or ``"auto"`` (adapted from measured acceptance and costs).
-        temperature: 0 = greedy; top_k / top_p: applied identically to draft and target rows.
-        eos_token_id: generation stops after emitting it (nothing after it is emitted).
+        temperature: 0 = greedy; any finite value > 0 samples the tempered law (a vanishing one: uniform
+            over the tied most probable tokens); top_k / top_p: applied identically to draft and target rows.
+        eos_token_id: generation stops after emitting it (nothing after it is emitted). Default: the
+            target's ``eos_token_id`` (no stop if it has none); ``None`` never stops early.
         seed: int / SeedSequence / Generator / None; split into drafting, acceptance, resampling streams.
 
     Arguments are validated before any model work (``ValueError`` naming the argument).
@@ -456,17 +385,19 @@ def stream(target: Any, prompt_ids: Sequence[int], *, draft: Any = None, max_new
         >>> sum(len(c.tokens) for c in chunks)
         5
     """
-    plan = _plan(target, prompt_ids, draft=draft, max_new_tokens=max_new_tokens, gamma=gamma,
-                 temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed)
+    plan = plan_generation(target, prompt_ids, draft=draft, max_new_tokens=max_new_tokens, gamma=gamma,
+                           temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                           seed=seed)
     return _Decoder(plan).run()
 
 
 def generate(target: Any, prompt_ids: Sequence[int], *, draft: Any = None, max_new_tokens: int = 64,
              gamma: int | str = 4, temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None, eos_token_id: int | None = None, seed: Any = None) -> GenerationResult:
+             top_p: float | None = None, eos_token_id: Any = MODEL_EOS, seed: Any = None) -> GenerationResult:
     """Speculative decoding, blocking: the new tokens (prompt excluded) and :class:`DecodingStats`.
 
-    Guarantee: exact, as :func:`stream` (which it wraps; same arguments).
+    Guarantee: exact, as :func:`stream` (which it wraps; same arguments and defaults: it stops at the
+    target's eos unless ``eos_token_id`` says otherwise).
 
     Example:
         >>> from speculum.models import MarkovModel

@@ -7,7 +7,10 @@ speculative sampling's output law equal to plain sampling's: a draft that sample
 processed row than the one it reported breaks exactness (transformers #32867, #47932).
 
 Temperature 0 means greedy and is handled by the caller (argmax, lowest index on ties); this module only
-sees temperatures > 0.
+sees temperatures > 0, and every positive finite temperature is valid, subnormal ones included: the row
+is shifted to a maximum of 0 *before* it is divided, so the division cannot overflow into ``inf - inf``.
+A vanishing temperature therefore gives the exact limit law (uniform over the tied most probable tokens,
+where greedy takes the lowest id), never NaN.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ __all__ = ["check_sampling_args", "warp_logprobs", "sample_from_logprobs", "is_i
 def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Raise ``ValueError`` naming the argument unless the sampling settings are valid.
 
-    ``temperature`` must be finite and >= 0 (0 = greedy), ``top_k`` an integer >= 1 or None, ``top_p`` in
+    ``temperature`` must be finite and >= 0 (0 = greedy; every positive value, subnormal ones included,
+    is a valid tempered law: see :func:`warp_logprobs`), ``top_k`` an integer >= 1 or None, ``top_p`` in
     (0, 1] or None.
 
     Example:
@@ -53,27 +57,39 @@ def warp_logprobs(logprobs: np.ndarray, *, temperature: float, top_k: int | None
 
     Args:
         logprobs: ``(..., V)`` natural-log probabilities (or logits: rows are renormalised).
-        temperature: > 0; the row is divided by it before renormalising.
+        temperature: finite and > 0 (any such value, subnormal included); the row, shifted to a maximum
+            of 0, is divided by it before renormalising.
         top_k: keep the ``top_k`` most probable tokens (ties broken towards the lower token id).
         top_p: keep the smallest most-probable set whose mass reaches ``top_p`` (nucleus sampling,
             Holtzman et al. 2020); the most probable token is always kept.
 
     Returns:
         ``(..., V)`` normalised log-probs. Guarantee: exact (deterministic, same result for the same row
-        wherever it is applied — draft drafting, target verification, plain sampling).
+        wherever it is applied — draft drafting, target verification, plain sampling), and finite at
+        a most probable token of the tempered row for every valid argument. ``ValueError`` if a row has NaN, +inf or no
+        finite entry.
 
     Example:
         >>> row = np.log(np.array([0.5, 0.3, 0.2]))
         >>> np.round(np.exp(warp_logprobs(row, temperature=1.0, top_k=2)), 3)
         array([0.625, 0.375, 0.   ])
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 here (0 = greedy is handled by the caller), got {temperature}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be finite and > 0 here (0 = greedy is handled by the caller), "
+                         f"got {temperature}")
     rows = np.asarray(logprobs, dtype=np.float64)
     shape = rows.shape
     vocab = shape[-1]
-    scaled = (rows / temperature if temperature != 1.0 else rows).reshape(-1, vocab)   # (R, V)
-    scaled = scaled - scaled.max(axis=-1, keepdims=True)                               # max 0 per row
+    rows = rows.reshape(-1, vocab)                                                     # (R, V)
+    top = rows.max(axis=-1, keepdims=True)                                             # (R, 1)
+    if not np.isfinite(top).all():
+        raise ValueError("logprobs have a row with NaN, +inf or no finite entry")
+    # Shift first: every entry is then <= 0 and the maximum exactly 0, so dividing by any temperature > 0
+    # (1e-320 included) gives 0 at the maximum and at worst -inf elsewhere, never inf - inf.
+    scaled = rows - top                                                                # (R, V) max 0 per row
+    if temperature != 1.0:
+        with np.errstate(over="ignore"):                                               # overflow: -inf, wanted
+            scaled = scaled / temperature
     probs = np.exp(scaled)                                                             # (R, V) unnormalised
     need_k = top_k is not None and top_k < vocab
     need_p = top_p is not None and top_p < 1.0
@@ -102,7 +118,7 @@ def sample_from_logprobs(logprobs: np.ndarray, uniform: float) -> int:
     """Inverse-CDF sample from one ``(V,)`` log-prob row with one uniform in [0, 1) (exact).
 
     One uniform per sample keeps random-number consumption fixed (style.md §7). Only tokens with
-    positive probability can be returned.
+    positive probability can be returned; a row with NaN or no finite entry is a ``ValueError``.
 
     Example:
         >>> sample_from_logprobs(np.array([-np.inf, np.log(0.25), np.log(0.75)]), 0.1)
@@ -110,6 +126,8 @@ def sample_from_logprobs(logprobs: np.ndarray, uniform: float) -> int:
     """
     probs = np.exp(logprobs - logprobs.max())                                # (V,) unnormalised
     cdf = np.cumsum(probs)                                                   # (V,)
+    if not cdf[-1] > 0.0:                                                    # NaN or no mass: nothing to sample
+        raise ValueError("cannot sample from a log-prob row with NaN or no finite entry")
     index = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
     if index >= len(cdf) or probs[index] <= 0.0:
         # Only reachable through rounding at the very top of the CDF: take the last possible token.

@@ -70,7 +70,7 @@ def tqdm_progress(**tqdm_kwargs) -> Callable[[BuildProgress], None]:
 
     def update(event: BuildProgress) -> None:
         bar.update(event.forwards - bar.n)
-        bar.set_postfix(level=event.level, budget_bits=f"{event.budget_bits:.1f}")
+        bar.set_postfix(level=event.level, budget_bits=f"{event.budget_bits:.1f}", refresh=False)
     return update
 
 
@@ -169,7 +169,8 @@ class SeekIndex:
         knows nothing, and a step of many bits would expand exponentially more prefixes than the answer
         needs. With the cap, the forwards of the last step are at most about twice those that certify the
         answer, and all earlier steps together at most as many again (a doubling argument)."""
-        if self.index.total < needed and not self.tree.exhausted and needed > self.tree.max_nodes:
+        if (self.index.total < needed and not self.tree.exhausted
+                and min(needed, self._support_bound()) > self.tree.max_nodes):
             # Refused up front: every certified sequence is a stored node.
             raise IndexBudgetError(
                 f"this query needs at least {needed:,} stored sequences, more than max_nodes="

@@ -111,9 +111,14 @@ class Level:
             return 0.0
         return float(self.capped_mass[self.logprob >= min_log_prob].sum())
 
+    def compact(self) -> None:
+        """Release the buffers' spare capacity (after a build step: the level may not grow for a while)."""
+        if len(self._buffers["token"]) > self._size:
+            self._buffers = {name: buffer[: self._size].copy() for name, buffer in self._buffers.items()}
+
     def nbytes(self) -> int:
-        """Bytes of the stored entries (the buffers' spare capacity, at most as much again, not counted)."""
-        return sum(buffer[: self._size].nbytes for buffer in self._buffers.values())
+        """Bytes held by this level's buffers (spare capacity included)."""
+        return sum(buffer.nbytes for buffer in self._buffers.values())
 
 
 class PrefixTree:
@@ -205,6 +210,8 @@ class PrefixTree:
                                                 pending=max(0, len(todo) - start - self.batch_size),
                                                 forwards=self.forwards, budget_bits=-budget / _LN2))
             depth += 1
+        for level in self.levels:
+            level.compact()
         self.budget = budget
 
     def _prefixes(self, depth: int, nodes: np.ndarray) -> list[list[int]]:

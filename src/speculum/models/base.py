@@ -22,6 +22,7 @@ Example:
 """
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -36,6 +37,7 @@ __all__ = [
     "ForwardModel",
     "from_forward",
     "log_softmax",
+    "check_token_id",
     "check_token_ids",
     "check_logits",
     "check_prompt",
@@ -63,12 +65,78 @@ def check_logits(logits: np.ndarray, *, name: str = "logits") -> np.ndarray:
     return logits
 
 
-def check_token_ids(tokens: Sequence[int], vocab_size: int, *, name: str = "token ids") -> list[int]:
-    """Return ``tokens`` as a list of Python ints, raising ``ValueError`` on any id outside the vocabulary."""
+def _token_id(value: Any) -> int | None:
+    """``value`` as a Python int if it is an integer (Python, NumPy or any ``__index__`` type), else None."""
+    if type(value) is int:                       # the common case, first
+        return value
+    if isinstance(value, (bool, np.bool_)):      # True is an int to Python, never a token id
+        return None
     try:
-        ids = [int(t) for t in tokens]
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{name} must be a sequence of integers") from exc
+        return operator.index(value)             # NumPy integers; refuses floats, even 2.0, and text
+    except TypeError:
+        return None
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def check_token_id(token: Any, vocab_size: int, *, name: str = "token id") -> int:
+    """Return one token id (an eos, a bos) as a Python int; ``ValueError`` naming ``name`` unless it is
+    an integer in ``[0, vocab_size)``. Never coerces: 2.5, 2.0, True and "2" are refused.
+
+    Example:
+        >>> check_token_id(np.int64(3), 5, name="eos_token_id")
+        3
+        >>> check_token_id(2.5, 5, name="eos_token_id")
+        Traceback (most recent call last):
+        ...
+        ValueError: eos_token_id must be an integer token id, got 2.5 (float)
+    """
+    value = _token_id(token)
+    if value is None:
+        raise ValueError(f"{name} must be an integer token id, got {_describe(token)}")
+    if not 0 <= value < vocab_size:
+        raise ValueError(f"{name} is {value}, outside the vocabulary [0, {vocab_size})")
+    return value
+
+
+def check_token_ids(tokens: Sequence[int], vocab_size: int, *, name: str = "token ids") -> list[int]:
+    """Return ``tokens`` as a list of Python ints; ``ValueError`` naming ``name`` unless every one is an
+    integer token id in ``[0, vocab_size)``.
+
+    Accepted: a sequence of Python or NumPy integers, or a 1-D integer NumPy array. Nothing is coerced:
+    text (a string prompt: call ``model.encode(text)`` first), floats (even integral ones), bools and
+    nested sequences are refused, so a wrong input fails here instead of decoding something else.
+
+    Example:
+        >>> check_token_ids(np.array([1, 2]), 5)
+        [1, 2]
+        >>> check_token_ids("12", 5, name="prompt_ids")
+        Traceback (most recent call last):
+        ...
+        ValueError: prompt_ids is text ('12'), not token ids: call model.encode(text) to get token ids
+    """
+    if isinstance(tokens, (str, bytes)):
+        shown = tokens if len(tokens) <= 40 else tokens[:37] + "..."
+        raise ValueError(f"{name} is text ({shown!r}), not token ids: call model.encode(text) to get token ids")
+    if isinstance(tokens, np.ndarray) and tokens.dtype.kind != "O":
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be a 1-D array of integer token ids, got an array of shape "
+                             f"{tokens.shape} and dtype {tokens.dtype}")
+        ids = tokens.tolist()
+    else:
+        try:
+            items = list(tokens)
+        except TypeError:
+            raise ValueError(f"{name} must be a sequence of integer token ids, got {_describe(tokens)}") from None
+        ids = []
+        for position, item in enumerate(items):
+            value = _token_id(item)
+            if value is None:
+                raise ValueError(f"{name} must contain integer token ids only, got {_describe(item)} "
+                                 f"at position {position}")
+            ids.append(value)
     for t in ids:
         if not 0 <= t < vocab_size:
             raise ValueError(f"{name} contain {t}, outside the vocabulary [0, {vocab_size})")

@@ -7,7 +7,8 @@ a second), and returns an ``HFModel``. Nothing is fetched from a model hub.
 
 Cache folder: ``$SPECULUM_CACHE``, else ``$XDG_CACHE_HOME/speculum``, else ``~/.cache/speculum``. The
 conversion writes into a temporary sibling folder and renames it into place, so an interrupted conversion
-never leaves a half-written model behind.
+never leaves a half-written model behind; a manifest of sizes and checksums lets each load detect damage
+and rebuild (:mod:`speculum.models.cache`), and an unwritable cache folder is bypassed.
 
 Example:
     >>> import speculum
@@ -19,10 +20,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
+
+from .cache import load_cached, write_cache
 
 __all__ = ["load_model", "DEFAULT_MODEL", "EMBEDDED_MODELS", "cache_dir", "embedded_gguf_path", "convert_gguf"]
 
@@ -69,36 +70,50 @@ def convert_gguf(gguf_path: Path, target: Path, *, progress: Callable[[str], Non
     """De-quantise ``gguf_path`` into a float32 Hugging Face directory at ``target`` (atomically).
 
     ``progress(stage)`` is called before each stage. The weights are those transformers reads from the
-    GGUF file (Q4_1 de-quantised to float32), saved unchanged.
+    GGUF file (Q4_1 de-quantised to float32), saved unchanged. The folder carries the manifest of
+    :mod:`speculum.models.cache` (sizes, checksums, source identity), written last; it appears under
+    ``target`` complete or not at all.
     """
+    return write_cache(target, gguf_path, lambda folder: _dequantise_into(gguf_path, folder, progress))
+
+
+def _dequantised(gguf_path: Path) -> Any:
+    """The transformers model of a GGUF file, de-quantised to float32 and stripped of its quantiser."""
+    import contextlib
+    import functools
+    from unittest import mock
+
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    # transformers draws a per-tensor bar with plain tqdm, which its progress-bar switch does not reach;
+    # callers show their own stage bar (or none, when stderr is not a terminal), so silence it.
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        quiet = mock.patch.object(gguf_utils, "tqdm", functools.partial(gguf_utils.tqdm, disable=True))
+    except (ImportError, AttributeError):
+        quiet = contextlib.nullcontext()
+    with quiet:
+        module = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                      dtype=torch.float32)
+    # A GGUF-loaded model refuses to save while it still carries its quantiser.
+    module.hf_quantizer = None
+    if hasattr(module.config, "quantization_config"):
+        del module.config.quantization_config
+    return module
+
+
+def _dequantise_into(gguf_path: Path, folder: Path, progress: Callable[[str], None] | None) -> None:
+    from transformers import AutoTokenizer
 
     notify = progress or (lambda stage: None)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        notify("reading tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        notify("de-quantising weights")
-        module = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        )
-        # A GGUF-loaded model refuses to save while it still carries its quantiser (field.md).
-        module.hf_quantizer = None
-        if hasattr(module.config, "quantization_config"):
-            del module.config.quantization_config
-        notify("saving")
-        module.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        try:
-            staging.rename(target)
-        except OSError:  # another process finished first: keep its copy
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    notify("reading tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    notify("de-quantising weights")
+    module = _dequantised(gguf_path)
+    notify("saving")
+    module.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def load_model(
@@ -108,6 +123,7 @@ def load_model(
     dtype: str = "float32",
     progress: bool = True,
     prepack: bool = True,
+    verify: bool = False,
 ) -> Any:
     """Load a target or draft model by embedded name or local path.
 
@@ -121,9 +137,15 @@ def load_model(
             Llama forward (:mod:`speculum.models.fused_llama`) where it applies, else Linear weights
             pre-packed for oneDNN (:mod:`speculum.models.prepack`); False keeps transformers' forward with
             PyTorch's default kernels, bit for bit what transformers computes.
+        verify: embedded models: check the checksum of every cached file even where this machine has
+            confirmed them (sizes and stat stamps are always checked; see :mod:`speculum.models.cache`).
 
-    Raises ValueError (unknown name / backend), FileNotFoundError (missing path), ImportError (missing
-    optional dependency). Never contacts a model hub.
+    A damaged cache of an embedded model is rebuilt with a one-line warning; an unwritable one is bypassed
+    (one-line warning, the model is de-quantised from its GGUF on every load).
+
+    Raises ValueError (unknown name / backend / dtype; :class:`~speculum.models.cache.ModelCacheError` when
+    the embedded model loads neither from its rebuilt cache nor from its GGUF), FileNotFoundError (missing
+    path), ImportError (missing optional dependency). Never contacts a model hub.
 
     Example:
         >>> import speculum
@@ -140,13 +162,12 @@ def load_model(
         from .llamacpp import load_llamacpp_model
 
         return load_llamacpp_model(name_or_path)
-    from .hf import HFModel
+    from .hf import HFModel, parse_dtype
 
+    parse_dtype(dtype)  # a bad dtype is bad input, not a damaged cache: reject it before the cache logic
     key = _canonical(str(name_or_path))
     if key is not None:
-        model = HFModel.from_pretrained(_converted_dir(key, progress=progress), dtype=dtype, prepack=prepack)
-        model.name = key
-        return model
+        return _load_embedded(key, dtype=dtype, prepack=prepack, progress=progress, verify=verify)
     path = Path(name_or_path).expanduser()
     if path.exists():
         return HFModel.from_pretrained(path, dtype=dtype, prepack=prepack)
@@ -164,22 +185,59 @@ def _canonical(name: str) -> str | None:
     return key if key in EMBEDDED_MODELS else None
 
 
-def _converted_dir(key: str, *, progress: bool) -> Path:
-    """The cached Hugging Face copy of an embedded model, converting it on first use."""
-    target = cache_dir() / f"{key}-float32"
-    if (target / "config.json").is_file():
-        return target
+def _load_embedded(key: str, *, dtype: str, prepack: bool, progress: bool, verify: bool) -> Any:
+    """An embedded model through its self-checking cache (:func:`speculum.models.cache.load_cached`)."""
     gguf = embedded_gguf_path(key)
-    from tqdm.auto import tqdm
 
-    stages = ("reading tokenizer", "de-quantising weights", "saving")
-    with tqdm(total=len(stages), desc=f"converting {key} (once)", disable=not progress, unit="step") as bar:
+    def write(folder: Path) -> None:
+        from tqdm.auto import tqdm
 
-        def advance(stage: str) -> None:
-            bar.set_postfix_str(stage)
-            if stage != stages[0]:
-                bar.update(1)
+        stages = ("reading tokenizer", "de-quantising weights", "saving")
+        with tqdm(total=len(stages), desc=f"converting {key} (once)", disable=not progress, unit="step") as bar:
 
-        convert_gguf(gguf, target, progress=advance)
-        bar.update(1)
-    return target
+            def advance(stage: str) -> None:
+                bar.set_postfix_str(stage)
+                if stage != stages[0]:
+                    bar.update(1)
+
+            _dequantise_into(gguf, folder, advance)
+            bar.update(1)
+
+    return load_cached(
+        cache_dir() / f"{key}-float32", gguf, write=write, verify=verify,
+        load=lambda folder: _load_converted(folder, key, dtype=dtype, prepack=prepack),
+        load_uncached=lambda: _load_gguf(gguf, key, dtype=dtype, prepack=prepack, progress=progress),
+    )
+
+
+def _load_converted(folder: Path, key: str, *, dtype: str, prepack: bool) -> Any:
+    """The embedded model from its converted folder; raises when any part of it, the tokenizer included,
+    does not load (the embedded model always has one, so a missing tokenizer means a damaged cache)."""
+    from .hf import HFModel
+
+    model = HFModel.from_pretrained(folder, dtype=dtype, prepack=prepack)
+    if model.tokenizer is None:  # no tokenizer file at all (one that fails to load raises in from_pretrained)
+        raise ValueError(f"the tokenizer files in {folder} are missing")
+    model.name = key
+    return model
+
+
+def _load_gguf(gguf: Path, key: str, *, dtype: str, prepack: bool, progress: bool) -> Any:
+    """The embedded model straight from its GGUF file (~25 s): the same weights as a converted folder."""
+    import torch
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from .hf import HFModel, parse_dtype
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    bars = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        module = _dequantised(gguf).to(parse_dtype(dtype))
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return HFModel(module, tokenizer, name=key, prepack=prepack)

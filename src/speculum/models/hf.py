@@ -81,6 +81,9 @@ def _logprob_rows(logits: torch.Tensor) -> np.ndarray:
     return (logits.double() - _log_mass(logits)[:, None]).numpy()
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 class HFModel(BaseModel):
     """A Hugging Face causal LM behind the speculum protocol (exact up to the model's float precision).
 
@@ -163,10 +166,11 @@ class HFModel(BaseModel):
         finally:
             if bars:
                 hf_logging.enable_progress_bar()
-        try:
+        # A weights-only directory works on token ids; a tokenizer file that fails to load is an error
+        # (swallowing it would surface later as a misleading "has no tokenizer").
+        tokenizer = None
+        if any((folder / name).is_file() for name in _TOKENIZER_FILES):
             tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        except (OSError, ValueError):  # a weights-only directory: the model still works on token ids
-            tokenizer = None
         return cls(module, tokenizer, name=folder.name, prepack=prepack)
 
     # ------------------------------------------------------------------------------------ text helpers

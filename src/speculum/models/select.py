@@ -13,9 +13,11 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
 
-__all__ = ["make_draft", "check_same_tokenizer", "DRAFT_KINDS"]
+__all__ = ["make_draft", "check_draft_spec", "is_embedded_model", "check_same_tokenizer", "DRAFT_KINDS"]
 
 # Shown by `speculum generate --help`.
 DRAFT_KINDS = {
@@ -27,6 +29,9 @@ DRAFT_KINDS = {
     "layers:K": "the target's first K blocks + final norm + head (shares its weights)",
     "PATH": "another local model directory (or embedded name) with the same tokenizer",
 }
+
+# Kinds named by a fixed word (layers:K and PATH carry a value).
+_NAMED_KINDS = ("none", "lookup", "ngram", "int8", "bf16")
 
 # Prompt lookup and n-gram settings: 3-token matches fall back to 1, proposals of up to 16 tokens
 # (Saxena 2023 uses max_ngram 3, 10 tokens); the n-gram draft only proposes from a seen bigram context.
@@ -53,9 +58,7 @@ def make_draft(spec: str | None, target: Any, *, corpus: Sequence[Sequence[int]]
     """
     if spec is None:
         return None
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"draft must be a non-empty string, got {spec!r}")
-    kind = spec.strip()
+    kind = check_draft_spec(spec)
     lowered = kind.lower()
     if lowered == "none":
         return None
@@ -79,6 +82,53 @@ def make_draft(spec: str | None, target: Any, *, corpus: Sequence[Sequence[int]]
     draft = load_model(kind, backend=getattr(target, "backend", "hf"), dtype=_dtype_name(target))
     check_same_tokenizer(target, draft)
     return draft
+
+
+def check_draft_spec(spec: Any, *, kinds: Iterable[str] = tuple(DRAFT_KINDS)) -> str:
+    """Check a draft spec without loading anything; return it stripped of surrounding blanks.
+
+    Accepts the named kinds, ``layers:K`` with an integer K >= 1, an embedded model name and an existing
+    path. Raises ValueError for anything else, listing ``kinds`` (the choices the caller offers), and
+    FileNotFoundError for a spec that looks like a path (it has a separator or starts with ``.`` or ``~``)
+    but does not exist. K's upper bound depends on the target and is checked when the draft is built.
+
+    Example:
+        >>> check_draft_spec(" layers:4 ")
+        'layers:4'
+        >>> check_draft_spec("lookahead")   # ValueError: unknown draft 'lookahead': use none, lookup, ...
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"draft must be a non-empty string, got {spec!r}")
+    kind = spec.strip()
+    lowered = kind.lower()
+    if lowered in _NAMED_KINDS:
+        return kind
+    if lowered.startswith("layers:"):
+        count = kind.split(":", 1)[1]
+        try:
+            layers = int(count)
+        except ValueError:
+            raise ValueError(f"draft layers:K needs an integer K, got {count!r}") from None
+        if layers < 1:
+            raise ValueError(f"draft layers:K: layers must be an integer >= 1, got {layers}")
+        return kind
+    if is_embedded_model(kind) or Path(kind).expanduser().exists():
+        return kind
+    if "/" in kind or os.sep in kind or kind.startswith((".", "~")):
+        raise FileNotFoundError(f"draft path {kind!r} does not exist")
+    from .default import EMBEDDED_MODELS
+
+    choices = list(kinds)
+    listed = f"{', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else ", ".join(choices)
+    raise ValueError(f"unknown draft {kind!r}: use {listed} (a local model, or an embedded one: "
+                     f"{', '.join(EMBEDDED_MODELS)})")
+
+
+def is_embedded_model(name: str) -> bool:
+    """True when ``name`` (or an alias of it) is one of the models shipped with speculum."""
+    from .default import _canonical
+
+    return _canonical(name) is not None
 
 
 def check_same_tokenizer(target: Any, draft: Any) -> None:
@@ -110,12 +160,7 @@ def _twin(kind: str, target: Any) -> Any:
         return int8_twin(target)
     if kind == "bf16":
         return bf16_twin(target)
-    count = kind.split(":", 1)[1]
-    try:
-        layers = int(count)
-    except ValueError:
-        raise ValueError(f"draft layers:K needs an integer K, got {count!r}") from None
-    return truncated_draft(target, layers)
+    return truncated_draft(target, int(kind.split(":", 1)[1]))  # K parsed by check_draft_spec
 
 
 def _dtype_name(target: Any) -> str:
