@@ -192,8 +192,9 @@ def test_full_build_forwards_each_live_prefix_once():
 
 
 def test_second_query_and_deepening_reuse_the_tree():
+    # The tree's own forwards (no aiming beam, which explores prefixes below the budget).
     model = CountingModel(MarkovModel.random(5, seed=4))
-    ar = AutoregressiveEnumerable(model, max_len=4)
+    ar = AutoregressiveEnumerable(model, max_len=4, max_beam_forwards=0)
     ar.unrank(20)
     first = len(model.forwarded)
     budget = ar.seek_index().tree.budget
@@ -202,7 +203,7 @@ def test_second_query_and_deepening_reuse_the_tree():
     assert len(model.forwarded) == first
     # One build, then a deepening within the reserve: only newly live prefixes are forwarded.
     fresh = CountingModel(model.inner)
-    ar2 = AutoregressiveEnumerable(fresh, max_len=4)
+    ar2 = AutoregressiveEnumerable(fresh, max_len=4, max_beam_forwards=0)
     ar2.count(budget)
     ar2.count(budget - 0.5 * math.log(2))
     assert len(fresh.forwarded) == len(set(fresh.forwarded))

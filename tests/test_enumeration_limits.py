@@ -35,8 +35,12 @@ def test_deep_top_k_expands_about_what_best_first_expands(max_len):
     ar = AutoregressiveEnumerable(model, **kwargs)
     top = ar.top_k(3)
     minimum = best_first_forwards(model, top[-1][1], **kwargs)
-    forwards = ar.seek_index().tree.forwards
+    forwards = ar.seek_index().forwards          # the tree's and the aiming beam's
     assert minimum <= forwards <= 2.0 * minimum + 16, (forwards, minimum)
+    # Without the beam the growth alone stays within the doubling bound (plus one batch).
+    blind = AutoregressiveEnumerable(model, max_beam_forwards=0, batch_size=64, **kwargs)
+    assert blind.top_k(3) == top
+    assert blind.seek_index().forwards <= 4.0 * minimum + 64, (blind.seek_index().forwards, minimum)
     # The answer itself is the exact top 3: a fresh index built to the threshold holds the same sequences.
     check = AutoregressiveEnumerable(model, **kwargs)
     check.seek_index().tree.extend(top[-1][1])
@@ -50,7 +54,7 @@ def test_growth_stays_near_best_first_for_shallow_and_wide_queries(k):
     ar = AutoregressiveEnumerable(model, max_len=5, prompt=[0])
     threshold = ar.threshold(k)
     minimum = best_first_forwards(model, threshold, max_len=5, prompt=[0])
-    assert ar.seek_index().tree.forwards <= 2.0 * minimum + 16
+    assert ar.seek_index().forwards <= 2.0 * minimum + 16
 
 
 def test_node_budget_refuses_up_front_without_forwarding():
@@ -136,3 +140,18 @@ def test_rescored_index_refuses_a_target_index_with_another_support():
     result = RescoredIndex(draft, target, assumed_gap=20.0, certify=True, max_window=200).top_k(5)
     assert result["certified"] is True
     assert result["items"] == [(seq, lp) for seq, lp in target.top_k(5)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("eos", [None, 3])
+def test_beam_finds_real_sequences_no_better_than_the_true_top(seed, eos):
+    """The beam's i-th best is the exact log-prob of a real, distinct support sequence, so it is at most
+    the true i-th best: a budget at it certainly certifies i sequences."""
+    from speculum.enumeration.beam import beam_logprobs
+
+    model = MarkovModel.random(4, seed=seed, eos_token_id=3)
+    truth = [lp for _, lp in support(model, max_len=4, eos=eos, prompt=[0])]
+    found, forwards = beam_logprobs(model, prompt=[0], width=5, max_len=4, eos=eos)
+    assert 0 < len(found) <= 5 and forwards <= 5 * 4
+    assert np.all(np.diff(found) <= 0)
+    assert all(lp <= best + 1e-12 for lp, best in zip(found, truth))

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..models.base import check_prompt, check_token_ids, from_forward
 from .histogram import DEFAULT_WIDTH_BITS, BucketIndex
+from .beam import beam_logprobs
 from .tree import DEFAULT_MAX_NODES, BuildProgress, IndexBudgetError, PrefixTree
 
 __all__ = ["AutoregressiveEnumerable", "SeekIndex", "BandTooLargeError", "IndexBudgetError", "DEFAULT_MAX_BAND",
@@ -36,6 +37,9 @@ __all__ = ["AutoregressiveEnumerable", "SeekIndex", "BandTooLargeError", "IndexB
 DEFAULT_MAX_BAND = 1_000_000
 DEFAULT_BATCH_SIZE = 512
 DEFAULT_RESERVE_BITS = 1.0
+# A beam aims the first budget of a query when it costs at most this many forwards (width x length).
+DEFAULT_BEAM_FORWARDS = 512
+_BEAM_MAX_STEPS = 64
 _LN2 = math.log(2.0)
 # Relative rounding of exp() and of the float sums behind mass brackets (a few ulps, made generous).
 _MASS_ROUNDING = 1e-12
@@ -88,8 +92,10 @@ class SeekIndex:
                  branch_cap: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
                  width_bits: float = DEFAULT_WIDTH_BITS, reserve_bits: float = DEFAULT_RESERVE_BITS,
                  max_band: int = DEFAULT_MAX_BAND, max_nodes: int = DEFAULT_MAX_NODES,
+                 max_beam_forwards: int = DEFAULT_BEAM_FORWARDS,
                  progress: Callable[[BuildProgress], None] | None = None) -> None:
         self.model = model
+        self.max_beam_forwards = max_beam_forwards
         self.vocab_size = int(model.vocab_size)
         self.max_len, self.eos, self.prompt = max_len, eos, tuple(prompt)
         self.branch_cap, self.width_bits, self.max_band = branch_cap, width_bits, max_band
@@ -97,12 +103,15 @@ class SeekIndex:
                                batch_size=batch_size, reserve_bits=reserve_bits, max_nodes=max_nodes,
                                progress=progress)
         self._last_deepening: tuple[float, int] | None = None   # (bits, forwards) before the last deepening
+        self._beam = np.zeros(0)      # descending log-probs (less a slack) of complete sequences a beam found
+        self.beam_forwards = 0        # prefixes the beam sent to the model (beside the tree's forwards)
         self._refresh()
 
     # ------------------------------------------------------------------------------------------ state
     @property
     def forwards(self) -> int:
-        return self.tree.forwards
+        """Prefixes sent to the model so far: the tree's forwards and the aiming beam's."""
+        return self.tree.forwards + self.beam_forwards
 
     @property
     def capped(self) -> bool:
@@ -164,35 +173,43 @@ class SeekIndex:
         half the bits first), aiming *short* of the need (80 %) so that the reserve rather than an
         overshoot supplies the last leaves and step (1) finishes.
 
-        Every step is also capped so that the forwards it predicts at most double the forwards so far
-        (``_work_step_bits``): when leaves are rare (deep eos-terminated supports) the leaf extrapolation
+        Every step is also capped so that the forwards it predicts at most double the forwards so far, or
+        add one batch (``_work_step_bits``): when leaves are rare (deep eos-terminated supports) the leaf extrapolation
         knows nothing, and a step of many bits would expand exponentially more prefixes than the answer
         needs. With the cap, the forwards of the last step are at most about twice those that certify the
-        answer, and all earlier steps together at most as many again (a doubling argument)."""
+        answer (plus a batch), and all earlier steps together at most as many again (a doubling argument).
+        Before the first step a small beam may find ``needed`` real sequences (``_aim_with_beam``): a
+        budget that certainly suffices and is usually the threshold itself, which the steps then aim at."""
         if (self.index.total < needed and not self.tree.exhausted
                 and min(needed, self._support_bound()) > self.tree.max_nodes):
             # Refused up front: every certified sequence is a stored node.
             raise IndexBudgetError(
                 f"this query needs at least {needed:,} stored sequences, more than max_nodes="
                 f"{self.tree.max_nodes:,}; raise max_nodes (CLI: --max-nodes)")
+        if self.index.total < needed and not self.tree.exhausted:
+            self._aim_with_beam(needed)
         while self.index.total < needed and not self.tree.exhausted:
             have = self.index.total
             sufficient = self._stored_budget(needed)
             if sufficient is not None and sufficient >= self.tree.budget:
                 sufficient = None
             if math.isinf(self.tree.budget):
-                self._deepen(0.5 * math.log2(needed) + 2.0)     # pilot: cheap, and it measures the growth
+                # Pilot: cheap, and it measures the growth. With a known sufficient budget its prefixes keep
+                # their children down to it, so that no later step forwards them again.
+                self._deepen(0.5 * math.log2(needed) + 2.0, expected=sufficient)
                 continue
             built = -self.tree.budget / _LN2
             cap = self._work_step_bits(built)
             # Growth rate (count doublings per bit) from the origin (1 sequence at 0 bits) to here.
             rate = max(math.log2(max(have, 2)) / max(built, 1e-9), 0.05)
+            # With a sufficient budget in reach, step to it; beyond the cap, creep towards it (below),
+            # every prefix keeping its children down to it.
             if sufficient is not None and -sufficient / _LN2 - built <= cap:
                 # ``sufficient`` finishes for sure, but its bound misses the leaves of prefixes not yet
                 # forwarded, so it can lie well below the threshold: try the extrapolated budget first when
                 # that is shallower (no prefix is forwarded twice: children are kept down to ``sufficient``).
                 guess = built + max(math.log2(needed / max(have, 1)) / rate, 0.25)
-                if guess * _LN2 < -sufficient:
+                if have > 0 and guess * _LN2 < -sufficient:
                     self._deepen(guess, expected=sufficient)
                 else:
                     self._extend(sufficient)       # the exact log-prob: no round trip through bits
@@ -202,37 +219,62 @@ class SeekIndex:
             # When the step was capped another deepening will follow; keep children down to where the
             # extrapolation (with a margin) ends — at most one more capped step away — so that it forwards
             # none of these prefixes again.
-            expected = None
-            if bits < built + step:
+            expected = sufficient
+            if bits < built + step and expected is None:
                 reach = min(math.log2(1.5 * needed / max(have, 1)) / rate, 2.0 * cap)
                 expected = -(built + reach) * _LN2
             self._deepen(bits, expected=expected)
 
     def _work_step_bits(self, built: float) -> float:
-        """Largest deepening (bits) past ``built`` whose forwards are predicted to at most double those so far.
+        """Largest deepening (bits) past ``built`` whose forwards are predicted to at most double those so far,
+        or to add one batch (``batch_size`` prefixes cost about one batched call, little more than a few).
 
         The forward count grows about exponentially in the budget's bits; its rate is taken as the larger of
         the rate from the origin and the rate over the last deepening (growth speeds up with depth, and an
         underestimate would overshoot)."""
         forwards = max(self.tree.forwards, 1)
+        growth = math.log2(max(2.0 * forwards, forwards + self.tree.batch_size) / forwards)
         rate = math.log2(forwards + 1) / max(built, 1e-9)
         if self._last_deepening is not None:
             past_bits, past_forwards = self._last_deepening
             if built > past_bits and forwards > past_forwards:
                 rate = max(rate, math.log2(forwards / max(past_forwards, 1)) / (built - past_bits))
-        return max(0.25, min(1.0 / max(rate, 1e-9), max(built, 4.0)))
+        return max(0.25, min(growth / max(rate, 1e-9), max(built, 4.0)))
 
     def _deepen(self, bits: float, *, expected: float | None = None) -> None:
         """Extend the tree to ``bits`` of information (the whole support past 2000 bits) and re-index."""
         self._extend(-math.inf if bits >= 2000.0 else -bits * _LN2, expected=expected)
 
     def _stored_budget(self, needed: int) -> float | None:
-        """The ``needed``-th largest log-prob among stored leaves (None when fewer are stored): every stored
-        leaf is a distinct support sequence, so ``count(b) >= needed`` for this ``b``."""
+        """A budget that certainly certifies ``needed`` sequences, or None: the ``needed``-th largest log-prob
+        among stored leaves (every stored leaf is a distinct support sequence, so ``count(b) >= needed``),
+        or the beam's (see ``_aim_with_beam``), whichever is higher."""
         stored = np.concatenate([level.logprob[level.leaf] for level in self.tree.levels])
-        if len(stored) < needed:
-            return None
-        return float(np.partition(stored, len(stored) - needed)[len(stored) - needed])
+        budgets = []
+        if len(stored) >= needed:
+            budgets.append(float(np.partition(stored, len(stored) - needed)[len(stored) - needed]))
+        if len(self._beam) >= needed:
+            budgets.append(float(self._beam[needed - 1]))
+        return max(budgets) if budgets else None
+
+    def _aim_with_beam(self, needed: int) -> None:
+        """Find ``needed`` real complete sequences with a beam (``beam.py``) when the tree does not store
+        that many yet and the beam is cheap (at most ``max_beam_forwards`` forwards): their ``needed``-th best
+        log-prob is a budget that certainly suffices, so the growth aims at it instead of searching blind
+        (a fixed-length support has no leaf before its last level). Lowered by a relative 1e-6: a backend
+        may differ in the last bits between batch compositions, and a lower budget still suffices."""
+        horizon = self.max_len if self.max_len is not None else _BEAM_MAX_STEPS
+        width = needed
+        if len(self._beam) >= needed or width * horizon > self.max_beam_forwards:
+            return
+        stored = sum(int(np.count_nonzero(level.leaf)) for level in self.tree.levels)
+        if stored >= needed:
+            return
+        found, forwards = beam_logprobs(self.model, prompt=self.prompt, width=width, max_len=self.max_len,
+                                        eos=self.eos, max_steps=_BEAM_MAX_STEPS)
+        self.beam_forwards += forwards
+        found = found[np.isfinite(found)]
+        self._beam = found - 1e-6 * (1.0 + np.abs(found))
 
     def _grow_to_logprob(self, logprob: float) -> None:
         if logprob < self.certified_logprob and not self.tree.exhausted:
@@ -434,6 +476,8 @@ class AutoregressiveEnumerable:
         max_nodes: most prefix-tree nodes the index may store (about 60 bytes each at the peak of a
             build): a query that needs more certified sequences is refused up front, and a build that
             reaches it stops with ``IndexBudgetError``, leaving the index usable for smaller queries.
+        max_beam_forwards: most forwards a small beam search may spend to find real sequences that aim a
+            query's first budget (0: never); it changes what is forwarded, never an answer.
         progress: callable receiving ``BuildProgress`` events, or ``True`` for a tqdm bar.
 
     Every query (``top_k``, ``unrank``, ``slice``, ``rank``, ``count``, ``threshold``, ``mass_above``) is
@@ -450,7 +494,7 @@ class AutoregressiveEnumerable:
                  prompt: Sequence[int] = (), branch_cap: int | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, width_bits: float = DEFAULT_WIDTH_BITS,
                  reserve_bits: float = DEFAULT_RESERVE_BITS, max_band: int = DEFAULT_MAX_BAND,
-                 max_nodes: int = DEFAULT_MAX_NODES,
+                 max_nodes: int = DEFAULT_MAX_NODES, max_beam_forwards: int = DEFAULT_BEAM_FORWARDS,
                  progress: Callable[[BuildProgress], None] | bool | None = None) -> None:
         model = from_forward(model)
         if eos is True:
@@ -470,6 +514,7 @@ class AutoregressiveEnumerable:
         batch_size = _check_index(batch_size, "batch_size", minimum=1)
         max_band = _check_index(max_band, "max_band", minimum=1)
         max_nodes = _check_index(max_nodes, "max_nodes", minimum=1)
+        max_beam_forwards = _check_index(max_beam_forwards, "max_beam_forwards", minimum=0)
         if not width_bits > 0:
             raise ValueError(f"width_bits must be positive, got {width_bits}")
         if not reserve_bits >= 0:
@@ -484,7 +529,8 @@ class AutoregressiveEnumerable:
         self.model = model
         self._index = SeekIndex(model, max_len=max_len, eos=eos, prompt=prompt, branch_cap=branch_cap,
                                 batch_size=batch_size, width_bits=width_bits, reserve_bits=reserve_bits,
-                                max_band=max_band, max_nodes=max_nodes, progress=progress)
+                                max_band=max_band, max_nodes=max_nodes, max_beam_forwards=max_beam_forwards,
+                                progress=progress)
         self.vocab_size, self.max_len, self.eos = self._index.vocab_size, max_len, eos
         self.prompt = self._index.prompt
         self.order_error = 0.0
