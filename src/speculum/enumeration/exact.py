@@ -221,7 +221,8 @@ class SeekIndex:
             # none of these prefixes again.
             expected = sufficient
             if bits < built + step and expected is None:
-                reach = min(math.log2(1.5 * needed / max(have, 1)) / rate, 2.0 * cap)
+                # Without any leaf the extrapolation knows nothing: keep children one more capped step deep.
+                reach = math.log2(1.5 * needed / have) / rate if have else 2.0 * cap
                 expected = -(built + reach) * _LN2
             self._deepen(bits, expected=expected)
 
