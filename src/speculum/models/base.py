@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import operator
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 __all__ = [
+    "Capabilities",
+    "capabilities_of",
+    "as_model",
     "AutoregressiveModel",
     "Session",
     "Proposer",
@@ -207,15 +211,57 @@ class Proposer(Protocol):
         ...
 
 
+# ------------------------------------------------------------------------------------- capabilities
+@dataclass(frozen=True)
+class Capabilities:
+    """What a model offers beyond the protocol, declared once by the model; algorithms read this
+    declaration instead of probing for methods.
+
+    ``sparse_rows``: ``next_logprobs_above(prefixes, min_logprobs) -> (row, token, logprob, finite)``, every
+    entry of ``next_logprobs`` at or above a per-prefix floor with the same values, and each row's count
+    of finite entries (enumeration then never builds ``(batch, vocab)`` float64 rows).
+    ``session_advance``: its sessions offer ``advance(tokens) -> (vocab,)``, ``extend`` returning only the
+    last row (cheaper where the vocabulary projection is costly).
+    ``shares_prefix_cache``: ``start_sharing(source_session)`` starts a session on the cache of a session of
+    ``prefix_of`` (a model whose computation this one's is a prefix of, such as its first K layers), or
+    returns None when it cannot.
+    """
+
+    sparse_rows: bool = False
+    session_advance: bool = False
+    shares_prefix_cache: bool = False
+
+
+def capabilities_of(model: Any) -> Capabilities:
+    """The model's declared :class:`Capabilities` (none for an object that declares nothing)."""
+    declared = getattr(model, "capabilities", None)
+    return declared if isinstance(declared, Capabilities) else Capabilities()
+
+
+def as_model(obj: Any, *, name: str = "model") -> "AutoregressiveModel":
+    """Adapt ``obj`` to the protocol once, where it enters: a protocol model (``start``, ``next_logprobs``,
+    ``vocab_size``) is returned unchanged, a seed-style model with ``forward(ids[1, T]) -> logits[1, T, V]``
+    is wrapped in :class:`ForwardModel`; anything else is a ``ValueError`` naming ``name``."""
+    if hasattr(obj, "start") and hasattr(obj, "next_logprobs") and hasattr(obj, "vocab_size"):
+        return obj
+    if callable(getattr(obj, "forward", None)):
+        return ForwardModel(obj)
+    raise ValueError(f"{name} must be a model (start, next_logprobs, vocab_size) or a seed-style model with "
+                     f"forward(ids[1, T]) -> logits[1, T, V], got {type(obj).__name__}")
+
+
 # ----------------------------------------------------------------------------------------- base class
 class BaseModel(ABC):
     """Convenience base: subclasses implement ``start``; batched calls default to one session each.
 
     Backends with real batching (Hugging Face, TinyTransformer) override ``next_logprobs`` and
     ``score_sequences``. Attributes every model may set: ``bos_token_id``, ``eos_token_id``,
-    ``accepts_empty_prompt`` (an initial distribution exists without BOS), ``max_context``, ``tokenizer``.
+    ``accepts_empty_prompt`` (an initial distribution exists without BOS), ``max_context``, ``tokenizer``,
+    ``capabilities`` (see :class:`Capabilities`) and ``prefix_of`` (with ``shares_prefix_cache``).
     """
 
+    capabilities: Capabilities = Capabilities()
+    prefix_of: Any = None
     vocab_size: int
     bos_token_id: int | None = None
     eos_token_id: int | None = None

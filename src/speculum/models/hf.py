@@ -42,7 +42,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from .base import BaseModel, check_prompt, check_token_ids
+from .base import BaseModel, Capabilities, check_prompt, check_token_ids
 from .fused_llama import FusedLlama
 from .prepack import prepack_linears
 
@@ -103,6 +103,8 @@ class HFModel(BaseModel):
     ``eos_token_id``, ``bos_token_id``, ``tokenizer``, ``module``, ``config``, ``dtype``,
     ``fused_forward`` (the fused Llama forward is in use), ``prepacked_layers`` (Linear layers packed).
     """
+
+    capabilities = Capabilities(sparse_rows=True, session_advance=True, shares_prefix_cache=True)
 
     def __init__(self, module: torch.nn.Module, tokenizer: Any = None, *, name: str = "hf-model",
                  prepack: bool = True) -> None:

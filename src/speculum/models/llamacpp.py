@@ -50,7 +50,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .base import BaseModel, check_prompt, check_token_ids
+from .base import BaseModel, Capabilities, check_prompt, check_token_ids
 from .default import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path
 from .llamacpp_check import check_native_build
 
@@ -265,6 +265,8 @@ class LlamaCppModel(BaseModel):
         >>> model.next_logprobs([[1, 2], [1, 3]]).shape                              # doctest: +SKIP
         (2, 49152)
     """
+
+    capabilities = Capabilities(session_advance=True)
 
     backend = "llamacpp"
 
