@@ -45,6 +45,7 @@ __all__ = [
     "check_token_ids",
     "check_logits",
     "check_prompt",
+    "common_prefix_length",
 ]
 
 
@@ -157,6 +158,27 @@ def check_prompt(model: "AutoregressiveModel", prompt: Sequence[int], *, name: s
         if not getattr(model, "accepts_empty_prompt", False):
             raise ValueError(f"{name} is empty and the model has no BOS token to start from")
     return ids
+
+
+def common_prefix_length(*sequences: Sequence[int]) -> int:
+    """Length of the longest prefix all ``sequences`` share (0 for none given). The usual case, a context
+    that only grew, costs one C-level comparison per sequence.
+
+    Example:
+        >>> common_prefix_length([1, 2, 3], [1, 2, 4], [1, 2])
+        2
+    """
+    if not sequences:
+        return 0
+    first = list(sequences[0])
+    length = len(first)
+    for other in sequences[1:]:
+        other = list(other)
+        n = min(length, len(other))
+        if first[:n] != other[:n]:
+            n = int(np.flatnonzero(np.asarray(first[:n]) != np.asarray(other[:n]))[0])
+        length = n
+    return length
 
 
 # ------------------------------------------------------------------------------------------- protocol
