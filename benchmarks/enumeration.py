@@ -1,4 +1,4 @@
-"""Benchmark: exact enumeration (speculum) versus the prior quantised implementation (PyPI mixle 0.8.2).
+"""Benchmark: exact enumeration (speculum) versus the quantised enumeration of PyPI mixle 0.8.2.
 
 Part a — TinyTransformer (V=50, L=6): build the index to rank 1e6, its memory, time per unrank after.
 Part b — SmolLM2-135M, length-2 continuations of a fixed prompt: threshold(100_000) and unrank(99_999),

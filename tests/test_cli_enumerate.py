@@ -7,10 +7,11 @@ import json
 import numpy as np
 import pytest
 
+from reference_target import REFERENCE_TARGET as REFERENCE, reference_model
 from speculum.cli import main
-from speculum.models import MarkovModel
 
-REFERENCE = "markov:6:0"  # hidden tiny target: MarkovModel.random(6, seed=0, eos_token_id=5)
+# Every test may name the tiny reference target; the real-model tests simply do not.
+pytestmark = pytest.mark.usefixtures("reference_target")
 
 
 def run_json(capsys, *argv):
@@ -19,7 +20,7 @@ def run_json(capsys, *argv):
 
 
 def brute_top(prompt, length, k):
-    model = MarkovModel.random(6, seed=0, eos_token_id=5)
+    model = reference_model()
     seqs = list(itertools.product(range(6), repeat=length))
     scores = model.score_sequences(seqs, prompt=prompt)
     return sorted(zip(seqs, scores.tolist()), key=lambda item: (-item[1], item[0]))[:k]
@@ -49,7 +50,7 @@ def test_enumerate_table_and_eos(capsys):
 
 def test_rank_exact_and_envelope(capsys):
     exact = run_json(capsys, "rank", "0 1", "--text", "2 3 4", "--target", REFERENCE)
-    model = MarkovModel.random(6, seed=0, eos_token_id=5)
+    model = reference_model()
     all_scores = model.score_sequences(list(itertools.product(range(6), repeat=3)), prompt=[0, 1])
     lp = float(model.score_sequences([[2, 3, 4]], prompt=[0, 1])[0])
     assert exact["method"] == "exact" and exact["rank"] == int(np.sum(all_scores > lp))
@@ -75,6 +76,12 @@ def test_bad_input_is_one_line_error(capsys, argv, message):
     assert main(argv + ["--target", REFERENCE]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+def test_the_user_cli_knows_no_hidden_reference_target(capsys):
+    pytest.importorskip("torch")
+    assert main(["enumerate", "0 1", "--length", "2", "--top-k", "3", "--target", "markov:6:0"]) == 2
+    assert "unknown model 'markov:6:0'" in capsys.readouterr().err
 
 
 @pytest.mark.llm

@@ -1,7 +1,7 @@
 """How ``speculum`` ends: user errors as one line (exit 2), bugs with their traceback, a closed stdout quietly.
 
-The fast tests drive ``speculum.cli.main`` on the tiny reference target ``markov:V:SEED``; the broken-pipe
-tests run the command in a subprocess whose stdout pipe the reader closes, as ``| head`` does.
+The fast tests drive ``speculum.cli.main`` on the tiny reference target of ``reference_target.py``; the
+broken-pipe tests run the command in a subprocess whose stdout pipe the reader closes, as ``| head`` does.
 """
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import sys
 import pytest
 
 import speculum.cli.enumerate as enumerate_cli
+from reference_target import PATCH_LOADER, REFERENCE_TARGET as REFERENCE
 from speculum.cli import BROKEN_PIPE_EXIT, main
 
-REFERENCE = "markov:6:0"
+pytestmark = pytest.mark.usefixtures("reference_target")
 ENUMERATE = ["enumerate", "0 1", "--length", "2", "--top-k", "3", "--target", REFERENCE]
 # The console entry point, run by the interpreter of these tests (the installed script may be elsewhere).
 ENTRY = "import sys; from speculum.cli import main; sys.exit(main())"
@@ -83,7 +84,7 @@ def run_into_closed_pipe(argv, *, read_first: int, entry: str = ENTRY) -> subpro
 def test_enumerate_into_head_stops_quietly():
     # 2000 rows are ~90 KB: more than a pipe holds, so the writer meets the closed pipe mid-table.
     done = run_into_closed_pipe(["enumerate", "0 1", "--length", "5", "--top-k", "2000", "--target", REFERENCE],
-                                read_first=5)
+                                read_first=5, entry=PATCH_LOADER + ENTRY)
     assert done.returncode == BROKEN_PIPE_EXIT, done.stderr.decode()
     assert done.stderr == b""  # no traceback, no "Exception ignored" from the flush at exit
 

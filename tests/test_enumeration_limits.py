@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 
-from speculum.enumeration import AREnvelopeIndex, AutoregressiveEnumerable, RescoredIndex
+from speculum.enumeration import AREnvelopeIndex, AutoregressiveEnumerable, RescoredIndex, Support
 from speculum.enumeration import envelope as envelope_module
 from speculum.enumeration.exact import IndexBudgetError
 from speculum.models import MarkovModel
@@ -151,7 +151,7 @@ def test_beam_finds_real_sequences_no_better_than_the_true_top(seed, eos):
 
     model = MarkovModel.random(4, seed=seed, eos_token_id=3)
     truth = [lp for _, lp in support(model, max_len=4, eos=eos, prompt=[0])]
-    found, forwards = beam_logprobs(model, prompt=[0], width=5, max_len=4, eos=eos)
+    found, forwards = beam_logprobs(model, prompt=[0], width=5, support=Support(max_len=4, eos=eos))
     assert 0 < len(found) <= 5 and forwards <= 5 * 4
     assert np.all(np.diff(found) <= 0)
     assert all(lp <= best + 1e-12 for lp, best in zip(found, truth))

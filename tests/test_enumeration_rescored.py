@@ -14,8 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from speculum.enumeration import Support
 from speculum.enumeration.rescored import RescoredIndex, certify_slice
 from speculum.models import MarkovModel
+
+from counting import CountingModel
 
 
 # ------------------------------------------------------------------------------------ brute force
@@ -35,11 +38,11 @@ def true_order(model, vocab_size, max_len, eos=None, prompt=()) -> list[tuple[tu
 
 
 class ListIndex:
-    """A draft index over an explicit item list, in the list's order (the interface of SeekIndex)."""
+    """A draft index over an explicit item list, in the list's order (an ``EnumerationIndex``)."""
 
     def __init__(self, items, *, vocab_size, max_len, eos=None, prompt=(), order_error=0.0, complete=True):
         self.items = list(items)
-        self.vocab_size, self.max_len, self.eos, self.prompt = vocab_size, max_len, eos, tuple(prompt)
+        self.vocab_size, self.support, self.prompt = vocab_size, Support(max_len=max_len, eos=eos), tuple(prompt)
         self.order_error, self.complete = order_error, complete
         self.unrank_calls = 0
 
@@ -145,8 +148,8 @@ def test_certificate_soundness_property(seed, start, k, window, slack, kind):
 
 
 def test_ignoring_the_draft_order_error_gives_wrong_certificates():
-    """The check above can fail: a quantised draft that claims an exact order (order_error 0, the seed's
-    implicit assumption) yields certified-but-wrong answers."""
+    """The check above can fail: a quantised draft that claims an exact order (order_error 0) yields
+    certified-but-wrong answers, so the draft's order error must enter the certificate."""
     wrong = 0
     for seed in range(200):
         rng = np.random.default_rng(seed)
@@ -189,23 +192,14 @@ def test_certify_slice_ties_are_not_certified():
 
 
 # ------------------------------------------------------------------------------ cost accounting
-class CountingTarget:
-    def __init__(self, model):
-        self.model, self.calls, self.scored = model, 0, []
-
-    def __call__(self, seqs):
-        self.calls += 1
-        self.scored.extend(seqs)
-        return self.model.score_sequences(seqs)
-
-
 def test_exactly_one_target_call_per_query_and_cache():
     rng = np.random.default_rng(1)
     draft, target = perturbed_pair(rng, 4, noise=0.5)
-    counting = CountingTarget(target)
-    index = RescoredIndex(exact_index(draft, 4, 3), counting, rerank_window=8)
+    counting = CountingModel(target, record=True)
+    # The target is a bare callable: RescoredIndex passes it the sequences only.
+    index = RescoredIndex(exact_index(draft, 4, 3), counting.score_sequences, rerank_window=8)
     index.top_k(3)
-    assert counting.calls == index.target_calls == index.target_forig_calls == 1
+    assert counting.calls == index.target_calls == 1
     index.slice(5, 4)
     assert counting.calls == 2
     index.top_k(3)  # every candidate cached: no call
@@ -216,9 +210,9 @@ def test_exactly_one_target_call_per_query_and_cache():
 def test_certify_grows_window_geometrically_and_scores_each_sequence_once():
     rng = np.random.default_rng(2)
     draft, target = perturbed_pair(rng, 5, noise=0.3)
-    counting = CountingTarget(target)
+    counting = CountingModel(target, record=True)
     gap = max_gap(draft, target, 5, 3)
-    index = RescoredIndex(exact_index(draft, 5, 3), counting, rerank_window=1, assumed_gap=gap, max_window=125)
+    index = RescoredIndex(exact_index(draft, 5, 3), counting.score_sequences, rerank_window=1, assumed_gap=gap, max_window=125)
     plain = index.top_k(4)
     assert plain["certified"] is False and plain["target_calls"] == 1
     grown = index.top_k(4, certify=True)

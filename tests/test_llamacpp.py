@@ -7,25 +7,31 @@ greedy speculative decoding with prompt lookup reproduces plain greedy decoding 
 """
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from speculum.models import llamacpp as llamacpp_module
+from speculum.validation import InputError
 
 pytestmark = pytest.mark.llamacpp
 
 
-
 def assert_same_rows(rows: np.ndarray, expected: np.ndarray) -> None:
     """Rows computed with the same batch shapes must be identical; with different shapes llama.cpp's
-    kernels may round differently at some context lengths (measured <= 0.06 nats on the top token, see
-    the module docstring of speculum.models.llamacpp), never changing the distribution materially."""
+    kernels may round differently at some context lengths (see the module docstring of
+    speculum.models.llamacpp), which must never change the distribution materially or its top token."""
     assert rows.shape == expected.shape
     total_variation = 0.5 * np.abs(np.exp(rows) - np.exp(expected)).sum(axis=-1)
     assert total_variation.max() < 0.02
     assert np.array_equal(rows.argmax(axis=-1), expected.argmax(axis=-1))
+
+
 PROMPTS = (
     "Summarise: The cat sat on the mat. The cat was happy on the mat because the mat was warm.",
     "Rewrite in the passive voice: The committee approved the budget and the board signed the plan.",
@@ -152,9 +158,9 @@ def test_inputs_are_validated(model, prompt_ids):
     session = model.start(prompt_ids)
     with pytest.raises(ValueError, match="tokens"):
         session.extend([model.vocab_size])
-    with pytest.raises(ValueError, match="n must be"):
+    with pytest.raises(InputError, match="n must be"):
         session.rollback(session.length + 1)
-    with pytest.raises(ValueError, match="context length"):
+    with pytest.raises(InputError, match="context length"):
         model.start([1] * (model.max_context + 1))
     with pytest.raises(FileNotFoundError):
         llamacpp_module.load_llamacpp_model("/nonexistent/model.gguf")
@@ -256,3 +262,31 @@ def test_native_build_check_turns_a_crash_into_a_one_line_error(tmp_path, monkey
     # A probe that passes is remembered: the next check runs no command (it would crash otherwise).
     check_native_build(str(gguf), "AMX_INT8 = 1", command=_probe_command(exit_code=0))
     check_native_build(str(gguf), "AMX_INT8 = 1", command=_probe_command(signum=11))
+
+
+# ------------------------------------------------------------------------------ one list of build flags
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_make_install_and_the_rebuild_hint_use_one_list_of_build_flags(monkeypatch):
+    """`make install`, the crash message's rebuild command and any documented build command compile
+    llama.cpp with the same flags and the version the extra pins."""
+    from speculum.models.llamacpp_check import CMAKE_ARGS, LLAMACPP_REQUIREMENT, REBUILD_COMMAND
+
+    assert "-DGGML_NATIVE=OFF" in CMAKE_ARGS.split()
+    assert f"CMAKE_ARGS='{CMAKE_ARGS}' " in REBUILD_COMMAND and REBUILD_COMMAND.endswith(LLAMACPP_REQUIREMENT)
+    extra = re.search(r'^llamacpp = \["(.*)"\]$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert extra is not None and extra.group(1) == LLAMACPP_REQUIREMENT
+    for document in [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]:
+        for flags in re.findall(r"""CMAKE_ARGS=["']([^"']*GGML[^"']*)["']""", document.read_text()):
+            assert flags == CMAKE_ARGS, document.name
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    for name in ("LLAMACPP_CMAKE_ARGS", "MAKEFLAGS", "MFLAGS"):  # a user's override is not the Makefile's list
+        monkeypatch.delenv(name, raising=False)
+    printed = subprocess.run(
+        [make, "-s", "--no-print-directory", "-C", str(ROOT), "--eval",
+         'print-llamacpp-flags: ; @echo "$(LLAMACPP_CMAKE_ARGS)"', "print-llamacpp-flags"],
+        capture_output=True, text=True, check=True)
+    assert printed.stdout.strip() == CMAKE_ARGS

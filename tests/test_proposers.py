@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from speculum.decoding.plan import MatchingProposer
 from speculum.models import NGramModel, NGramProposer, PromptLookup, Proposer
+from speculum.validation import InputError
 
 
 def brute_prompt_lookup(context, max_ngram, min_ngram, num_pred_tokens, max_tokens, max_agreement=32,
@@ -106,6 +108,13 @@ def test_proposers_satisfy_protocol_and_validate():
         NGramProposer(model, min_context=2)
     with pytest.raises(ValueError, match="tokens"):
         NGramProposer(model).propose([7], 2)
+    # Nothing is coerced: a float or a bool where a count is expected is refused, naming the argument.
+    for bad in (dict(max_ngram=2.0), dict(num_pred_tokens=True), dict(max_agreement=1)):
+        with pytest.raises(InputError, match=next(iter(bad))):
+            PromptLookup(**bad)
+    with pytest.raises(InputError, match="max_tokens"):
+        PromptLookup().propose([1, 2], 1.5)
+    assert isinstance(PromptLookup(), MatchingProposer) and isinstance(NGramProposer(model), MatchingProposer)
 
 
 def greedy_reference(model: NGramModel, context: list[int], k: int) -> list[int]:
@@ -148,3 +157,16 @@ def test_ngram_proposer_reports_the_evidence_behind_its_first_token():
     assert quarter == min(int(4 * model.next_probabilities([1, 2]).max()), 3)
     # No seen context and min_context=1: no proposal, no evidence.
     assert NGramProposer(model, min_context=1).propose_with_match([5, 5], 3) == ([], (0, 0))
+
+
+def test_proposers_can_be_copied_and_pickled_despite_their_lock():
+    import copy
+    import pickle
+
+    lookup = PromptLookup(max_ngram=2)
+    context = [1, 2, 3, 1, 2, 4, 1, 2]
+    expected = lookup.propose(context, 3)
+    for clone in (copy.deepcopy(lookup), pickle.loads(pickle.dumps(lookup))):
+        assert clone.propose(context, 3) == expected and clone._lock is not lookup._lock
+    learner = NGramProposer(NGramModel(3, vocab_size=5), learn=True)
+    assert copy.deepcopy(learner).propose(context, 3) == learner.propose(context, 3)

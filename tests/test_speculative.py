@@ -10,6 +10,7 @@ import speculum
 from speculum import models
 from speculum.decoding import DecodingStats, GammaController, GenerationResult, generate, stream
 from speculum.models import MarkovModel
+from speculum.models.base import Capabilities
 
 V = 8
 
@@ -417,7 +418,8 @@ class _MatchReportingProposer(GreedyChainProposer):
 def test_decoder_chooses_gamma_from_the_proposers_match(match, key, monkeypatch):
     asked = []
     original = GammaController.next_gamma
-    monkeypatch.setattr(GammaController, "next_gamma", lambda self, k=None: asked.append(k) or original(self, k))
+    monkeypatch.setattr(GammaController, "next_gamma",
+                        lambda self, k=None, **kwargs: asked.append(k) or original(self, k, **kwargs))
     proposer = _MatchReportingProposer(NEAR, match)
     got = generate(TARGET, [1], draft=proposer, gamma="auto", max_new_tokens=60, temperature=0)
     assert got.tokens == plain_greedy(TARGET, [1], 60)       # still exact
@@ -473,6 +475,8 @@ class _AdvancingSession(CountingSession):
 
 
 class _AdvancingModel(Counting):
+    capabilities = Capabilities(session_advance=True)
+
     def start(self, prompt):
         self.calls += 1
         return _AdvancingSession(self, self.model.start(prompt))

@@ -22,6 +22,7 @@ _LAZY = {
     "SpeculativeDecodingStats": "speculum.decoding",
     "load_model": "speculum.models",
     "from_forward": "speculum.models",
+    "InputError": "speculum.validation",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,13 +1,15 @@
 """Command-line interface: ``speculum generate | enumerate | rank | demo``.
 
 Each sub-command lives in its own module exposing ``register(subparsers)``; this module builds the
-parser and runs the chosen handler. User errors become one line on stderr with exit code 2:
-:class:`CLIError` (the CLI's own argument checks), ``ValueError`` (the library's input checks, e.g. a
-prompt longer than the context window or a draft with another tokenizer), ``FileNotFoundError`` (a
-missing path), ``ImportError`` (a missing optional extra) and enumeration's resource limits
-(``IndexBudgetError``: raise ``--max-nodes``; ``BandTooLargeError``). Any other exception is a bug and keeps its
-traceback (exit code 1). When the reader of stdout goes away (``speculum ... | head``), the command
-stops quietly with exit code 141, what the shell reports for a process ended by SIGPIPE.
+parser and runs the chosen handler. Every flag is checked before a model loads (``cli/checks.py``).
+User errors become one line on stderr with exit code 2: :class:`CLIError` (the CLI's own argument
+checks), ``ValueError`` (the library's input checks, :class:`speculum.validation.InputError` among them,
+e.g. a prompt longer than the context window or a draft with another tokenizer),
+``FileNotFoundError`` (a missing path), ``ImportError`` (a missing optional extra) and enumeration's
+resource limits (``IndexBudgetError``: raise ``--max-nodes``; ``BandTooLargeError``). Any other exception
+is a bug and keeps its traceback (exit code 1). When the reader of stdout goes away
+(``speculum ... | head``), the command stops quietly with exit code 141, what the shell reports for a
+process ended by SIGPIPE.
 """
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ import re
 import sys
 from typing import Any
 
-__all__ = ["CLIError", "warn", "utf8_text", "read_stdin", "check_at_least", "check_sampling",
-           "check_draft", "quiet_progress_bars"]
+__all__ = ["CLIError", "warn", "utf8_text", "read_stdin", "check_at_least", "check_sampling", "check_draft"]
 
 # Lone surrogates: how Python's surrogateescape error handler carries bytes that are not UTF-8.
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -88,19 +87,3 @@ def check_draft(spec: str, kinds: Any = None) -> None:
     except (ValueError, FileNotFoundError) as exc:
         raise CLIError(f"--draft: {exc}") from None
 
-
-def quiet_progress_bars() -> None:
-    """Turn off transformers' and huggingface_hub's progress bars unless stderr is a terminal.
-
-    Called just before a model loads (transformers is imported by then anyway): in a log file or a pipe
-    the bars are noise of carriage returns.
-    """
-    if sys.stderr.isatty():
-        return
-    try:
-        from huggingface_hub.utils import disable_progress_bars
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # the hf backend is not installed: nothing to silence
-        return
-    hf_logging.disable_progress_bar()
-    disable_progress_bars()

@@ -11,7 +11,8 @@ import argparse
 import sys
 from typing import Any
 
-from speculum.cli.checks import check_draft, check_sampling, quiet_progress_bars
+from speculum.cli.checks import check_draft, check_sampling
+from speculum.cli.progress import loading_progress
 
 __all__ = ["register", "run", "DEMO_PROMPTS"]
 
@@ -62,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
     check_sampling(args)  # before the banner: a bad flag fails at once
     check_draft(args.draft)
     print("loading the embedded SmolLM2-135M-Instruct (float32, PyTorch)...", file=sys.stderr)
-    quiet_progress_bars()
-    target = speculum.load_model(progress=sys.stderr.isatty(), verify=args.verify_cache)
+    target = speculum.load_model(progress=loading_progress(), verify=args.verify_cache)
     all_identical = True
     for title, prompt in DEMO_PROMPTS:
         prompt_ids = target.encode(prompt)

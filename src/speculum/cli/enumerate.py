@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from speculum.cli.checks import CLIError, check_at_least, check_draft, quiet_progress_bars, utf8_text
+from speculum.cli.checks import CLIError, check_at_least, check_draft, utf8_text
 from speculum.cli.generate import add_cache_argument
-from speculum.enumeration.exact import DEFAULT_MAX_NODES, tqdm_progress
+from speculum.cli.progress import index_bar, loading_progress
+from speculum.enumeration.exact import DEFAULT_MAX_NODES
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_WINDOW = 64
@@ -78,20 +79,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------------------------ helpers
 def _load_target(spec: str, *, verify: bool = False) -> Any:
-    # "markov:V:SEED" is an undocumented tiny reference target (eos = V-1), used by fast tests.
-    if spec.startswith("markov:"):
-        from speculum.models import MarkovModel
-
-        try:
-            _, vocab, seed = spec.split(":")
-            vocab, seed = int(vocab), int(seed)
-        except ValueError:
-            raise CLIError(f"--target: bad reference target {spec!r}") from None
-        return MarkovModel.random(vocab, seed=seed, eos_token_id=vocab - 1)
+    """The ``--target`` model (tests replace this function to run on a tiny reference model)."""
     from speculum.models import load_model
 
-    quiet_progress_bars()
-    return load_model(spec, progress=sys.stderr.isatty(), verify=verify)
+    return load_model(spec, progress=loading_progress(), verify=verify)
 
 
 def _encode(model: Any, text: str, *, chat: bool | None, prompt: bool) -> list[int]:
@@ -161,7 +152,7 @@ def run_enumerate(args: argparse.Namespace) -> int:
                                    seed=args.seed)
     # A bar on stderr while the index is built, only on a terminal (it would litter logs and pipes).
     index_options = dict(max_len=max_len, eos=eos, prompt=prompt, max_nodes=args.max_nodes,
-                         progress=tqdm_progress(leave=False) if sys.stderr.isatty() else None)
+                         progress=index_bar(leave=False) if sys.stderr.isatty() else None)
     if draft is None:
         exact = AutoregressiveEnumerable(target, **index_options)
         items = exact.top_k(args.top_k)

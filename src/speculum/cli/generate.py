@@ -11,8 +11,8 @@ import json
 import sys
 from typing import Any, Iterable
 
-from speculum.cli.checks import (CLIError, check_draft, check_sampling, quiet_progress_bars, read_stdin, utf8_text,
-                                 warn)
+from speculum.cli.checks import CLIError, check_draft, check_sampling, read_stdin, utf8_text, warn
+from speculum.cli.progress import loading_progress
 
 __all__ = ["register", "run", "format_stats", "parse_gamma", "TextStream"]
 
@@ -100,8 +100,7 @@ def load_target(args: argparse.Namespace) -> Any:
 
     if args.backend == "llamacpp":
         return load_model(args.target, backend="llamacpp")
-    quiet_progress_bars()
-    return load_model(args.target, backend="hf", dtype=args.dtype or "float32", progress=sys.stderr.isatty(),
+    return load_model(args.target, backend="hf", dtype=args.dtype or "float32", progress=loading_progress(),
                       verify=args.verify_cache)
 
 

@@ -2,10 +2,12 @@
 
 * :mod:`.warp` — temperature / top-k / top-p as one pure function on log-prob rows;
 * :mod:`.verify` — the acceptance rules (distribution-aware, point-mass, greedy) as pure functions;
-* :mod:`.controller` — adaptive γ for ``gamma="auto"``;
+* :mod:`.controller` — the γ policy: a fixed γ, or ``gamma="auto"`` adapting it;
 * :mod:`.plan` — the arguments of one generation, validated before any model work;
+* :mod:`.drafter` — where proposals come from: a draft model, a proposer, or none;
+* :mod:`.profile` — what ``gamma="auto"`` learns about a draft model, kept for the draft's life;
 * :mod:`.speculative` — the loop: :func:`stream` (generator of :class:`Chunk`) and :func:`generate`;
-* :mod:`.compat` — the seed API, :class:`SpeculativeDecoder` / :class:`SpeculativeDecodingStats`.
+* :mod:`.compat` — the compatibility API, :class:`SpeculativeDecoder` / :class:`SpeculativeDecodingStats`.
 
 Example:
     >>> import speculum

@@ -1,11 +1,9 @@
-"""The seed API, unchanged: ``SpeculativeDecoder(gamma, temperature, seed).generate(draft, target, ...)``.
+"""The compatibility API: ``SpeculativeDecoder(gamma, temperature, seed).generate(draft, target, ...)``.
 
-A thin adapter over :func:`speculum.decoding.speculative.stream`: seed-style models (``forward(ids[1, T])
--> logits[1, T, V]``) are wrapped with :func:`speculum.models.from_forward`; protocol models pass through.
-Differences from the seed, all fixes: the output law is exactly the target's (the seed's residual and
-NaN handling were not), randomness comes from ``seed`` instead of NumPy's global state, models are run
-incrementally instead of re-fed from the start, and ``temperature=0`` means greedy (the seed clamped it
-to 1e-5, which is greedy up to ties).
+A thin adapter over :func:`speculum.decoding.speculative.generate`, which adapts ``.forward`` models
+(``forward(ids[1, T]) -> logits[1, T, V]``) where they enter; protocol models pass through. Its output law
+is exactly the target's, randomness comes from ``seed`` (never NumPy's global state), models run
+incrementally, and ``temperature=0`` means greedy.
 """
 from __future__ import annotations
 
@@ -14,7 +12,6 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..models.base import from_forward
 from .plan import make_rngs
 from .speculative import generate
 
@@ -23,7 +20,7 @@ __all__ = ["SpeculativeDecoder", "SpeculativeDecodingStats"]
 
 @dataclass
 class SpeculativeDecodingStats:
-    """Statistics in the seed's shape (field names and properties as in the seed)."""
+    """Statistics in the compatibility API's shape (its field names and properties)."""
 
     total_tokens_generated: int = 0
     total_draft_tokens_proposed: int = 0
@@ -43,15 +40,8 @@ class SpeculativeDecodingStats:
         return self.total_tokens_generated / self.num_target_forward_passes
 
 
-def _adapt(model: Any) -> Any:
-    # Seed-style models only have forward(); protocol models and proposers pass through unchanged.
-    if model is not None and not hasattr(model, "start") and callable(getattr(model, "forward", None)):
-        return from_forward(model)
-    return model
-
-
 class SpeculativeDecoder:
-    """Seed-compatible speculative decoder. Guarantee: exact (the target's output law; greedy at 0).
+    """The compatibility API's speculative decoder. Guarantee: exact (the target's output law; greedy at 0).
 
     Example:
         >>> import numpy as np
@@ -68,8 +58,8 @@ class SpeculativeDecoder:
         self.gamma = gamma
         self.temperature = temperature
         self.seed = seed
-        # One generator per decoder: successive generate() calls differ (as the seed's global-state
-        # sampling did) yet the whole sequence of calls is reproducible from ``seed``.
+        # One generator per decoder: successive generate() calls differ, yet the whole sequence of calls
+        # is reproducible from ``seed``.
         self._rng = make_rngs(seed)[0] if seed is None or not isinstance(seed, np.random.Generator) else seed
 
     def generate(
@@ -80,13 +70,13 @@ class SpeculativeDecoder:
         max_new_tokens: int = 50,
         eos_token_id: Optional[int] = None,
     ) -> Tuple[List[int], SpeculativeDecodingStats]:
-        """Run speculative decoding; returns ``(prompt + new token ids, stats)`` as the seed did.
+        """Run speculative decoding; returns ``(prompt + new token ids, stats)``.
 
-        ``eos_token_id=None`` (the default) never stops early, as in the seed; :func:`speculum.generate`
-        instead defaults to the target's eos. Token ids are integers only, as there."""
-        result = generate(_adapt(target_model), prompt_ids, draft=_adapt(draft_model),
-                          max_new_tokens=max_new_tokens, gamma=self.gamma, temperature=self.temperature,
-                          eos_token_id=eos_token_id, seed=self._rng)
+        ``eos_token_id=None`` (the default) never stops early; :func:`speculum.generate` instead defaults
+        to the target's eos. Token ids are integers only, as there."""
+        result = generate(target_model, prompt_ids, draft=draft_model, max_new_tokens=max_new_tokens,
+                          gamma=self.gamma, temperature=self.temperature, eos_token_id=eos_token_id,
+                          seed=self._rng)
         stats = SpeculativeDecodingStats(
             total_tokens_generated=result.stats.emitted,
             total_draft_tokens_proposed=result.stats.proposed,

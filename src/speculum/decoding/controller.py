@@ -1,9 +1,11 @@
-"""Adaptive lookahead for ``gamma="auto"``: choose γ from measured acceptance and measured costs.
+"""The γ policy of a generation: a fixed lookahead, or ``gamma="auto"`` choosing γ from measured acceptance
+and measured costs. Every γ decision lives here (:class:`GammaPolicy` for one generation, its
+:class:`GammaController` for ``"auto"``); drafters ask, the loop reports what happened.
 
 Leviathan et al. (2023, §3.3–3.5): with per-token acceptance α, a block of γ proposals yields
 E[N] = (1 − α^(γ+1)) / (1 − α) tokens per target forward. Its cost, in units of one plain decode step, is
 γ·c (drafting; c = draft/target cost per token) plus v(γ), the cost of verifying γ + 1 tokens in one
-forward. On a GPU v ≈ 1; on a CPU it grows with γ (field.md), so the controller measures it. The expected
+forward. On a GPU v ≈ 1; on a CPU it grows with γ, so the controller measures it. The expected
 speed-up is S(γ) = E[N] / (γ·c + v(γ)) and S(0) = 1 (plain decoding). We pick the γ maximising S, fall back
 to plain decoding when no γ pays (α too low for c), and re-probe now and then since α drifts with content.
 
@@ -13,13 +15,12 @@ the conditional rate a_j = P(position j accepted | positions < j accepted) per p
 pooled α, and use E[N](γ) = 1 + Σ_{j≤γ} Π_{i≤j} a_i, which equals the geometric formula when a_j ≡ α.
 
 Acceptance also depends on the situation, which a proposer can see before the target does: a prompt-lookup
-match that agrees with the context on 8 tokens is copied far more reliably than a 1-token match (measured on
-SmolLM2: mean accepted run 0.4 tokens after a 1-token match, 2.6 after 2, ~10 after 7+). Statistics are
-therefore kept per *context key* (the caller's bucket of that evidence; None = one pool), each shrunk towards
-the pooled estimate, so γ is chosen per situation: long blocks after long matches, none after weak ones.
+match that agrees with the context on 8 tokens is copied far more reliably than a 1-token match (on
+SmolLM2 the mean accepted run grows from under one token to about ten). Statistics are therefore kept per
+*context key* (the caller's bucket of that evidence; None = one pool), each shrunk towards the pooled
+estimate, so γ is chosen per situation: long blocks after long matches, none after weak ones.
 A situation is probed the first time it is seen: otherwise it would inherit a pooled rate that early
-failures in weak situations have pushed below the point where drafting is ever chosen (replayed on
-SmolLM2's rewriting output: 1.11 → 1.97 tokens per target forward).
+failures in weak situations have pushed below the point where drafting is ever chosen.
 
 None of this can affect exactness: γ and early stopping only change *what is proposed*, and every rule in
 :mod:`speculum.decoding.verify` is exact for any proposal.
@@ -29,15 +30,34 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from numbers import Integral
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
-__all__ = ["GammaController", "situation_key"]
+__all__ = ["GammaController", "GammaPolicy", "situation_key", "best_speedup_if_verification_free"]
 
 
 def situation_key(match: Any) -> Hashable:
     """The controller key for a proposer's evidence (``Proposer.propose_with_match``): an int is a match
     length, bucketed on a log scale (1, 2-3, 4-7, ... up to 32+); any other evidence is the key as it is."""
     return min(int(match).bit_length(), 6) if isinstance(match, Integral) else match
+
+
+def best_speedup_if_verification_free(acceptance: Callable[[int], float], draft_ratio: float,
+                                      max_gamma: int) -> float:
+    """The best speed-up any γ in ``1..max_gamma`` could give if verifying a block cost one plain step:
+    max of E[N](γ) / (γ·c + 1) and 1 (plain decoding), with ``acceptance(j)`` the rate of block position j
+    given every earlier one was accepted and c = ``draft_ratio``. Verification never costs less than a
+    step, so below ``min_gain`` drafting cannot pay whatever verification turns out to cost.
+
+    Example:
+        >>> round(best_speedup_if_verification_free(lambda j: 1.0, 0.5, 4), 3)      # γ = 4: 5 / 3
+        1.667
+    """
+    best, tokens, survive = 1.0, 1.0, 1.0
+    for gamma in range(1, max_gamma + 1):
+        survive *= acceptance(gamma - 1)
+        tokens += survive
+        best = max(best, tokens / (gamma * draft_ratio + 1.0))
+    return best
 
 
 @dataclass
@@ -176,7 +196,7 @@ class GammaController:
         elif below:
             # Extrapolate linearly along the chord from the smallest to the largest multi-token size. The
             # single-token step is left out: on CPUs the curve jumps from 1 to 2 tokens, then flattens in
-            # steps (field.md), so that slope, or one between two neighbouring sizes, would mislead.
+            # steps, so that slope, or one between two neighbouring sizes, would mislead.
             lo = max(below)
             slope = self.prior_verify_slope * step
             multi = [k for k in below if k >= 2]
@@ -265,12 +285,11 @@ class GammaController:
         return best
 
     def _could_pay(self, key: Hashable = None) -> bool:
-        """Whether drafting could pay in ``key`` if verification cost no more than a plain step: false only
-        when recalled evidence (:meth:`recall`) already shows this draft rarely agrees, so that the
-        verification cost need not be measured now."""
-        best = max((self.expected_tokens(g, key) / (g * self.draft_ratio() + 1.0)
-                    for g in range(1, self.max_gamma + 1)), default=1.0)
-        return best >= self.min_gain
+        """Whether drafting could pay in ``key`` at the acceptance learnt so far: false only when recalled
+        evidence (:meth:`recall`) already shows this draft rarely agrees, so that the verification cost
+        need not be measured now."""
+        return best_speedup_if_verification_free(
+            lambda j: self.position_acceptance(j, key), self.draft_ratio(), self.max_gamma) >= self.min_gain
 
     def remembered(self) -> "_Acceptance":
         """The pooled acceptance statistics and probe back-off, for a later generation with the same draft
@@ -280,8 +299,7 @@ class GammaController:
     def recall(self, pooled: "_Acceptance", weight: float = 8.0) -> None:
         """Start from an earlier generation's pooled statistics (:meth:`remembered`), scaled down to at most
         ``weight`` observations so that this prompt's own evidence soon outweighs them, and with half the
-        probe gap it had reached. A draft known to disagree then skips the probes it already failed
-        (layers:8 on SmolLM2: four probes per 128 tokens, ~2 % of the run, down to one)."""
+        probe gap it had reached. A draft known to disagree then skips the probes it already failed."""
         state = copy.deepcopy(pooled)
         total = state.accepted + state.rejected
         if total > weight:
@@ -295,24 +313,21 @@ class GammaController:
 
     def draft_can_pay(self, draft_step_seconds: float, *, setup_seconds: float = 0.0,
                       tokens_left: int | None = None) -> bool:
-        """False when a draft model cannot beat plain decoding even in a good case: acceptance
-        ``optimistic_acceptance`` at every position and verification as cheap as one step, so a block of γ
-        costs γ·c + 1 steps for E[N](γ) tokens (c = draft step / target step). The best such speed-up S* must
-        reach ``min_gain``, and the steps it saves, ``tokens_left·(1 − 1/S*)``, must exceed the draft's
-        one-off ``setup_seconds`` (reading the context).
+        """False when a draft model cannot beat plain decoding even in a good case: the test made before the
+        opening probe (:func:`best_speedup_if_verification_free`), here at acceptance
+        ``optimistic_acceptance`` at every position and c = draft step / target step. The best such speed-up
+        S* must reach ``min_gain``, and the steps it saves, ``tokens_left·(1 − 1/S*)``, must exceed the
+        draft's one-off ``setup_seconds`` (reading the context).
 
         Used before starting a draft: a bf16 twin on a CPU without bf16 matrix instructions decodes a token
-        for ~0.7 target steps but reads a prompt 4-5x slower than the float32 target, so it never pays back.
+        for most of a target step but reads a prompt several times slower than the float32 target, so it
+        never pays back.
         """
         step = self._step_seconds()
         if not step or not self.timed:
             return True
-        ratio = draft_step_seconds / step
-        best, tokens, survive = 1.0, 1.0, 1.0
-        for gamma in range(1, max(self.max_gamma, 1) + 1):
-            survive *= self.optimistic_acceptance
-            tokens += survive
-            best = max(best, tokens / (gamma * ratio + 1.0))
+        best = best_speedup_if_verification_free(
+            lambda j: self.optimistic_acceptance, draft_step_seconds / step, self.max_gamma)
         if best < self.min_gain:
             return False
         return tokens_left is None or setup_seconds < tokens_left * step * (1.0 - 1.0 / best)
@@ -345,6 +360,93 @@ class GammaController:
         return draft_probability < self.min_confidence
 
 
+class GammaPolicy:
+    """The lookahead of one generation: a fixed ``gamma``, or ``gamma="auto"``'s :class:`GammaController`.
+    Drafters ask it for γ (:meth:`lookahead`) and report their costs; the loop reports each verification.
+    Guarantee: heuristic (speed only: every rule in :mod:`speculum.decoding.verify` is exact for any γ).
+
+    A seeded sampler must be reproducible run to run, but γ decides which random numbers are drawn: its
+    controller is then untimed (a fixed cost model instead of wall-clock timings), and it neither reads nor
+    feeds a draft's profile, so its draws never depend on earlier calls.
+
+    Example:
+        >>> GammaPolicy(4, draft_kind="model").lookahead(cap=2)
+        2
+        >>> GammaPolicy("auto", draft_kind="none").adaptive     # nothing to draft: nothing to adapt
+        False
+    """
+
+    def __init__(self, gamma: int | str, *, draft_kind: str, greedy: bool = False, seeded: bool = False) -> None:
+        self.greedy = greedy
+        self.controller: GammaController | None = None
+        self._fixed = 0 if gamma == "auto" or draft_kind == "none" else int(gamma)
+        if gamma == "auto" and draft_kind != "none":
+            self.controller = GammaController(timed=not (seeded and not greedy),
+                                              prior_draft_ratio=0.1 if draft_kind == "model" else 0.0)
+
+    @property
+    def adaptive(self) -> bool:
+        """γ is chosen block by block (``gamma="auto"``)."""
+        return self.controller is not None
+
+    @property
+    def timed(self) -> bool:
+        """γ follows wall-clock timings: a draft may be timed before it starts, and its profile is used."""
+        return self.controller is not None and self.controller.timed
+
+    def lookahead(self, cap: int, key: Hashable = None, backlog: int = 0) -> int:
+        """γ for the next block, within ``[0, cap]`` (0: a plain step), in the situation ``key``, with a draft
+        model that must first read ``backlog`` tokens it missed (:meth:`GammaController.next_gamma`)."""
+        gamma = self._fixed if self.controller is None else self.controller.next_gamma(key, backlog=backlog)
+        return max(min(gamma, cap), 0)
+
+    def longest(self, cap: int) -> int:
+        """The longest block :meth:`lookahead` could choose within ``cap``."""
+        return max(min(cap, self._fixed if self.controller is None else self.controller.max_gamma), 0)
+
+    def stops_after(self, draft_probability: float) -> bool:
+        """Greedy adaptive drafting stops after (never instead of) a proposal its draft was unsure of: such
+        an argmax rarely matches the target's. Never when sampling: acceptance is then min(1, p_t/p_d),
+        unrelated to how peaked the draft is (a flat draft equal to the target is always accepted)."""
+        return self.greedy and self.controller is not None and self.controller.stop_drafting(draft_probability)
+
+    def draft_can_pay(self, draft_step_seconds: float, *, setup_seconds: float, tokens_left: int) -> bool:
+        """Whether starting a draft model that steps in ``draft_step_seconds`` and first reads the context in
+        ``setup_seconds`` could pay (:meth:`GammaController.draft_can_pay`; always, for a fixed γ)."""
+        return self.controller is None or self.controller.draft_can_pay(
+            draft_step_seconds, setup_seconds=setup_seconds, tokens_left=tokens_left)
+
+    def step_seconds(self) -> float | None:
+        """Seconds of one plain target step, as measured so far (None: not yet, or a fixed γ)."""
+        return None if self.controller is None else self.controller.step_seconds()
+
+    def observe_draft(self, proposed: int, seconds: float) -> None:
+        """A drafter proposed ``proposed`` tokens in ``seconds`` (one-off set-up costs excluded)."""
+        if self.controller is not None:
+            self.controller.observe_draft(proposed, seconds)
+
+    def observe_catch_up(self, n_tokens: int, seconds: float) -> None:
+        """A draft model read ``n_tokens`` context tokens it had missed in ``seconds``."""
+        if self.controller is not None:
+            self.controller.observe_catch_up(n_tokens, seconds)
+
+    def observe_verification(self, fed: int, seconds: float, *, proposed: int, accepted: int,
+                             key: Hashable = None) -> None:
+        """One target forward fed ``fed`` tokens in ``seconds`` and accepted ``accepted`` of ``proposed``."""
+        if self.controller is not None:
+            self.controller.observe_target(fed, seconds)
+            self.controller.observe_acceptance(proposed=proposed, accepted=accepted, key=key)
+
+    def remembered(self) -> "_Acceptance | None":
+        """What a later generation with the same draft may start from (None: nothing to keep)."""
+        return self.controller.remembered() if self.timed else None
+
+    def recall(self, remembered: "_Acceptance | None") -> None:
+        """Start from what earlier generations with this draft learnt (only when timed)."""
+        if remembered is not None and self.timed:
+            self.controller.recall(remembered)
+
+
 @dataclass
 class _Acceptance:
     """Decayed acceptance counts of one situation: pooled (α) and per block position (a_j)."""
@@ -368,6 +470,23 @@ class _Acceptance:
             self.tried[j] = decay * self.tried[j] + 1.0
             self.passed[j] = decay * self.passed[j] + (1.0 if j < accepted else 0.0)
 
+    def merged(self, other: "_Acceptance") -> "_Acceptance":
+        """Both statistics' evidence in one: counts added, then scaled to the larger of the two totals so that
+        repeated merges let old evidence fade as decay does; the longer probe gap."""
+        tried = [a + b for a, b in zip(_padded(self.tried, other.tried), _padded(other.tried, self.tried))]
+        passed = [a + b for a, b in zip(_padded(self.passed, other.passed), _padded(other.passed, self.passed))]
+        totals = (self.accepted + self.rejected, other.accepted + other.rejected)
+        scale = max(totals) / sum(totals) if sum(totals) > 0 else 1.0
+        return _Acceptance(accepted=(self.accepted + other.accepted) * scale,
+                           rejected=(self.rejected + other.rejected) * scale,
+                           tried=[t * scale for t in tried], passed=[t * scale for t in passed],
+                           probe_gap=max(self.probe_gap, other.probe_gap))
+
     def rate(self, prior: float, weight: float) -> float:
         """accepted / (accepted + rejections) with ``weight`` pseudo-observations at rate ``prior``."""
         return (self.accepted + weight * prior) / (self.accepted + self.rejected + weight)
+
+
+def _padded(values: list, other: list) -> list:
+    """``values`` padded with zeros to the length of ``other`` (per-position counts of unequal depth)."""
+    return values + [0.0] * (len(other) - len(values))

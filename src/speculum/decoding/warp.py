@@ -15,15 +15,16 @@ where greedy takes the lowest id), never NaN.
 from __future__ import annotations
 
 import math
-from numbers import Integral, Real
 
 import numpy as np
+
+from ..validation import check_number, check_optional_int
 
 __all__ = ["check_sampling_args", "warp_logprobs", "sample_from_logprobs", "is_identity_warp"]
 
 
 def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ``ValueError`` naming the argument unless the sampling settings are valid.
+    """Raise ``InputError`` (a ``ValueError``) naming the argument unless the sampling settings are valid.
 
     ``temperature`` must be finite and >= 0 (0 = greedy; every positive value, subnormal ones included,
     is a valid tempered law: see :func:`warp_logprobs`), ``top_k`` an integer >= 1 or None, ``top_p`` in
@@ -34,16 +35,12 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
         >>> check_sampling_args(-1.0, None, None)
         Traceback (most recent call last):
         ...
-        ValueError: temperature must be a finite number >= 0 (0 = greedy), got -1.0
+        speculum.validation.InputError: temperature (0 = greedy) must be >= 0, got -1.0
     """
-    if isinstance(temperature, bool) or not isinstance(temperature, Real) or not math.isfinite(temperature) \
-            or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
-        raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, Real)
-                              or not 0.0 < float(top_p) <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    check_number(temperature, "temperature (0 = greedy)", minimum=0)
+    check_optional_int(top_k, "top_k", minimum=1)
+    if top_p is not None:
+        check_number(top_p, "top_p", above=0.0, maximum=1.0)
 
 
 def is_identity_warp(temperature: float, top_k: int | None, top_p: float | None, vocab_size: int) -> bool:
@@ -117,8 +114,9 @@ def warp_logprobs(logprobs: np.ndarray, *, temperature: float, top_k: int | None
 def sample_from_logprobs(logprobs: np.ndarray, uniform: float) -> int:
     """Inverse-CDF sample from one ``(V,)`` log-prob row with one uniform in [0, 1) (exact).
 
-    One uniform per sample keeps random-number consumption fixed (style.md §7). Only tokens with
-    positive probability can be returned; a row with NaN or no finite entry is a ``ValueError``.
+    One uniform per sample keeps random-number consumption fixed, so a seeded run draws the same numbers
+    whatever the rows hold. Only tokens with positive probability can be returned; a row with NaN or no
+    finite entry is a ``ValueError``.
 
     Example:
         >>> sample_from_logprobs(np.array([-np.inf, np.log(0.25), np.log(0.75)]), 0.1)

@@ -2,6 +2,7 @@
 
 ``AutoregressiveEnumerable`` / ``SeekIndex`` (exact order), ``AREnvelopeIndex`` (very deep ranks,
 approximate rank coordinate, exact scores), ``RescoredIndex`` (draft-built, target-scored, certified).
+``Support`` says which continuations an index enumerates; ``EnumerationIndex`` is what every index offers.
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ _LAZY = {
     "RescoredIndex": ".rescored",
     "estimate_rank": ".exposure",
     "RankReport": ".exposure",
+    "Support": ".support",
+    "EnumerationIndex": ".index",
+    "ScoringIndex": ".index",
 }
 
 __all__ = list(_LAZY)

@@ -9,7 +9,7 @@ every answer still comes from the exact tree.
 
 Example:
     >>> from speculum.models import MarkovModel
-    >>> found, forwards = beam_logprobs(MarkovModel.random(5, seed=0), prompt=[0], width=3, max_len=4, eos=None)
+    >>> found, forwards = beam_logprobs(MarkovModel.random(5, seed=0), prompt=[0], width=3, support=Support(max_len=4))
     >>> len(found), bool(found[0] >= found[-1]), forwards
     (3, True, 10)
 """
@@ -19,20 +19,23 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .support import Support
+
 __all__ = ["beam_logprobs"]
 
 
-def beam_logprobs(model: Any, *, prompt: Sequence[int], width: int, max_len: int | None, eos: int | None,
+def beam_logprobs(model: Any, *, prompt: Sequence[int], width: int, support: Support,
                   max_steps: int = 64) -> tuple[np.ndarray, int]:
     """Log-probs (descending) of up to ``width`` distinct complete sequences found by a width-``width`` beam,
     and the number of prefixes it forwarded.
 
-    Complete means in the index's support: exactly ``max_len`` tokens (``eos`` None), or ending in its
-    only ``eos`` within ``max_len`` tokens (``max_steps`` when ``max_len`` is None). Each log-prob is the
-    float sum of the model's steps in order, as the prefix tree computes it (a step above 0 clipped to 0).
-    Costs at most ``width`` forwards per step. Approximate search, exact scores of real sequences.
+    Complete means in ``support`` (within ``max_steps`` tokens when the support has no length cap). Each
+    log-prob is the float sum of the model's steps in order, as the prefix tree computes it (a step above 0
+    clipped to 0). Costs at most ``width`` forwards per step. Approximate search, exact scores of real
+    sequences.
     """
-    horizon = max_len if max_len is not None else max_steps
+    horizon = support.horizon(max_steps)
+    eos = support.eos
     prompt = [int(t) for t in prompt]
     live: list[tuple[list[int], float]] = [([], 0.0)]
     finished: list[float] = []

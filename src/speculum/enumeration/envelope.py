@@ -21,19 +21,21 @@ Guarantees:
 
 Eos-terminated enumeration splits eos from the other tokens: a sequence is non-eos ranks then eos.
 Without ``max_len`` the length horizon is ``max_depth``. A rank too deep for the current histograms
-deepens them (doubling); ``IndexError`` only past the whole finite support. This replaces the prior
-mean-field index (fixed length only, duplicates, spurious ``IndexError``: field.md, weakness 6).
+deepens them (doubling), so ``IndexError`` means past the whole finite support, never a shallow histogram.
 """
 from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..models.base import check_prompt, check_token_ids
+from ..models.base import as_model, check_prompt, check_token_id
+from ..validation import InputError, check_int, check_logprob, check_number, check_optional_int
+from .exact import AutoregressiveEnumerable, SeekIndex
+from .support import Support
 
 __all__ = ["AREnvelopeIndex", "EnvelopeEntry", "DEFAULT_RESOLUTION", "DEFAULT_EXACT_LIMIT"]
 
@@ -128,64 +130,71 @@ class AREnvelopeIndex:
     """Approximate-rank, exact-score index over a model's continuations, for very deep ranks.
 
     Args:
-        ar_or_model: an :class:`~speculum.enumeration.AutoregressiveEnumerable` (its model, max_len,
-            eos and prompt are used) or a protocol model with the keywords below.
+        ar_or_model: an :class:`~speculum.enumeration.AutoregressiveEnumerable` or ``SeekIndex`` (its
+            model, support and prompt are used) or a protocol model with the keywords below.
         n_paths: sampled prefixes per depth the envelope is estimated from.
         seed: seed of the path sampler (the index is a deterministic function of it).
         exploration: fraction of paths drawn uniformly (deep ranks live on atypical prefixes).
         resolution: histogram bin width in nats (order error beyond ``exact_limit``: <= max_len bins).
         exact_limit: number of leading envelope tuples ordered exactly.
 
-    Attributes for :class:`RescoredIndex`: ``order_error = None`` (no bound on real models),
-    ``complete = False``.
+    An :class:`~speculum.enumeration.EnumerationIndex` for :class:`RescoredIndex`: ``support``, ``prompt``,
+    ``order_error = None`` (no bound on real models), ``complete = False``, ``capped = False``.
 
     Example:
-        >>> env = AREnvelopeIndex(model, max_len=8, prompt=prompt_ids, n_paths=32)
+        >>> from speculum.models import MarkovModel
+        >>> env = AREnvelopeIndex(MarkovModel.random(50, seed=0), max_len=8, prompt=[0], n_paths=8)
         >>> seq, log_prob = env.unrank(10**12)        # a real sequence, its exact log-prob
         >>> estimate, lo, hi = env.rank_estimate(seq)  # its true rank: approximate, bracketed
+        >>> len(seq), lo <= estimate <= hi
+        (8, True)
     """
 
     order_error = None
     complete = False
+    capped = False
 
     def __init__(self, ar_or_model: Any, *, n_paths: int = 64, seed: int = 0, max_len: int | None = None,
                  eos: int | None = None, prompt: Sequence[int] = (), exploration: float = 0.5,
                  resolution: float = DEFAULT_RESOLUTION, exact_limit: int = DEFAULT_EXACT_LIMIT,
                  max_depth: int = DEFAULT_MAX_DEPTH) -> None:
-        if hasattr(ar_or_model, "unrank") and hasattr(ar_or_model, "model"):
-            model = ar_or_model.model
-            max_len, eos, prompt = ar_or_model.max_len, ar_or_model.eos, ar_or_model.prompt
+        if isinstance(ar_or_model, (AutoregressiveEnumerable, SeekIndex)):
+            model, support, prompt = ar_or_model.model, ar_or_model.support, ar_or_model.prompt
         else:
-            model = ar_or_model
-        if not (hasattr(model, "start") and hasattr(model, "vocab_size")):
-            raise ValueError("ar_or_model must be an AutoregressiveEnumerable or a protocol model")
-        for name, value, low in (("n_paths", n_paths, 1), ("exact_limit", exact_limit, 0), ("max_depth", max_depth, 1)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer))
-                                    or max_len < 1):
-            raise ValueError(f"max_len must be an integer >= 1 or None, got {max_len!r}")
-        if max_len is None and eos is None:
-            raise ValueError("give max_len (fixed-length continuations) or eos (continuations ending in eos)")
-        if not (isinstance(resolution, (int, float)) and 0 < resolution < math.inf):
-            raise ValueError(f"resolution must be a positive number of nats, got {resolution!r}")
-        if not 0.0 <= float(exploration) <= 1.0:
-            raise ValueError(f"exploration must be in [0, 1], got {exploration!r}")
+            model = as_model(ar_or_model, name="ar_or_model")
+            max_len = check_optional_int(max_len, "max_len", minimum=1)
+            if eos is not None:
+                eos = check_token_id(eos, model.vocab_size, name="eos")
+            support = Support(max_len=max_len, eos=eos)
+        n_paths = check_int(n_paths, "n_paths", minimum=1)
+        exact_limit = check_int(exact_limit, "exact_limit", minimum=0)
+        max_depth = check_int(max_depth, "max_depth", minimum=1)
+        resolution = check_number(resolution, "resolution", above=0)
+        exploration = check_number(exploration, "exploration", minimum=0, maximum=1)
         self.model = model
         self.vocab_size = int(model.vocab_size)
-        self.eos = None if eos is None else check_token_ids([eos], self.vocab_size, name="eos")[0]
-        self.max_len = None if max_len is None else int(max_len)
+        self.support = support
         self.prompt = tuple(check_prompt(model, prompt, name="prompt"))
-        self.horizon = self.max_len if self.max_len is not None else int(max_depth)
-        self.resolution = float(resolution)
+        self.horizon = support.horizon(max_depth)
+        # What the envelope reaches: the support cut at the horizon (the support itself unless uncapped).
+        self._reach = replace(support, max_len=self.horizon)
+        self.resolution = resolution
         self._walker = _RowWalker(model, self.prompt, self.eos)
-        mean, lo, hi = _sample_profiles(self._walker, self.horizon, self.eos, int(n_paths),
-                                        float(exploration), np.random.default_rng(seed))
+        mean, lo, hi = _sample_profiles(self._walker, self.horizon, self.eos, n_paths, exploration,
+                                        np.random.default_rng(seed))
         self._mean_profile = mean
         self._mean = _Histograms(mean, self.resolution, self.horizon)
         self._lo = _Histograms(lo, self.resolution, self.horizon)  # optimistic: counts more
         self._hi = _Histograms(hi, self.resolution, self.horizon)  # pessimistic: counts fewer
-        self._build_exact_region(int(exact_limit))
+        self._build_exact_region(exact_limit)
+
+    @property
+    def max_len(self) -> int | None:
+        return self.support.max_len
+
+    @property
+    def eos(self) -> int | None:
+        return self.support.eos
 
     # ------------------------------------------------------------------------------ envelope order
     def _build_exact_region(self, exact_limit: int) -> None:
@@ -281,17 +290,16 @@ class AREnvelopeIndex:
         Exact rank on prefix-independent models within ``exact_limit``. ``IndexError`` only past the
         envelope's finite support; deep ranks deepen the histograms instead.
         """
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0:
-            raise ValueError(f"i must be an integer >= 0, got {i!r}")
+        i = check_int(i, "i", minimum=0)
         if i >= _MAX_ADDRESSABLE:
-            raise ValueError(f"i must be < 2**53 (float64 counts are exact below it), got {i}")
-        choices, _ = self._choices(int(i))
+            raise InputError(f"i must be < 2**53 (float64 counts are exact below it), got {i}")
+        choices, _ = self._choices(i)
         return self._walker.realise(choices)
 
     def slice(self, start: int, k: int) -> list[tuple[tuple[int, ...], float]]:
         """Envelope positions ``start .. start+k-1`` (shorter past the support). Approximate ranks."""
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+        start = check_int(start, "start", minimum=0)
+        k = check_int(k, "k", minimum=1)
         out = []
         for i in range(start, start + k):
             try:
@@ -312,17 +320,14 @@ class AREnvelopeIndex:
 
     def threshold(self, k: int) -> float:
         """Envelope log-prob of the k-th position (``k >= 1``). Approximate."""
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"k must be an integer >= 1, got {k!r}")
-        return -self._envelope_info(self._choices(int(k) - 1)[0])
+        k = check_int(k, "k", minimum=1)
+        return -self._envelope_info(self._choices(k - 1)[0])
 
     def count(self, min_log_prob: float) -> int:
         """Estimated number of sequences with ``log p >= min_log_prob`` (mean envelope). Approximate."""
-        return self._count_below(-float(min_log_prob), strict=False)
+        return self._count_below(-check_logprob(min_log_prob), strict=False)
 
     def _count_below(self, info: float, *, strict: bool) -> int:
-        if math.isnan(info):
-            raise ValueError("min_log_prob is NaN")
         if self._cut >= 0 and info <= self._cut * self.resolution:
             find = bisect.bisect_left if strict else bisect.bisect_right
             return find(self._exact_info, info)
@@ -337,10 +342,10 @@ class AREnvelopeIndex:
         pointwise max / min information envelopes (bin rounding included), sound whenever every prefix's
         sorted row lies between them — always for prefix-independent models.
         """
-        seq = self._check_sequence(sequence)
+        seq = self._reach.check(sequence, self.vocab_size)
         log_prob = float(self.model.score_sequences([seq], prompt=self.prompt)[0])
         if log_prob == -math.inf:
-            raise ValueError("sequence has zero probability under the model")
+            raise InputError("sequence has zero probability under the model")
         info = -log_prob
         lo = int(self._hi.count_up_to(math.ceil(info / self.resolution) - 1))
         hi = int(self._lo.count_up_to(math.ceil(info / self.resolution) + self.horizon - 1))
@@ -350,15 +355,6 @@ class AREnvelopeIndex:
     def score_sequences(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
         """``(batch,)`` exact log p(sequence | prompt) under the model."""
         return np.asarray(self.model.score_sequences([list(s) for s in sequences], prompt=self.prompt))
-
-    def _check_sequence(self, sequence: Sequence[int]) -> tuple[int, ...]:
-        seq = tuple(check_token_ids(sequence, self.vocab_size, name="sequence"))
-        if self.eos is None and len(seq) != self.max_len:
-            raise ValueError(f"sequence has length {len(seq)}, the index enumerates length {self.max_len}")
-        if self.eos is not None and (not seq or seq[-1] != self.eos or self.eos in seq[:-1]
-                                     or len(seq) > self.horizon):
-            raise ValueError(f"sequence must end with its only eos ({self.eos}) within {self.horizon} tokens")
-        return seq
 
 
 class _RowWalker:

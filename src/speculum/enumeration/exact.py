@@ -21,14 +21,15 @@ Example:
 from __future__ import annotations
 
 import math
-import operator
 from typing import Callable, Sequence
 
 import numpy as np
 
-from ..models.base import check_prompt, check_token_ids, from_forward
-from .histogram import DEFAULT_WIDTH_BITS, BucketIndex
+from ..models.base import as_model, check_prompt, check_token_id
+from ..validation import InputError, check_int, check_logprob, check_number, check_optional_int
 from .beam import beam_logprobs
+from .histogram import DEFAULT_WIDTH_BITS, BucketIndex
+from .support import Support
 from .tree import DEFAULT_MAX_NODES, BuildProgress, IndexBudgetError, PrefixTree
 
 __all__ = ["AutoregressiveEnumerable", "SeekIndex", "BandTooLargeError", "IndexBudgetError", "DEFAULT_MAX_BAND",
@@ -49,23 +50,6 @@ class BandTooLargeError(RuntimeError):
     """The sequences tied (to within one bucket) with a query's answer are too many to sort exactly."""
 
 
-def _check_index(value, name: str, *, minimum: int) -> int:
-    try:
-        value = operator.index(value)
-    except TypeError as exc:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from exc
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_logprob(value, name: str = "min_log_prob") -> float:
-    value = float(value)
-    if math.isnan(value):
-        raise ValueError(f"{name} is NaN")
-    return value
-
-
 def tqdm_progress(**tqdm_kwargs) -> Callable[[BuildProgress], None]:
     """A ``progress`` callback drawing a tqdm bar of forwarded prefixes (for the CLI and notebooks)."""
     from tqdm.auto import tqdm
@@ -81,14 +65,16 @@ def tqdm_progress(**tqdm_kwargs) -> Callable[[BuildProgress], None]:
 class SeekIndex:
     """The persistent index behind every query of an ``AutoregressiveEnumerable`` (see the module doc).
 
-    Attributes: ``vocab_size``, ``max_len``, ``eos``, ``prompt``, ``order_error`` (0.0: the order is exact),
-    ``forwards`` (prefixes forwarded so far), ``capped`` (True when ``branch_cap`` dropped probability:
-    every result then refers to the capped sub-support, see ``count_bracket``), ``complete``.
+    Attributes: ``vocab_size``, ``support`` (with its ``max_len`` and ``eos``), ``prompt``, ``order_error``
+    (0.0: the order is exact), ``forwards`` (prefixes forwarded so far), ``capped`` (True when ``branch_cap``
+    dropped probability: every result then refers to the capped sub-support, see ``count_bracket``),
+    ``complete``. A :class:`~speculum.enumeration.EnumerationIndex`. Arguments are checked by
+    :class:`AutoregressiveEnumerable`, the public entry point.
     """
 
     order_error = 0.0
 
-    def __init__(self, model, *, max_len: int | None, eos: int | None, prompt: Sequence[int] = (),
+    def __init__(self, model, *, support: Support, prompt: Sequence[int] = (),
                  branch_cap: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
                  width_bits: float = DEFAULT_WIDTH_BITS, reserve_bits: float = DEFAULT_RESERVE_BITS,
                  max_band: int = DEFAULT_MAX_BAND, max_nodes: int = DEFAULT_MAX_NODES,
@@ -97,9 +83,10 @@ class SeekIndex:
         self.model = model
         self.max_beam_forwards = max_beam_forwards
         self.vocab_size = int(model.vocab_size)
-        self.max_len, self.eos, self.prompt = max_len, eos, tuple(prompt)
+        self.support, self.prompt = support, tuple(prompt)
+        self._support_count = support.size(self.vocab_size)   # every support sequence; None: infinite
         self.branch_cap, self.width_bits, self.max_band = branch_cap, width_bits, max_band
-        self.tree = PrefixTree(model, prompt=self.prompt, max_len=max_len, eos=eos, branch_cap=branch_cap,
+        self.tree = PrefixTree(model, prompt=self.prompt, support=support, branch_cap=branch_cap,
                                batch_size=batch_size, reserve_bits=reserve_bits, max_nodes=max_nodes,
                                progress=progress)
         self._last_deepening: tuple[float, int] | None = None   # (bits, forwards) before the last deepening
@@ -108,6 +95,14 @@ class SeekIndex:
         self._refresh()
 
     # ------------------------------------------------------------------------------------------ state
+    @property
+    def max_len(self) -> int | None:
+        return self.support.max_len
+
+    @property
+    def eos(self) -> int | None:
+        return self.support.eos
+
     @property
     def forwards(self) -> int:
         """Prefixes sent to the model so far: the tree's forwards and the aiming beam's."""
@@ -125,7 +120,8 @@ class SeekIndex:
 
     @property
     def support_size(self) -> int | None:
-        """Number of sequences in the support once the whole tree is built, else None (not known yet)."""
+        """Number of positive-probability support sequences once the whole tree is built, else None (not
+        known yet)."""
         return self.index.total if self.tree.exhausted else None
 
     def nbytes(self) -> int:
@@ -155,10 +151,9 @@ class SeekIndex:
         self._last_deepening = before
         self._refresh()
 
-    def _support_bound(self) -> float:
-        if self.eos is None:
-            return float(self.vocab_size) ** self.max_len
-        return math.inf if self.max_len is None else sum(float(self.vocab_size) ** n for n in range(self.max_len))
+    def _beyond_support(self, count: int) -> bool:
+        """Whether ``count`` exceeds the number of support sequences (so no query can need that many)."""
+        return self._support_count is not None and count > self._support_count
 
     def _grow_to_count(self, needed: int) -> None:
         """Deepen until at least ``needed`` sequences are certified, or the support is exhausted.
@@ -180,8 +175,8 @@ class SeekIndex:
         answer (plus a batch), and all earlier steps together at most as many again (a doubling argument).
         Before the first step a small beam may find ``needed`` real sequences (``_aim_with_beam``): a
         budget that certainly suffices and is usually the threshold itself, which the steps then aim at."""
-        if (self.index.total < needed and not self.tree.exhausted
-                and min(needed, self._support_bound()) > self.tree.max_nodes):
+        reachable = needed if self._support_count is None else min(needed, self._support_count)
+        if self.index.total < needed and not self.tree.exhausted and reachable > self.tree.max_nodes:
             # Refused up front: every certified sequence is a stored node.
             raise IndexBudgetError(
                 f"this query needs at least {needed:,} stored sequences, more than max_nodes="
@@ -264,15 +259,15 @@ class SeekIndex:
         log-prob is a budget that certainly suffices, so the growth aims at it instead of searching blind
         (a fixed-length support has no leaf before its last level). Lowered by a relative 1e-6: a backend
         may differ in the last bits between batch compositions, and a lower budget still suffices."""
-        horizon = self.max_len if self.max_len is not None else _BEAM_MAX_STEPS
+        horizon = self.support.horizon(_BEAM_MAX_STEPS)
         width = needed
         if len(self._beam) >= needed or width * horizon > self.max_beam_forwards:
             return
         stored = sum(int(np.count_nonzero(level.leaf)) for level in self.tree.levels)
         if stored >= needed:
             return
-        found, forwards = beam_logprobs(self.model, prompt=self.prompt, width=width, max_len=self.max_len,
-                                        eos=self.eos, max_steps=_BEAM_MAX_STEPS)
+        found, forwards = beam_logprobs(self.model, prompt=self.prompt, width=width, support=self.support,
+                                        max_steps=_BEAM_MAX_STEPS)
         self.beam_forwards += forwards
         found = found[np.isfinite(found)]
         self._beam = found - 1e-6 * (1.0 + np.abs(found))
@@ -317,16 +312,16 @@ class SeekIndex:
 
     def _raise_beyond(self, rank: int) -> None:
         size = self.support_size
-        what = f"it has {size} sequences" if size is not None else f"it has at most {self._support_bound():.0f} sequences"
-        raise IndexError(f"rank {rank} is beyond the support: {what}")
+        what = f"it has {size} sequences" if size is not None else f"it has at most {self._support_count} sequences"
+        raise IndexError(f"rank {rank} is beyond the support ({self.support.describe()}): {what}")
 
     # ---------------------------------------------------------------------------------------- queries
     def unrank(self, i: int) -> tuple[tuple[int, ...], float]:
         """The ``i``-th most probable sequence (0-based) and its exact log-prob. Exact.
 
         Raises ``IndexError`` (naming the support size) past the support."""
-        i = _check_index(i, "i", minimum=0)
-        if i >= self._support_bound():
+        i = check_int(i, "i", minimum=0)
+        if self._beyond_support(i + 1):
             self._raise_beyond(i)
         self._grow_to_count(i + 1)
         if i >= self.index.total:
@@ -336,9 +331,9 @@ class SeekIndex:
 
     def slice(self, start: int, k: int) -> list[tuple[tuple[int, ...], float]]:
         """Ranks ``start .. start+k-1`` in exact order (fewer if the support ends first). Exact."""
-        start = _check_index(start, "start", minimum=0)
-        k = _check_index(k, "k", minimum=0)
-        if k == 0 or start >= self._support_bound():
+        start = check_int(start, "start", minimum=0)
+        k = check_int(k, "k", minimum=0)
+        if k == 0 or self._beyond_support(start + 1):
             return []
         self._grow_to_count(start + k)
         end = min(start + k, self.index.total)
@@ -353,16 +348,16 @@ class SeekIndex:
 
     def top_k(self, k: int) -> list[tuple[tuple[int, ...], float]]:
         """The ``k`` most probable sequences, descending (all of them if the support is smaller). Exact."""
-        return self.slice(0, _check_index(k, "k", minimum=1))
+        return self.slice(0, check_int(k, "k", minimum=1))
 
     def threshold(self, k: int) -> float:
         """Log-prob of the ``k``-th most probable sequence (``k >= 1``). Exact."""
-        return self.unrank(_check_index(k, "k", minimum=1) - 1)[1]
+        return self.unrank(check_int(k, "k", minimum=1) - 1)[1]
 
     def count(self, min_log_prob: float) -> int:
         """Number of support sequences with ``log p >= min_log_prob``. Exact (on the capped sub-support
         when ``capped``; ``count_bracket`` bounds the rest)."""
-        min_log_prob = _check_logprob(min_log_prob)
+        min_log_prob = check_logprob(min_log_prob)
         self._grow_to_logprob(min_log_prob)
         band, present = self.index.band_of(min_log_prob)
         inside = 0
@@ -391,7 +386,7 @@ class SeekIndex:
         Certified: the sequences are summed exactly (``math.fsum``), so the bracket only widens by float
         rounding of ``exp`` — the limit of ever finer quantisation — plus, when ``capped``, the mass
         ``branch_cap`` dropped above the threshold (added to ``hi``)."""
-        min_log_prob = _check_logprob(min_log_prob)
+        min_log_prob = check_logprob(min_log_prob)
         self._grow_to_logprob(min_log_prob)
         total = math.fsum(np.exp(self.leaf_lp[self.leaf_lp >= min_log_prob]).tolist())
         lo = total * (1.0 - _MASS_ROUNDING)
@@ -399,18 +394,6 @@ class SeekIndex:
         return lo, min(hi, 1.0)
 
     # ------------------------------------------------------------------------------------------- rank
-    def _check_support(self, seq: Sequence[int]) -> tuple[int, ...]:
-        seq = tuple(check_token_ids(seq, self.vocab_size, name="sequence"))
-        if self.eos is None:
-            if len(seq) != self.max_len:
-                raise ValueError(f"sequence has length {len(seq)}; the support is length-{self.max_len} sequences")
-            return seq
-        if not seq or seq[-1] != self.eos or self.eos in seq[:-1]:
-            raise ValueError(f"sequence is off the support: it must end in eos={self.eos} and contain it once")
-        if self.max_len is not None and len(seq) > self.max_len:
-            raise ValueError(f"sequence has length {len(seq)} > max_len={self.max_len}")
-        return seq
-
     def _find(self, seq: tuple[int, ...]) -> tuple[int, float] | None:
         """``(node, log-prob)`` of ``seq``'s leaf in the stored tree, or None if it is not stored."""
         node = 0
@@ -430,7 +413,7 @@ class SeekIndex:
 
         Raises ``ValueError`` for a sequence off the support (wrong length / eos, zero probability, or
         outside the capped sub-support)."""
-        seq = self._check_support(seq)
+        seq = self.support.check(seq, self.vocab_size)
         found = self._find(seq)
         if found is not None and found[1] < self.certified_logprob:
             self._grow_to_logprob(found[1])    # stored past the budget: certify down to it
@@ -441,12 +424,12 @@ class SeekIndex:
             self.tree.forwards += len(prefixes)
             probe = float(np.sum(rows[np.arange(len(seq)), list(seq)]))
             if not math.isfinite(probe):
-                raise ValueError("sequence is off the support: it has probability zero")
+                raise InputError("sequence is off the support: it has probability zero")
             # Backends may differ in the last bits between batch compositions: build a little deeper.
             self._grow_to_logprob(probe - 1e-6 * (1.0 + abs(probe)))
             found = self._find(seq)
             if found is None:
-                raise ValueError(f"sequence is outside the capped sub-support (branch_cap={self.branch_cap})")
+                raise InputError(f"sequence is outside the capped sub-support (branch_cap={self.branch_cap})")
         node, logprob = found
         band, _ = self.index.band_of(logprob)
         ids = self._sorted_band(band)
@@ -458,11 +441,23 @@ class SeekIndex:
         return self.model.score_sequences(sequences, prompt=self.prompt)
 
 
+def _eos_token_of(model) -> int:
+    """The model's own eos id, for ``eos=True`` (``BaseModel`` declares ``eos_token_id``, None for none)."""
+    try:
+        eos = model.eos_token_id
+    except AttributeError:
+        eos = None
+    if eos is None:
+        raise InputError("eos=True but the model has no eos_token_id")
+    return eos
+
+
 class AutoregressiveEnumerable:
     """A model's continuations of ``prompt``, enumerable in exact descending probability.
 
     Args:
-        model: any protocol model (or a seed-style ``forward`` object, adapted by ``from_forward``).
+        model: any protocol model (or an object with ``forward(ids[1, T]) -> logits[1, T, V]``, adapted by
+            ``as_model``).
         max_len: fixed length of every continuation; with ``eos``, only a cap on the length.
         eos: end-of-sequence id (``True``: the model's ``eos_token_id``); the support is then only the
             continuations ending in eos, of any length within the probability budget.
@@ -483,6 +478,8 @@ class AutoregressiveEnumerable:
 
     Every query (``top_k``, ``unrank``, ``slice``, ``rank``, ``count``, ``threshold``, ``mass_above``) is
     exact and delegates to the persistent ``seek_index()``; ``unrank(rank(s)) == s`` for every ``s``.
+    The enumerated sequences are ``support`` (a :class:`~speculum.enumeration.Support`, also read as
+    ``max_len`` and ``eos``); an :class:`~speculum.enumeration.EnumerationIndex`.
 
     Example:
         >>> from speculum.models import MarkovModel
@@ -497,44 +494,43 @@ class AutoregressiveEnumerable:
                  reserve_bits: float = DEFAULT_RESERVE_BITS, max_band: int = DEFAULT_MAX_BAND,
                  max_nodes: int = DEFAULT_MAX_NODES, max_beam_forwards: int = DEFAULT_BEAM_FORWARDS,
                  progress: Callable[[BuildProgress], None] | bool | None = None) -> None:
-        model = from_forward(model)
+        model = as_model(model, name="model")
         if eos is True:
-            eos = getattr(model, "eos_token_id", None)
-            if eos is None:
-                raise ValueError("eos=True but the model has no eos_token_id")
+            eos = _eos_token_of(model)
         if eos is False:
             eos = None
-        if max_len is None and eos is None:
-            raise ValueError("give max_len (fixed-length continuations) or eos (continuations ending in eos)")
-        if max_len is not None:
-            max_len = _check_index(max_len, "max_len", minimum=1)
         if eos is not None:
-            eos = check_token_ids([eos], model.vocab_size, name="eos")[0]
-        if branch_cap is not None:
-            branch_cap = _check_index(branch_cap, "branch_cap", minimum=1)
-        batch_size = _check_index(batch_size, "batch_size", minimum=1)
-        max_band = _check_index(max_band, "max_band", minimum=1)
-        max_nodes = _check_index(max_nodes, "max_nodes", minimum=1)
-        max_beam_forwards = _check_index(max_beam_forwards, "max_beam_forwards", minimum=0)
-        if not width_bits > 0:
-            raise ValueError(f"width_bits must be positive, got {width_bits}")
-        if not reserve_bits >= 0:
-            raise ValueError(f"reserve_bits must be >= 0, got {reserve_bits}")
+            eos = check_token_id(eos, model.vocab_size, name="eos")
+        support = Support(max_len=max_len, eos=eos)
+        branch_cap = check_optional_int(branch_cap, "branch_cap", minimum=1)
+        batch_size = check_int(batch_size, "batch_size", minimum=1)
+        max_band = check_int(max_band, "max_band", minimum=1)
+        max_nodes = check_int(max_nodes, "max_nodes", minimum=1)
+        max_beam_forwards = check_int(max_beam_forwards, "max_beam_forwards", minimum=0)
+        width_bits = check_number(width_bits, "width_bits", above=0)
+        reserve_bits = check_number(reserve_bits, "reserve_bits", minimum=0)
         if progress is True:
             progress = tqdm_progress()
         elif progress is False:
             progress = None
         elif progress is not None and not callable(progress):
-            raise ValueError("progress must be a callable, True, False or None")
+            raise InputError("progress must be a callable, True, False or None")
         prompt = check_prompt(model, prompt, name="prompt")
         self.model = model
-        self._index = SeekIndex(model, max_len=max_len, eos=eos, prompt=prompt, branch_cap=branch_cap,
+        self._index = SeekIndex(model, support=support, prompt=prompt, branch_cap=branch_cap,
                                 batch_size=batch_size, width_bits=width_bits, reserve_bits=reserve_bits,
                                 max_band=max_band, max_nodes=max_nodes, max_beam_forwards=max_beam_forwards,
                                 progress=progress)
-        self.vocab_size, self.max_len, self.eos = self._index.vocab_size, max_len, eos
-        self.prompt = self._index.prompt
+        self.vocab_size, self.support, self.prompt = self._index.vocab_size, support, self._index.prompt
         self.order_error = 0.0
+
+    @property
+    def max_len(self) -> int | None:
+        return self.support.max_len
+
+    @property
+    def eos(self) -> int | None:
+        return self.support.eos
 
     def seek_index(self) -> SeekIndex:
         """The persistent index behind every query (built lazily, deepened in place)."""

@@ -6,8 +6,10 @@ length. The rank is exact (the exact index) when it is shallow enough to count, 
 by the sampled envelope with a bracket; the report says which.
 
 Example:
-    >>> report = estimate_rank(model, continuation_ids, prompt=prompt_ids)
-    >>> report.rank, (report.rank_lo, report.rank_hi), report.exposure_bits, report.method
+    >>> from speculum.models import MarkovModel
+    >>> report = estimate_rank(MarkovModel.random(5, seed=0), [1, 2, 3], prompt=[0])
+    >>> report.method, report.rank_lo == report.rank == report.rank_hi, report.exposure_bits > 0
+    ('exact', True, True)
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..models.base import check_prompt, check_token_ids
+from ..models.base import as_model, check_prompt, check_token_ids
+from ..validation import InputError, check_int
 from .envelope import DEFAULT_RESOLUTION, AREnvelopeIndex
+from .support import Support
 
 __all__ = ["RankReport", "estimate_rank", "DEFAULT_EXACT_RANK_LIMIT"]
 
@@ -59,20 +63,21 @@ def estimate_rank(model: Any, continuation: Sequence[int], *, prompt: Sequence[i
                   resolution: float = DEFAULT_RESOLUTION) -> RankReport:
     """Rank and exposure of ``continuation`` after ``prompt``, exact when cheap, else enveloped.
 
-    The exact index is used when the whole space (``V ** L``) or the envelope's upper bracket is at most
-    ``exact_limit``; otherwise the envelope's estimate and bracket are reported (APPROXIMATE).
+    The exact index is used when the whole space (every continuation of the same length) or the
+    envelope's upper bracket is at most ``exact_limit``; otherwise the envelope's estimate and bracket are
+    reported (APPROXIMATE).
     """
-    if isinstance(exact_limit, bool) or not isinstance(exact_limit, int) or exact_limit < 0:
-        raise ValueError(f"exact_limit must be an integer >= 0, got {exact_limit!r}")
+    model = as_model(model, name="model")
+    exact_limit = check_int(exact_limit, "exact_limit", minimum=0)
     seq = check_token_ids(continuation, model.vocab_size, name="continuation")
     if not seq:
-        raise ValueError("continuation is empty")
+        raise InputError("continuation is empty")
     prompt = check_prompt(model, prompt, name="prompt")
     length, vocab_size = len(seq), int(model.vocab_size)
     log_prob = float(model.score_sequences([seq], prompt=prompt)[0])
     if log_prob == -math.inf:
-        raise ValueError("continuation has zero probability under the model")
-    if vocab_size**length > exact_limit:
+        raise InputError("continuation has zero probability under the model")
+    if Support(max_len=length).size(vocab_size) > exact_limit:
         envelope = AREnvelopeIndex(model, max_len=length, prompt=prompt, n_paths=n_paths, seed=seed,
                                    resolution=resolution, exact_limit=0)
         estimate, lo, hi = envelope.rank_estimate(seq)

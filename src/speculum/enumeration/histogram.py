@@ -2,9 +2,9 @@
 
 Each complete sequence gets the bucket ``floor(-log2 p / width)`` of its *exact total* information, so the
 bucket order is a coarsening of the exact order: every sequence in a lower bucket is strictly more probable
-than every sequence in a higher one. (The prior implementation summed per-step floored buckets, whose
-bucket can differ from the exact total's by up to ``L`` buckets; field.md weakness 2. Bucketing the exact
-total removes that smear, so no band of neighbouring buckets has to be widened for soundness.)
+than every sequence in a higher one. The bucket is taken of the exact total, not summed from per-step
+floored buckets (a sum that can land up to ``L`` buckets away from the total's), so the coarsening is
+strict and no band of neighbouring buckets has to be widened for soundness.
 
 ``BucketIndex`` keeps the members of each bucket contiguous with cumulative counts: a rank is located by
 bisecting the cumulative counts; only the one bucket (the *band*) holding it needs an exact sort.
@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from ..validation import check_number
 
 __all__ = ["DEFAULT_WIDTH_BITS", "bucket_of", "BucketIndex"]
 
@@ -43,9 +45,7 @@ class BucketIndex:
     """
 
     def __init__(self, logprob: np.ndarray, *, width_bits: float = DEFAULT_WIDTH_BITS) -> None:
-        if not width_bits > 0:
-            raise ValueError(f"width_bits must be positive, got {width_bits}")
-        self.width_bits = float(width_bits)
+        self.width_bits = check_number(width_bits, "width_bits", above=0)
         buckets = bucket_of(logprob, self.width_bits)                   # (n,)
         # Stable: within a bucket, members keep their input order (the exact sort happens per band).
         self.members = np.argsort(buckets, kind="stable").astype(np.int32)  # (n,) sequence ids, bucket-major

@@ -15,10 +15,11 @@ Guarantees of :class:`RescoredIndex`:
   a global draft/target gap bound ``assumed_gap`` (``|target_lp - draft_lp| <= gap`` on every
   sequence), the draft index's own order error (``order_error``: a later item never out-scores an
   earlier one by more than it; 0 for the exact index), and a complete draft support (``complete``: no
-  branch cap or truncation — items the draft never lists have unknown draft scores).
+  branch cap or truncation — items the draft never lists have unknown draft scores). Without the order
+  error a draft whose order is only approximate would certify wrong answers, and an exhausted but capped
+  draft says nothing about the sequences it cut.
 
-The seed version ignored the draft's order error and certified any exhausted draft, capped or not
-(field.md, weakness 7); both are fixed here, and ``certify=True`` grows the window until certified.
+``certify=True`` grows the window until the answer is certified (or ``max_window`` is reached).
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from ..models.base import as_model
+from ..validation import InputError, check_int, check_number
+from .index import EnumerationIndex, ScoringIndex
 
 __all__ = ["RescoredIndex", "certify_slice", "DEFAULT_MAX_WINDOW"]
 
@@ -101,68 +106,67 @@ def certify_slice(
     return cleared, (REASON_BOUND if cleared else REASON_NOT_CLEARED), bound
 
 
-def _space_size(draft_index: Any) -> int | None:
-    """Number of sequences in the enumerated space, when the index's attributes define it."""
-    vocab = getattr(draft_index, "vocab_size", None)
-    max_len = getattr(draft_index, "max_len", None)
-    if vocab is None or max_len is None:
-        return None
-    if getattr(draft_index, "eos", None) is None:
-        return int(vocab) ** int(max_len)
-    # eos-terminated: l-1 non-eos tokens then eos, for l = 1..max_len.
-    return sum((int(vocab) - 1) ** (length - 1) for length in range(1, int(max_len) + 1))
-
-
-def _check_same_support(target: Any, draft_index: Any, prompt: tuple[int, ...]) -> None:
+def _check_same_support(target: ScoringIndex, draft_index: EnumerationIndex) -> None:
     """Refuse a target index whose support differs from the draft index's: results are drawn from the
     draft's support, so a certificate about the target's top-k would otherwise cover sequences the target
     index does not enumerate (or miss ones it does)."""
-    target_prompt = tuple(int(t) for t in (getattr(target, "prompt", None) or ()))
+    target_prompt, prompt = _prompt_of(target), _prompt_of(draft_index)
     if target_prompt != prompt:
-        raise ValueError(f"the target index's prompt {list(target_prompt)} differs from the draft index's "
+        raise InputError(f"the target index's prompt {list(target_prompt)} differs from the draft index's "
                          f"{list(prompt)}")
-    for name in ("max_len", "eos"):
-        if not (hasattr(target, name) and hasattr(draft_index, name)):
-            raise ValueError(f"cannot check that the target and draft indexes enumerate the same support: "
-                             f"{'the draft' if hasattr(target, name) else 'the target'} index has no {name}")
-        target_value, draft_value = getattr(target, name), getattr(draft_index, name)
-        if target_value != draft_value:
-            what = "length" if name == "max_len" else "eos token (None: fixed-length continuations)"
-            raise ValueError(f"the target index enumerates a different support than the draft index: {what} "
-                             f"{target_value} vs {draft_value}")
-    if getattr(target, "capped", False):
-        raise ValueError("the target index is capped (branch_cap): it enumerates a sub-support; pass the target "
+    theirs, ours = target.support, draft_index.support
+    if theirs != ours:
+        what = (f"length {theirs.max_len} vs {ours.max_len}" if theirs.max_len != ours.max_len else
+                f"eos token (None: fixed-length continuations) {theirs.eos} vs {ours.eos}")
+        raise InputError(f"the target index enumerates a different support than the draft index: {what} "
+                         f"({theirs.describe()} vs {ours.describe()})")
+    if target.capped:
+        raise InputError("the target index is capped (branch_cap): it enumerates a sub-support; pass the target "
                          "model itself to rescore")
 
 
-def _make_scorer(target: Any, draft_index: Any) -> Callable[[list[tuple]], Any]:
-    """``[seqs] -> target log-probs`` for a protocol model, an enumerable, or a bare callable."""
-    prompt = tuple(int(t) for t in (getattr(draft_index, "prompt", None) or ()))
-    draft_vocab = getattr(draft_index, "vocab_size", None)
-    target_vocab = getattr(target, "vocab_size", None)
-    if draft_vocab is not None and target_vocab is not None and int(draft_vocab) != int(target_vocab):
-        raise ValueError(f"target vocab_size {target_vocab} differs from the draft index's {draft_vocab}")
-    if hasattr(target, "score_sequences"):
-        if hasattr(target, "unrank"):  # an enumerable: its support must be the draft index's
-            _check_same_support(target, draft_index, prompt)
-            return lambda seqs: target.score_sequences(seqs)
-        return lambda seqs: target.score_sequences(seqs, prompt=prompt)
-    if callable(target):
-        return target
-    raise ValueError("target must be a model with score_sequences(), an enumerable, or a callable [seqs] -> log_probs")
+def _prompt_of(index: EnumerationIndex) -> tuple[int, ...]:
+    return tuple(int(t) for t in index.prompt)
+
+
+def _make_scorer(target: Any, draft_index: EnumerationIndex) -> Callable[[list[tuple]], Any]:
+    """``[seqs] -> target log-probs`` for a target index, a model, or a bare callable, classified here."""
+    if isinstance(target, ScoringIndex):
+        _check_vocabulary(target.vocab_size, draft_index)
+        _check_same_support(target, draft_index)
+        return target.score_sequences
+    try:
+        model = as_model(target, name="target")
+    except ValueError:
+        if callable(target):
+            return target
+        raise InputError("target must be a model with score_sequences(), an enumeration index that scores "
+                         "(an AutoregressiveEnumerable), or a callable [seqs] -> log_probs, got "
+                         f"{type(target).__name__}") from None
+    _check_vocabulary(model.vocab_size, draft_index)
+    prompt = _prompt_of(draft_index)
+    return lambda seqs: model.score_sequences(seqs, prompt=prompt)
+
+
+def _check_vocabulary(target_vocab: int, draft_index: EnumerationIndex) -> None:
+    if int(target_vocab) != int(draft_index.vocab_size):
+        raise InputError(f"target vocab_size {target_vocab} differs from the draft index's {draft_index.vocab_size}")
 
 
 class RescoredIndex:
     """Draft-ordered, target-scored enumeration with window reranking and sound certificates.
 
     Args:
-        draft_index: any index with ``unrank(i) -> (sequence, draft_log_prob)`` (``IndexError`` past
-            its support); ``slice(start, k)`` is used when present. For certificates it must report
-            ``order_error`` (float or None) and ``complete`` (bool); missing means unknown (no
-            certificate). Its ``prompt`` is passed to a protocol-model target.
-        target: the expensive model — a protocol model (``score_sequences(seqs, prompt=...)``), an
-            :class:`~speculum.enumeration.AutoregressiveEnumerable` (its ``score_sequences``) or a bare
-            callable ``[seqs] -> log_probs``.
+        draft_index: an :class:`~speculum.enumeration.EnumerationIndex` (``AutoregressiveEnumerable``,
+            ``SeekIndex``, ``AREnvelopeIndex``, or any object offering the same): ``slice`` pulls its
+            candidates, ``order_error`` (None: unknown) and ``complete`` decide whether a certificate can
+            exist, ``support`` and ``vocab_size`` say when every sequence has been scored, and its ``prompt``
+            is passed to a model target.
+        target: the expensive model — a protocol model (``score_sequences(seqs, prompt=...)``; an object
+            with ``forward`` is adapted by ``as_model``), a
+            :class:`~speculum.enumeration.ScoringIndex` such as an
+            :class:`~speculum.enumeration.AutoregressiveEnumerable` (its support and prompt must be the draft
+            index's, and it must not be capped) or a bare callable ``[seqs] -> log_probs``.
         rerank_window: extra draft candidates pulled past the query and reranked by target score.
         assumed_gap: global bound (nats) on ``|target_lp - draft_lp|``; without it no certificate. Only
             its half ``target_lp <= draft_lp + assumed_gap`` is used: an observed violation of that
@@ -175,9 +179,13 @@ class RescoredIndex:
     batched target call (none when every candidate is already cached), or one per growth step.
 
     Example:
-        >>> idx = RescoredIndex(draft_index, target_model, rerank_window=32, assumed_gap=2.0)
+        >>> from speculum.enumeration import AutoregressiveEnumerable
+        >>> from speculum.models import MarkovModel
+        >>> draft_index = AutoregressiveEnumerable(MarkovModel.random(5, seed=0), max_len=3, prompt=[0])
+        >>> idx = RescoredIndex(draft_index, MarkovModel.random(5, seed=1), rerank_window=32, assumed_gap=20.0)
         >>> res = idx.top_k(10, certify=True)
-        >>> res["items"][0], res["certified"], res["window"], res["reason"]
+        >>> len(res["items"]), res["certified"], res["target_calls"]
+        (10, True, 3)
     """
 
     def __init__(
@@ -190,26 +198,25 @@ class RescoredIndex:
         certify: bool = False,
         max_window: int = DEFAULT_MAX_WINDOW,
     ) -> None:
-        if not callable(getattr(draft_index, "unrank", None)):
-            raise ValueError("draft_index must have an unrank(i) -> (sequence, log_prob) method")
-        self.rerank_window = _nonneg_int(rerank_window, "rerank_window")
-        self.max_window = _nonneg_int(max_window, "max_window")
+        if not isinstance(draft_index, EnumerationIndex):
+            raise InputError("draft_index must be an enumeration index (unrank, slice, support, prompt, "
+                             f"vocab_size, order_error, complete), got {type(draft_index).__name__}")
+        self.rerank_window = check_int(rerank_window, "rerank_window", minimum=0)
+        self.max_window = check_int(max_window, "max_window", minimum=0)
         if self.max_window < self.rerank_window:
-            raise ValueError(f"max_window ({max_window}) must be >= rerank_window ({rerank_window})")
+            raise InputError(f"max_window ({max_window}) must be >= rerank_window ({rerank_window})")
         if assumed_gap is not None:
-            assumed_gap = float(assumed_gap)
-            if not (assumed_gap >= 0 and math.isfinite(assumed_gap)):
-                raise ValueError(f"assumed_gap must be a finite number >= 0 or None, got {assumed_gap}")
+            assumed_gap = check_number(assumed_gap, "assumed_gap", minimum=0)
         self.assumed_gap = assumed_gap
         self.certify = bool(certify)
         self.draft_index = draft_index
         self._score = _make_scorer(target, draft_index)
-        order_error = getattr(draft_index, "order_error", None)
-        if order_error is not None and not (float(order_error) >= 0):
-            raise ValueError(f"draft_index.order_error must be >= 0 or None, got {order_error}")
-        self.order_error = None if order_error is None else float(order_error)
-        self.complete = bool(getattr(draft_index, "complete", False))
-        self._space_size = _space_size(draft_index)
+        order_error = draft_index.order_error
+        if order_error is not None:
+            order_error = check_number(order_error, "draft_index.order_error", minimum=0, finite=False)
+        self.order_error = order_error
+        self.complete = bool(draft_index.complete)
+        self._space_size = draft_index.support.size(int(draft_index.vocab_size))   # None: infinite
         # Draft-ordered candidates pulled so far, and the target's score for every sequence seen.
         self._draft_seqs: list[tuple] = []
         self._draft_lps: list[float] = []
@@ -219,11 +226,6 @@ class RescoredIndex:
         self._max_excess = -math.inf  # running max (target - draft): checks the assumed bound
         self.target_calls: int = 0  # batched target scoring calls: the cost being economised
 
-    @property
-    def target_forig_calls(self) -> int:
-        """Seed-compatible alias of :attr:`target_calls`."""
-        return self.target_calls
-
     # -- internals ---------------------------------------------------------------------------------
     def _pull_to(self, n: int) -> None:
         """Extend the draft-ordered candidate list to ``n`` items (or to the end of the draft)."""
@@ -231,19 +233,10 @@ class RescoredIndex:
         if self._draft_exhausted or have >= n:
             return
         want = n - have
-        slicer = getattr(self.draft_index, "slice", None)
-        if callable(slicer):
-            try:
-                got = list(slicer(have, want))
-            except IndexError:
-                got = []
-        else:
+        try:
+            got = list(self.draft_index.slice(have, want))
+        except IndexError:
             got = []
-            for i in range(have, n):
-                try:
-                    got.append(self.draft_index.unrank(i))
-                except IndexError:
-                    break
         for seq, draft_lp in got:
             self._draft_seqs.append(tuple(int(t) for t in seq))
             self._draft_lps.append(float(draft_lp))
@@ -259,9 +252,9 @@ class RescoredIndex:
         scores = np.asarray(self._score(batch), dtype=np.float64).reshape(-1)
         self.target_calls += 1
         if scores.shape != (len(batch),):
-            raise ValueError(f"target returned {scores.size} scores for {len(batch)} sequences")
+            raise InputError(f"target returned {scores.size} scores for {len(batch)} sequences")
         if np.isnan(scores).any() or np.isposinf(scores).any():
-            raise ValueError("target returned NaN or +inf log-probs")
+            raise InputError("target returned NaN or +inf log-probs")
         for (seq, draft_lp), target_lp in zip(new, scores.tolist()):
             self._target_cache[seq] = target_lp
             if math.isfinite(target_lp) and math.isfinite(draft_lp):
@@ -326,7 +319,7 @@ class RescoredIndex:
         Scores are target-exact; the set is certified exact when ``certified is True`` (see the
         module docstring), approximate otherwise.
         """
-        return self._query(0, _pos_int(k, "k"), certify)
+        return self._query(0, check_int(k, "k", minimum=1), certify)
 
     def slice(self, start: int, k: int, *, certify: bool | None = None) -> dict[str, Any]:
         """Target-reranked ``[start, start + k)`` slice of the pulled ``start + k + window`` head.
@@ -334,7 +327,7 @@ class RescoredIndex:
         Same result keys and guarantees as :meth:`top_k`; the certificate proves that no unpulled
         sequence ranks before or inside the slice, i.e. both slice boundaries are the true ones.
         """
-        return self._query(_nonneg_int(start, "start"), _pos_int(k, "k"), certify)
+        return self._query(check_int(start, "start", minimum=0), check_int(k, "k", minimum=1), certify)
 
     def unrank(self, i: int) -> tuple[tuple, float]:
         """The DRAFT's rank-``i`` sequence with the TARGET's exact log-probability.
@@ -342,22 +335,10 @@ class RescoredIndex:
         The rank coordinate is the draft's (no reranking): the low-cost random-access primitive. Use
         :meth:`top_k` / :meth:`slice` when target order matters. ``IndexError`` past the draft support.
         """
-        i = _nonneg_int(i, "i")
+        i = check_int(i, "i", minimum=0)
         self._pull_to(i + 1)
         if i >= len(self._draft_seqs):
             raise IndexError(f"rank {i} is past the draft index's support")
         seq = self._draft_seqs[i]
         self._score_new([seq], [self._draft_lps[i]])
         return seq, self._target_cache[seq]
-
-
-def _nonneg_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    return int(value)
-
-
-def _pos_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)

@@ -3,17 +3,17 @@
 A prefix is *live* under a log-probability budget ``b`` when its exact log-probability is ``>= b``; since
 every step's log-prob is ``<= 0``, every prefix of a sequence with ``log p >= b`` is live, so expanding the
 live prefixes (one forward each) finds *every* sequence within the budget — the forward count is the number
-of live prefixes, independent of any rank asked (field.md, "The prior enumeration implementation").
+of live prefixes, independent of any rank asked.
 
-Unlike the prior implementation (field.md weaknesses 4-5) the tree is built breadth first: each level's
-prefixes go to ``model.next_logprobs`` in chunks of ``batch_size`` (a backend with a KV cache shares the
-prompt across the batch), there is no recursion per token, and each expanded prefix keeps only the children
-it needs — token ids and exact cumulative log-probs down to ``budget - reserve``, never a vocabulary row.
-A model may offer the optional hook ``next_logprobs_above(prefixes, min_logprobs) -> (row, token,
-logprob, finite)`` (every entry of ``next_logprobs`` at or above a per-prefix floor, with the same values,
-and each row's count of finite entries; ``HFModel`` has it): the tree then never materialises a
+The tree is built breadth first, so that batching does the work: each level's prefixes go to
+``model.next_logprobs`` in chunks of ``batch_size`` (a backend with a KV cache shares the prompt across the
+batch), no Python recursion runs per token, and each expanded prefix keeps only the children it needs —
+token ids and exact cumulative log-probs down to ``budget - reserve``, never a vocabulary row. A model that
+declares ``Capabilities(sparse_rows=True)`` offers ``next_logprobs_above(prefixes, min_logprobs) -> (row,
+token, logprob, finite)`` (every entry of ``next_logprobs`` at or above a per-prefix floor, with the same
+values, and each row's count of finite entries; ``HFModel`` does): the tree then never materialises a
 ``(batch, vocab)`` float64 array. Without it, or under ``branch_cap`` / the last eos position, the dense
-rows are used; both paths store the same children.
+rows are used; both paths store the same children. Which sequences exist is the :class:`Support`'s to say.
 Deepening (``extend``) continues the same tree: children already stored are reused, unexpanded prefixes
 are forwarded once, and a prefix is forwarded again only if the new budget goes below the ``reserve`` it
 stored children for (counted in ``reforwards``).
@@ -25,6 +25,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+
+from ..models.base import capabilities_of
+from ..validation import InputError
+from .support import Support
 
 __all__ = ["BuildProgress", "Level", "PrefixTree", "IndexBudgetError", "DEFAULT_MAX_NODES"]
 
@@ -70,7 +74,7 @@ class Level:
         # A level of complete sequences only (the last level of fixed-length continuations) never expands:
         # it keeps no floor / truncated / capped_mass arrays (a third less memory per leaf).
         # parent: index into the previous level; token: last token; logprob: exact log p(prefix | prompt);
-        # leaf: a complete sequence (ends in eos / has max_len). Children of prefix i are stored down to
+        # leaf: a complete sequence of the support. Children of prefix i are stored down to
         # floor[i] (+inf: not expanded yet); truncated[i]: some positive-probability child lies below that
         # floor and was not stored; capped_mass[i]: probability of children dropped by branch_cap.
         self.expandable = expandable
@@ -122,22 +126,22 @@ class Level:
 
 
 class PrefixTree:
-    """Live prefix tree of continuations of ``prompt`` (fixed length ``max_len``, or ending in ``eos``).
+    """Live prefix tree of the continuations of ``prompt`` in ``support``.
 
     Guarantee (exact): after ``extend(b)``, every support sequence with ``log p >= b`` is a stored leaf with
     its exact log-probability (the float sum of its steps, in order), except below prefixes dropped by
     ``branch_cap`` (their total probability is in ``capped_mass``).
     """
 
-    def __init__(self, model, *, prompt: Sequence[int], max_len: int | None, eos: int | None,
+    def __init__(self, model, *, prompt: Sequence[int], support: Support,
                  branch_cap: int | None, batch_size: int, reserve_bits: float,
                  max_nodes: int = DEFAULT_MAX_NODES,
                  progress: Callable[[BuildProgress], None] | None = None) -> None:
         self.model = model
         self.vocab_size = int(model.vocab_size)
         self.prompt = tuple(prompt)
-        self.max_len = max_len
-        self.eos = eos
+        self.support = support
+        self.sparse_rows = capabilities_of(model).sparse_rows     # next_logprobs_above is offered
         self.branch_cap = branch_cap
         self.batch_size = batch_size
         self.reserve = reserve_bits * _LN2          # in nats
@@ -145,7 +149,7 @@ class PrefixTree:
         self.max_nodes = max_nodes                  # refuse to store more nodes than this (IndexBudgetError)
         self.forwards = 0                           # prefixes sent to next_logprobs, all passes
         self.reforwards = 0                         # of which: prefixes forwarded a second time
-        self.length_truncated = False               # eos mode: max_len cut a positive-probability prefix
+        self.length_truncated = False               # eos support: max_len cut a positive-probability prefix
         self.budget = math.inf                      # every sequence with log p >= budget is stored
         root = Level()
         root.append(np.array([-1]), np.array([-1]), np.array([0.0]), np.array([False]))
@@ -166,15 +170,10 @@ class PrefixTree:
     def nbytes(self) -> int:
         return sum(level.nbytes() for level in self.levels)
 
-    def _expandable(self, depth: int) -> bool:
-        if self.eos is None:
-            return depth < self.max_len
-        return self.max_len is None or depth < self.max_len
-
     def _pending(self, depth: int, budget: float) -> np.ndarray:
         """(n,) bool: prefixes of this length that need a forward to store every child with log p >= budget."""
         level = self.levels[depth]
-        if not self._expandable(depth):
+        if not self.support.expandable(depth):
             return np.zeros(len(level), dtype=bool)
         needs = ~level.leaf & (level.logprob >= budget) & np.isfinite(level.logprob)
         return needs & (np.isinf(level.floor) | (level.truncated & (level.floor > budget)))
@@ -200,7 +199,7 @@ class PrefixTree:
         depth = 0
         while depth < len(self.levels):
             if depth > _MAX_UNBOUNDED_DEPTH:
-                raise ValueError(f"the prefix tree passed depth {_MAX_UNBOUNDED_DEPTH} without terminating; "
+                raise InputError(f"the prefix tree passed depth {_MAX_UNBOUNDED_DEPTH} without terminating; "
                                  "pass max_len to cap the length of a terminating model")
             todo = np.flatnonzero(self._pending(depth, budget))
             for start in range(0, len(todo), self.batch_size):
@@ -230,16 +229,15 @@ class PrefixTree:
         level = self.levels[depth]
         parent_lp = level.logprob[nodes]                   # (c,)
         capped = self.branch_cap is not None and self.branch_cap < self.vocab_size
-        last_eos = self.eos is not None and self.max_len is not None and depth + 1 == self.max_len
-        sparse = getattr(self.model, "next_logprobs_above", None)
-        if sparse is not None and not capped and not last_eos:
-            self._expand_sparse(sparse, depth, nodes, parent_lp, floor)
+        last_eos = self.support.forces_eos(depth)
+        if self.sparse_rows and not capped and not last_eos:
+            self._expand_sparse(depth, nodes, parent_lp, floor)
             return
         rows = np.asarray(self.model.next_logprobs(self._prefixes(depth, nodes)), dtype=np.float64)
         if rows.shape != (len(nodes), self.vocab_size):
-            raise ValueError(f"next_logprobs returned shape {rows.shape}, expected ({len(nodes)}, {self.vocab_size})")
+            raise InputError(f"next_logprobs returned shape {rows.shape}, expected ({len(nodes)}, {self.vocab_size})")
         if np.isnan(rows).any() or (rows > 1e-6).any():
-            raise ValueError("next_logprobs returned NaN or positive log-probabilities")
+            raise InputError("next_logprobs returned NaN or positive log-probabilities")
         # float32 backends can round a near-certain token to a tiny positive log-prob; a step must not
         # raise a prefix's probability (the budget pruning relies on it), so clip those to 0.
         rows = np.minimum(rows, 0.0)
@@ -257,14 +255,15 @@ class PrefixTree:
             allowed = None
         if last_eos:
             # Only eos may end the last allowed position: longer prefixes are outside the support.
-            only_eos = np.full((len(nodes), 1), self.eos, dtype=np.int64)
+            eos = self.support.eos
+            only_eos = np.full((len(nodes), 1), eos, dtype=np.int64)
             if allowed is not None:
-                cut = (allowed != self.eos) & np.isfinite(np.take_along_axis(rows, allowed, axis=1))
-                keep_eos = (allowed == self.eos).any(axis=1, keepdims=True)
+                cut = (allowed != eos) & np.isfinite(np.take_along_axis(rows, allowed, axis=1))
+                keep_eos = (allowed == eos).any(axis=1, keepdims=True)
                 self.length_truncated |= bool(cut.any())
                 allowed = np.where(keep_eos, only_eos, -1)
             else:
-                others = np.isfinite(rows).sum(axis=1) - np.isfinite(rows[:, self.eos])
+                others = np.isfinite(rows).sum(axis=1) - np.isfinite(rows[:, eos])
                 self.length_truncated |= bool((others > 0).any())
                 allowed = only_eos
 
@@ -283,18 +282,19 @@ class PrefixTree:
         tok, child_lp = allowed[r, c], full_lp[r, c]
         self._append_children(depth, nodes, first, floor, truncated, r, tok.astype(np.int64), child_lp)
 
-    def _expand_sparse(self, sparse, depth: int, nodes: np.ndarray, parent_lp: np.ndarray, floor: float) -> None:
-        """``_expand`` through the model's ``next_logprobs_above`` hook: no ``(c, V)`` rows are built.
+    def _expand_sparse(self, depth: int, nodes: np.ndarray, parent_lp: np.ndarray, floor: float) -> None:
+        """``_expand`` through the model's ``next_logprobs_above``: no ``(c, V)`` rows are built.
 
         The hook returns every entry of ``next_logprobs`` at or above the loose per-row step floor (with the
         same values) and each row's count of finite entries, so the exact tests below store the same
         children and the same ``truncated`` flags as the dense path."""
         level = self.levels[depth]
-        r, tok, step, finite = sparse(self._prefixes(depth, nodes), _loose_step_floor(parent_lp, floor))
+        r, tok, step, finite = self.model.next_logprobs_above(self._prefixes(depth, nodes),
+                                                              _loose_step_floor(parent_lp, floor))
         r, tok = np.asarray(r, dtype=np.int64), np.asarray(tok, dtype=np.int64)
         step, finite = np.asarray(step, dtype=np.float64), np.asarray(finite, dtype=np.int64)
         if np.isnan(step).any() or (step > 1e-6).any():
-            raise ValueError("next_logprobs_above returned NaN or positive log-probabilities")
+            raise InputError("next_logprobs_above returned NaN or positive log-probabilities")
         self.forwards += len(nodes)
         first = np.isinf(level.floor[nodes])
         self.reforwards += int((~first).sum())
@@ -340,8 +340,8 @@ class PrefixTree:
         order = np.lexsort((tok, -child_lp, r))
         r, child_tokens, child_lp = r[order], tok[order], child_lp[order]
         if depth + 1 == len(self.levels):
-            self.levels.append(Level(expandable=self._expandable(depth + 1)))
-        leaf = (child_tokens == self.eos) if self.eos is not None else np.full(len(r), depth + 1 == self.max_len)
+            self.levels.append(Level(expandable=self.support.expandable(depth + 1)))
+        leaf = self.support.is_complete(depth + 1, child_tokens)
         self.levels[depth + 1].append(nodes[r], child_tokens, child_lp, leaf)
 
 

@@ -28,6 +28,7 @@ _LAZY = {
     "NGramProposer": ".drafts",
     "HFModel": ".hf",
     "load_model": ".default",
+    "ConversionProgress": ".default",
     "LlamaCppModel": ".llamacpp",
 }
 

@@ -9,7 +9,7 @@ over the vocabulary). Three entry points, each batched or incremental:
   ``extend`` / ``next_logprobs`` / ``rollback``, so decoding never re-feeds the whole sequence.
 
 Inputs are validated where they enter (token ids in the vocabulary, finite logits) so that a bad value
-fails with a message naming it instead of surfacing as a wrong answer far away (vLLM #21876).
+fails with a message naming it instead of surfacing as a wrong answer far away.
 
 Example:
     >>> import numpy as np
@@ -199,8 +199,8 @@ class Session(Protocol):
         ...
 
     # Optional: ``advance(tokens) -> (vocab,)`` consumes tokens like ``extend`` but returns only the row
-    # after the last one (cheaper where the vocabulary projection is costly). Callers fall back to
-    # ``extend(tokens)[-1]`` when a session lacks it.
+    # after the last one (cheaper where the vocabulary projection is costly). A model whose sessions have
+    # it declares ``Capabilities(session_advance=True)``; callers use ``extend(tokens)[-1]`` otherwise.
 
 
 @runtime_checkable
@@ -221,7 +221,8 @@ class AutoregressiveModel(Protocol):
 class Proposer(Protocol):
     """A draft that proposes fixed tokens with no honest distribution (prompt lookup, n-gram argmax).
 
-    Verified by the point-mass rule, which is exact for any proposal (field.md).
+    Verified by the point-mass rule (a proposal of fixed tokens is a point-mass draft distribution), which
+    keeps the output exactly the target's whatever the proposal.
 
     Optional: ``propose_with_match(context, max_tokens) -> (tokens, evidence)`` proposes first and says
     how good the proposal looks — an int match length (bucketed on a log scale) or any hashable key —
@@ -262,8 +263,9 @@ def capabilities_of(model: Any) -> Capabilities:
 
 def as_model(obj: Any, *, name: str = "model") -> "AutoregressiveModel":
     """Adapt ``obj`` to the protocol once, where it enters: a protocol model (``start``, ``next_logprobs``,
-    ``vocab_size``) is returned unchanged, a seed-style model with ``forward(ids[1, T]) -> logits[1, T, V]``
-    is wrapped in :class:`ForwardModel`; anything else is a ``ValueError`` naming ``name``."""
+    ``vocab_size``) is returned unchanged, a compatibility-API model with only
+    ``forward(ids[1, T]) -> logits[1, T, V]`` is wrapped in :class:`ForwardModel`; anything else is a
+    ``ValueError`` naming ``name``."""
     if hasattr(obj, "start") and hasattr(obj, "next_logprobs") and hasattr(obj, "vocab_size"):
         return obj
     if callable(getattr(obj, "forward", None)):
@@ -356,7 +358,7 @@ class RecomputeSession:
 
 
 class ForwardModel(BaseModel):
-    """Adapter for seed-style models: ``forward(np.ndarray[1, T]) -> logits[1, T, V]``."""
+    """Adapter for compatibility-API models, which only have ``forward(np.ndarray[1, T]) -> logits[1, T, V]``."""
 
     def __init__(self, obj: Any, vocab_size: int | None = None) -> None:
         if not callable(getattr(obj, "forward", None)):

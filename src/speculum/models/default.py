@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..validation import InputError
 from .cache import load_cached, write_cache
 
-__all__ = ["load_model", "DEFAULT_MODEL", "EMBEDDED_MODELS", "cache_dir", "embedded_gguf_path", "convert_gguf"]
+__all__ = ["load_model", "DEFAULT_MODEL", "EMBEDDED_MODELS", "CONVERSION_STAGES", "ConversionProgress",
+           "print_conversion_progress", "cache_dir", "embedded_gguf_path", "convert_gguf"]
 
 DEFAULT_MODEL = "smollm2-135m"
 # name -> (package carrying the GGUF file, file name inside it, pip requirement to install it)
@@ -34,6 +38,37 @@ EMBEDDED_MODELS = {
 }
 _ALIASES = {"smollm2": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m"}
 _BACKENDS = ("hf", "llamacpp")
+# The stages of converting an embedded model into the cache, in order.
+CONVERSION_STAGES = ("reading tokenizer", "de-quantising weights", "saving")
+
+
+@dataclass(frozen=True)
+class ConversionProgress:
+    """One event of an embedded model's one-time conversion, as ``load_model(progress=callback)`` reports it.
+
+    ``stage`` is the stage starting (one of :data:`CONVERSION_STAGES`), or ``"done"`` / ``"failed"`` as the
+    last event; ``step`` counts the stages finished (``total`` when done).
+    """
+
+    model: str
+    stage: str
+    step: int
+    total: int = len(CONVERSION_STAGES)
+
+    @property
+    def final(self) -> bool:
+        """True for the last event of a conversion (``"done"`` or ``"failed"``)."""
+        return self.stage in ("done", "failed")
+
+
+ProgressCallback = Callable[[ConversionProgress], None]
+
+
+def print_conversion_progress(event: ConversionProgress) -> None:
+    """The callback ``progress=True`` stands for: one plain line on stderr per conversion event."""
+    position = "" if event.final else f" ({event.step + 1}/{event.total})"
+    print(f"speculum: converting {event.model} into the cache (once): {event.stage}{position}", file=sys.stderr,
+          flush=True)
 
 
 def cache_dir() -> Path:
@@ -52,7 +87,7 @@ def embedded_gguf_path(name: str = DEFAULT_MODEL) -> Path:
     """
     key = _canonical(name)
     if key is None:
-        raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
+        raise InputError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
     package, filename, requirement = EMBEDDED_MODELS[key]
     spec = importlib.util.find_spec(package)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
@@ -87,7 +122,7 @@ def _dequantised(gguf_path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     # transformers draws a per-tensor bar with plain tqdm, which its progress-bar switch does not reach;
-    # callers show their own stage bar (or none, when stderr is not a terminal), so silence it.
+    # progress is reported per stage through the caller's callback instead, so silence it.
     try:
         import transformers.modeling_gguf_pytorch_utils as gguf_utils
         quiet = mock.patch.object(gguf_utils, "tqdm", functools.partial(gguf_utils.tqdm, disable=True))
@@ -121,7 +156,7 @@ def load_model(
     *,
     backend: str = "hf",
     dtype: str = "float32",
-    progress: bool = True,
+    progress: bool | ProgressCallback | None = True,
     prepack: bool = True,
     verify: bool = False,
 ) -> Any:
@@ -132,7 +167,11 @@ def load_model(
             (``backend="hf"``) / GGUF file (``backend="llamacpp"``).
         backend: ``"hf"`` (PyTorch via transformers) or ``"llamacpp"`` (llama-cpp-python, optional).
         dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` — hf backend only.
-        progress: show a progress bar while converting the embedded model the first time.
+        progress: how the one-time conversion of an embedded model (~30 s) is reported: a callable
+            receives a :class:`ConversionProgress` per stage (the ``speculum`` command passes one drawing a
+            bar); ``True`` prints one plain line per stage on stderr (:func:`print_conversion_progress`);
+            ``False`` or ``None`` reports nothing and also turns off transformers' own progress bars while
+            an embedded model loads from its GGUF file. ``load_model`` itself never draws a progress bar.
         prepack: hf backend, float32 on CPU: the fast path, same results to float32 rounding — the fused
             Llama forward (:mod:`speculum.models.fused_llama`) where it applies, else Linear weights
             pre-packed for oneDNN (:mod:`speculum.models.prepack`); False keeps transformers' forward with
@@ -154,7 +193,8 @@ def load_model(
         49152
     """
     if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
+        raise InputError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
+    report = _progress_callback(progress)
     # Everything here is local; make sure transformers never tries the network.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -167,16 +207,25 @@ def load_model(
     parse_dtype(dtype)  # a bad dtype is bad input, not a damaged cache: reject it before the cache logic
     key = _canonical(str(name_or_path))
     if key is not None:
-        return _load_embedded(key, dtype=dtype, prepack=prepack, progress=progress, verify=verify)
+        return _load_embedded(key, dtype=dtype, prepack=prepack, progress=report, verify=verify)
     path = Path(name_or_path).expanduser()
     if path.exists():
         return HFModel.from_pretrained(path, dtype=dtype, prepack=prepack)
     if os.sep in str(name_or_path) or str(name_or_path).startswith("."):
         raise FileNotFoundError(f"model path {str(name_or_path)!r} does not exist")
-    raise ValueError(
+    raise InputError(
         f"unknown model {str(name_or_path)!r}: use one of {', '.join(EMBEDDED_MODELS)} or a local "
         f"model directory (nothing is downloaded)"
     )
+
+
+def _progress_callback(progress: Any) -> ProgressCallback | None:
+    """``load_model``'s ``progress`` argument as a callback (None: report nothing)."""
+    if progress is None or isinstance(progress, bool):
+        return print_conversion_progress if progress else None
+    if callable(progress):
+        return progress
+    raise InputError(f"progress must be True, False, None or a callable, got {progress!r}")
 
 
 def _canonical(name: str) -> str | None:
@@ -185,28 +234,33 @@ def _canonical(name: str) -> str | None:
     return key if key in EMBEDDED_MODELS else None
 
 
-def _load_embedded(key: str, *, dtype: str, prepack: bool, progress: bool, verify: bool) -> Any:
+def _load_embedded(key: str, *, dtype: str, prepack: bool, progress: ProgressCallback | None,
+                   verify: bool) -> Any:
     """An embedded model through its self-checking cache (:func:`speculum.models.cache.load_cached`)."""
     gguf = embedded_gguf_path(key)
 
     def write(folder: Path) -> None:
-        from tqdm.auto import tqdm
+        if progress is None:
+            _dequantise_into(gguf, folder, None)
+            return
+        finished = 0
 
-        stages = ("reading tokenizer", "de-quantising weights", "saving")
-        with tqdm(total=len(stages), desc=f"converting {key} (once)", disable=not progress, unit="step") as bar:
+        def advance(stage: str) -> None:
+            nonlocal finished
+            finished = CONVERSION_STAGES.index(stage)
+            progress(ConversionProgress(key, stage, finished))
 
-            def advance(stage: str) -> None:
-                bar.set_postfix_str(stage)
-                if stage != stages[0]:
-                    bar.update(1)
-
+        try:
             _dequantise_into(gguf, folder, advance)
-            bar.update(1)
+        except BaseException:
+            progress(ConversionProgress(key, "failed", finished))
+            raise
+        progress(ConversionProgress(key, "done", len(CONVERSION_STAGES)))
 
     return load_cached(
         cache_dir() / f"{key}-float32", gguf, write=write, verify=verify,
         load=lambda folder: _load_converted(folder, key, dtype=dtype, prepack=prepack),
-        load_uncached=lambda: _load_gguf(gguf, key, dtype=dtype, prepack=prepack, progress=progress),
+        load_uncached=lambda: _load_gguf(gguf, key, dtype=dtype, prepack=prepack, quiet=progress is None),
     )
 
 
@@ -222,7 +276,7 @@ def _load_converted(folder: Path, key: str, *, dtype: str, prepack: bool) -> Any
     return model
 
 
-def _load_gguf(gguf: Path, key: str, *, dtype: str, prepack: bool, progress: bool) -> Any:
+def _load_gguf(gguf: Path, key: str, *, dtype: str, prepack: bool, quiet: bool) -> Any:
     """The embedded model straight from its GGUF file (~25 s): the same weights as a converted folder."""
     import torch
     from transformers import AutoTokenizer
@@ -232,7 +286,7 @@ def _load_gguf(gguf: Path, key: str, *, dtype: str, prepack: bool, progress: boo
 
     torch.set_num_threads(os.cpu_count() or 1)
     bars = hf_logging.is_progress_bar_enabled()
-    if not progress:
+    if quiet:
         hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -6,7 +6,12 @@
 * :class:`NGramProposer` — the greedy continuation of an :class:`NGramModel`, optionally learning from
   the context as it grows (an online n-gram draft).
 
-Point-mass verification is exact for *any* proposal (field.md), so these drafts affect speed only.
+Point-mass verification is exact for *any* proposal, so these drafts affect speed only.
+
+Both declare ``propose_with_match`` (the evidence behind a proposal, from which ``gamma="auto"`` learns
+acceptance per situation) and are safe to share between threads: a lock serialises each call, and a
+:class:`PromptLookup`'s proposal depends on the context it is given only, so concurrent generations sharing
+one get exactly what each would get alone.
 
 Example:
     >>> lookup = PromptLookup(max_ngram=2)
@@ -15,11 +20,13 @@ Example:
 """
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import numpy as np
 
-from .base import check_token_ids
+from ..validation import InputError, check_int
+from .base import check_token_ids, common_prefix_length
 from .ngram import NGramModel
 
 __all__ = ["PromptLookup", "NGramProposer"]
@@ -32,21 +39,26 @@ def _as_list(context: Sequence[int]) -> list:
     return context if isinstance(context, list) else list(context)
 
 
-def _common_prefix(new: list, old: list[int]) -> int:
-    """Length of the common prefix; one C-level comparison in the usual case of a grown context."""
-    common = min(len(new), len(old))
-    if new[:common] != old[:common]:
-        common = int(np.flatnonzero(np.asarray(new[:common]) != np.asarray(old[:common]))[0])
-    return common
-
-
 def _check_max_tokens(max_tokens: int) -> int:
-    if int(max_tokens) < 0:
-        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    return int(max_tokens)
+    return check_int(max_tokens, "max_tokens", minimum=0)
 
 
-class PromptLookup:
+class _Locked:
+    """One call at a time on the object's state (``_lock``); a copy or an unpickled object gets its own lock."""
+
+    _lock: threading.Lock
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+class PromptLookup(_Locked):
     """Prompt-lookup proposer: the tokens that followed the best earlier match of the context's tail.
 
     For ``n`` from ``max_ngram`` down to ``min_ngram``, find the earlier occurrences of the last ``n``
@@ -57,7 +69,7 @@ class PromptLookup:
     An incremental index (n-gram → its end positions) is kept across calls, so a context that grows by
     a few tokens costs O(new tokens), not a rescan. A context that was truncated (rejected tokens rolled
     back) or that differs from the previous one is handled by undoing the index back to the common
-    prefix. The proposal is always exactly the brute-force answer (tested).
+    prefix. The proposal is always exactly the brute-force answer (tested), whatever was asked before.
 
     Example:
         >>> PromptLookup(max_ngram=3).propose([1, 2, 3, 4, 1, 2, 3], max_tokens=2)
@@ -68,16 +80,17 @@ class PromptLookup:
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_pred_tokens: int = 10,
                  *, vocab_size: int | None = None, max_agreement: int = 32) -> None:
-        if not 1 <= int(min_ngram) <= int(max_ngram):
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
-        if int(num_pred_tokens) < 1:
-            raise ValueError(f"num_pred_tokens must be >= 1, got {num_pred_tokens}")
-        self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
-        self.num_pred_tokens = int(num_pred_tokens)
-        if int(max_agreement) < self.max_ngram:
-            raise ValueError(f"max_agreement must be >= max_ngram ({self.max_ngram}), got {max_agreement}")
-        self.max_agreement = int(max_agreement)
+        max_ngram = check_int(max_ngram, "max_ngram", minimum=1)
+        min_ngram = check_int(min_ngram, "min_ngram", minimum=1)
+        if min_ngram > max_ngram:
+            raise InputError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.num_pred_tokens = check_int(num_pred_tokens, "num_pred_tokens", minimum=1)
+        self.max_agreement = check_int(max_agreement, "max_agreement", minimum=1)
+        if self.max_agreement < max_ngram:
+            raise InputError(f"max_agreement must be >= max_ngram ({max_ngram}), got {max_agreement}")
         self.vocab_size = vocab_size  # None: proposes whatever ids the context contains
+        self._lock = threading.Lock()  # one call at a time: the index below follows the caller's context
         self._tokens: list[int] = []
         # _ends[n][ngram] = ascending end positions (exclusive) of that n-gram in _tokens.
         self._ends: dict[int, dict[tuple[int, ...], list[int]]] = {
@@ -85,7 +98,8 @@ class PromptLookup:
 
     def reset(self) -> None:
         """Forget the indexed context (optional: a new context is detected automatically)."""
-        self._truncate(0)
+        with self._lock:
+            self._truncate(0)
 
     def _truncate(self, length: int) -> None:
         tokens = self._tokens
@@ -109,7 +123,7 @@ class PromptLookup:
                     index.setdefault(tuple(tokens[end - n:end]), []).append(end)
 
     def _sync(self, context: list) -> None:
-        common = _common_prefix(context, self._tokens)
+        common = common_prefix_length(context, self._tokens)
         if common < len(self._tokens):
             self._truncate(common)
         new_tokens = context[common:]
@@ -131,12 +145,18 @@ class PromptLookup:
         Among the earlier occurrences of the longest matching tail n-gram, the one whose preceding tokens
         agree longest with the context's (up to ``max_agreement``) is copied; ties go to the earliest,
         which in summaries and edits is the source text rather than the model's own output. A longer
-        agreement predicts a longer accepted run (measured on SmolLM2: ~0.4 accepted tokens after a
-        1-token match, ~2.6 after 2, ~10 after 7 or more), which ``gamma="auto"`` uses to choose γ.
+        agreement predicts a longer accepted run (on SmolLM2, from under one token after a 1-token match
+        to about ten after seven or more), which ``gamma="auto"`` uses to choose γ.
         The copy may overlap the tail (a repeating pattern continues periodically). ``([], 0)``: no match.
         """
         max_tokens = _check_max_tokens(max_tokens)
-        self._sync(_as_list(context))
+        context = _as_list(context)
+        with self._lock:
+            self._sync(context)
+            return self._best_copy(max_tokens)
+
+    def _best_copy(self, max_tokens: int) -> tuple[list[int], int]:
+        """:meth:`propose_with_match` on the indexed context (the caller holds the lock)."""
         tokens, length = self._tokens, len(self._tokens)
         budget = min(max_tokens, self.num_pred_tokens)
         if budget == 0:
@@ -167,7 +187,7 @@ class PromptLookup:
         return k
 
 
-class NGramProposer:
+class NGramProposer(_Locked):
     """Greedy continuation of an n-gram model as a fixed-token proposal (point-mass verification).
 
     Args:
@@ -189,18 +209,22 @@ class NGramProposer:
                  min_context: int = 0) -> None:
         if not isinstance(model, NGramModel):
             raise ValueError(f"model must be an NGramModel, got {type(model).__name__}")
-        if int(num_pred_tokens) < 1:
-            raise ValueError(f"num_pred_tokens must be >= 1, got {num_pred_tokens}")
-        if not 0 <= int(min_context) <= model.n - 1:
-            raise ValueError(
+        num_pred_tokens = check_int(num_pred_tokens, "num_pred_tokens", minimum=1)
+        min_context = check_int(min_context, "min_context", minimum=0)
+        if min_context > model.n - 1:
+            raise InputError(
                 f"min_context must be in [0, {model.n - 1}] for an order-{model.n} model, got {min_context}")
-        self.model, self.num_pred_tokens = model, int(num_pred_tokens)
-        self.learn, self.min_context = bool(learn), int(min_context)
+        self.model, self.num_pred_tokens = model, num_pred_tokens
+        self.learn, self.min_context = bool(learn), min_context
         self.vocab_size = model.vocab_size
         self._counted: list[int] = []  # the context already added to the model's counts (learn mode)
+        # One call at a time: learning updates the model's counts, which the proposal then reads. A learning
+        # proposer shared by concurrent generations learns from all of them, so its proposals depend on
+        # what the others have seen (verification keeps every output exact all the same).
+        self._lock = threading.Lock()
 
     def _learn(self, context: list[int]) -> None:
-        common = _common_prefix(context, self._counted)
+        common = common_prefix_length(context, self._counted)
         first = max(0, common - self.model.n + 1)  # only the tail that new n-grams can reach
         self.model.update(context[first:], start=common - first)
         self._counted = list(context)
@@ -214,12 +238,18 @@ class NGramProposer:
 
         The context order is the length of the seen context the model predicts from, the quarter is
         ``int(4 p)`` (capped at 3) of the model's probability of its argmax. ``gamma="auto"`` keeps
-        acceptance statistics per such situation (replayed on SmolLM2's rewriting output: 1.22x → 1.58x).
+        acceptance statistics per such situation: how far an n-gram continuation is copied correctly
+        depends on both.
         """
         max_tokens = _check_max_tokens(max_tokens)
         context = _as_list(context)
-        if self.learn:
-            self._learn(context)
+        with self._lock:
+            if self.learn:
+                self._learn(context)
+            return self._greedy_continuation(context, max_tokens)
+
+    def _greedy_continuation(self, context: list[int], max_tokens: int) -> tuple[list[int], tuple[int, int]]:
+        """:meth:`propose_with_match` on the model as it stands (the caller holds the lock)."""
         window = context[max(0, len(context) - self.model.n + 1):] if self.model.n > 1 else []
         proposal: list[int] = []
         evidence = (0, 0)

@@ -1,24 +1,22 @@
 """A fused CPU forward for Llama-architecture models: transformers' math without its per-module overhead.
 
-Why: on a small model the Python around the matrix products is a large share of a decode step. On
-SmolLM2-135M (30 blocks, 2 cores) transformers' ``LlamaForCausalLM`` spends ~25 ms of a ~70 ms step outside
-its kernels (module calls, mask building, cache bookkeeping, seven separate projections per block). This
+Why: on a small model the Python around the matrix products is a large share of a decode step: on
+SmolLM2-135M (30 blocks) transformers' ``LlamaForCausalLM`` spends about a third of a step outside its
+kernels (module calls, mask building, cache bookkeeping, seven separate projections per block). This
 forward runs the same operations from one function on pre-packed oneDNN weights (``models/prepack.py``)
 with the query/key/value and gate/up projections fused into one product each: 4 matrix calls per block
-instead of 7. Measured in one process on that machine: one token 44 ms vs 70, seventeen tokens 102 ms vs
-143 (``benchmarks/decoding_llm.py`` has the end-to-end figures).
+instead of 7 (``benchmarks/decoding_llm.py`` measures the effect end to end).
 
 Exactness: the same formulas in the same order as transformers' Llama (RMSNorm in float32, rotary tables
 from the model's own ``rotary_emb``, scaled-dot-product attention with a causal mask offset by the cached
 length), on the same float32 weights; the fused products compute every output element as the same dot
-product. Log-probs agree with transformers' forward to float32 rounding (tested ≤ 1e-4 nats; on the
-machine above they are bit-identical). Plain and speculative decoding both run it, so greedy speculative
-output equals plain greedy output as before.
+product. Log-probs agree with transformers' forward to float32 rounding (tested ≤ 1e-4 nats). Plain and
+speculative decoding both run it, so greedy speculative output equals plain greedy output.
 
 The int8 twin (``models/twins.py``: every Linear int8 dynamically quantised) runs it too: its products call
 the twin's own ``quantized::linear_dynamic`` ops on the same inputs, so its log-probs equal the twin's
-transformers forward (bit-identical here) and a draft step costs ~15 % less. Mixed or other quantisation,
-bf16 and biases keep transformers' forward.
+transformers forward, at less cost per draft step. Mixed or other quantisation, bf16 and biases keep
+transformers' forward.
 
 It reads and writes transformers' own ``DynamicCache`` (``cache.update``), so cropping, batch selection and
 the layer-truncated draft's adoption of the target's cache work unchanged. Only what it reproduces exactly

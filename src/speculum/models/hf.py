@@ -14,10 +14,11 @@
   position never sees the padding that follows it.
 
 Precision: the forward runs in the model's dtype (float32 by default); logits are log-softmaxed in
-float64 by torch and returned as float64 NumPy rows (normalised to ~1e-15). Batched verification uses different matrix shapes
-from one-token decoding, so two logits closer than ~1e-6 may swap order between the two (field.md);
-in float32 this is rare enough that greedy speculative output matches plain greedy decoding in our tests,
-but it is not a bitwise guarantee, and it is not expected to hold in bfloat16.
+float64 by torch and returned as float64 NumPy rows (normalised to ~1e-15). Batched verification uses
+different matrix shapes from one-token decoding, so two logits closer than ~1e-6 may swap order between
+the two (floating-point sums depend on their order); in float32 this is rare enough that greedy
+speculative output matches plain greedy decoding in the tests, but it is not a bitwise guarantee, and it
+is not expected to hold in bfloat16.
 
 Example:
     >>> model = HFModel.from_pretrained("path/to/model")            # doctest: +SKIP
@@ -34,15 +35,15 @@ from typing import Any, Sequence
 import numpy as np
 
 # On a machine whose cores are shared (more runnable threads than cores), OpenMP's default spin-then-wait
-# barrier made every torch op of a batched forward cost ~8 ms (measured on 2 shared cores: a
-# (256, 576) multiply 8 ms instead of 0.05 ms, SmolLM2 forwards 22 ms a row instead of 3.7 ms). Passive
-# waiting avoids that at a few microseconds per op; it is read when torch loads, so it is set before the
-# import, and only when the user has not chosen a policy.
+# barrier makes every torch op of a batched forward cost milliseconds instead of microseconds; passive
+# waiting costs a few microseconds per op. OpenMP reads the policy when torch loads, so it is set ahead of
+# the import, and only when the user has not chosen one.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from .base import BaseModel, Capabilities, check_prompt, check_token_ids
+from ..validation import InputError
+from .base import BaseModel, Capabilities, check_prompt, check_token_ids, common_prefix_length
 from .fused_llama import FusedLlama
 from .prepack import prepack_linears
 
@@ -60,7 +61,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        raise InputError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
 
 
@@ -72,7 +73,7 @@ def _log_mass(logits: torch.Tensor) -> torch.Tensor:
     (``next_logprobs``, ``next_logprobs_above``, ``score_sequences``), so they agree bitwise on one batch."""
     log_mass = torch.logsumexp(logits.double(), dim=-1)                     # (n,); NaN / inf propagate
     if not bool(torch.isfinite(log_mass).all()):
-        raise ValueError("the model produced NaN or infinite logits")
+        raise InputError("the model produced NaN or infinite logits")
     return log_mass
 
 
@@ -94,10 +95,9 @@ class HFModel(BaseModel):
         name: a label for messages and benchmarks.
         prepack: the CPU fast path for float32 models, same results to float32 rounding, one more copy
             of the weights. Llama-architecture models run the fused forward of
-            :mod:`speculum.models.fused_llama` (one token ~1.6x cheaper than transformers' forward on
-            SmolLM2); other models run their float32 ``nn.Linear`` layers through pre-packed oneDNN weights
-            (:mod:`speculum.models.prepack`: 2+ token forwards ~1.5x cheaper). False keeps transformers'
-            forward with PyTorch's default kernels.
+            :mod:`speculum.models.fused_llama`; other models run their float32 ``nn.Linear`` layers through
+            pre-packed oneDNN weights (:mod:`speculum.models.prepack`). False keeps transformers' forward
+            with PyTorch's default kernels.
 
     Attributes: ``vocab_size`` (width of the logits), ``max_context`` (from the config),
     ``eos_token_id``, ``bos_token_id``, ``tokenizer``, ``module``, ``config``, ``dtype``,
@@ -119,7 +119,7 @@ class HFModel(BaseModel):
         head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
         self.vocab_size = int(getattr(head, "out_features", 0) or self.config.vocab_size)
         if tokenizer is not None and len(tokenizer) > self.vocab_size:
-            raise ValueError(
+            raise InputError(
                 f"tokenizer of {name} has {len(tokenizer)} tokens but the model's logits only "
                 f"{self.vocab_size}: they do not belong together"
             )
@@ -180,12 +180,12 @@ class HFModel(BaseModel):
         """Token ids of ``text``; ``chat`` (default: when the tokenizer has a chat template) wraps it as a
         user turn with the generation prompt appended, as instruct models expect."""
         if self.tokenizer is None:
-            raise ValueError(f"{self.name} has no tokenizer: pass token ids instead of text")
+            raise InputError(f"{self.name} has no tokenizer: pass token ids instead of text")
         if chat is None:
             chat = bool(getattr(self.tokenizer, "chat_template", None))
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError(f"the tokenizer of {self.name} has no chat template: use raw prompts")
+                raise InputError(f"the tokenizer of {self.name} has no chat template: use raw prompts")
             ids = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
             )
@@ -197,7 +197,7 @@ class HFModel(BaseModel):
     def decode(self, tokens: Sequence[int]) -> str:
         """Text of ``tokens`` (special tokens skipped)."""
         if self.tokenizer is None:
-            raise ValueError(f"{self.name} has no tokenizer")
+            raise InputError(f"{self.name} has no tokenizer")
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
     # ------------------------------------------------------------------------------------ protocol
@@ -230,7 +230,7 @@ class HFModel(BaseModel):
         if not contexts:
             return out
         # Keep at least one token per prefix outside the shared part: it is the input whose logits we need.
-        shared_len = min(_common_prefix_len(contexts), min(len(c) for c in contexts) - 1)
+        shared_len = min(common_prefix_length(*contexts), min(len(c) for c in contexts) - 1)
         root = self._cache_for(contexts[0][:shared_len])
         suffixes = [tuple(c[shared_len:]) for c in contexts]
         order = sorted(range(len(suffixes)), key=lambda i: suffixes[i])  # siblings adjacent: chunks share parents
@@ -259,7 +259,7 @@ class HFModel(BaseModel):
         contexts = [self._context(prefix, name=f"prefixes[{i}]") for i, prefix in enumerate(prefixes)]
         floors = np.asarray(min_logprobs, dtype=np.float64).reshape(-1)          # (batch,)
         if len(floors) != len(contexts) or np.isnan(floors).any():
-            raise ValueError(f"min_logprobs must hold one number per prefix ({len(contexts)}), got {len(floors)}")
+            raise InputError(f"min_logprobs must hold one number per prefix ({len(contexts)}), got {len(floors)}")
         finite = np.zeros(len(contexts), dtype=np.int64)
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
@@ -275,7 +275,7 @@ class HFModel(BaseModel):
             parts.append((rows_np[r.numpy()], tok.numpy(), values.numpy()))
 
         if contexts:
-            shared_len = min(_common_prefix_len(contexts), min(len(c) for c in contexts) - 1)
+            shared_len = min(common_prefix_length(*contexts), min(len(c) for c in contexts) - 1)
             root = self._cache_for(contexts[0][:shared_len])
             suffixes = [tuple(c[shared_len:]) for c in contexts]
             order = sorted(range(len(suffixes)), key=lambda i: suffixes[i])
@@ -332,7 +332,7 @@ class HFModel(BaseModel):
 
     def _check_length(self, length: int, *, name: str) -> None:
         if self.max_context is not None and length > self.max_context:
-            raise ValueError(
+            raise InputError(
                 f"{name} has {length} tokens, more than the context window of {self.name} "
                 f"({self.max_context} tokens)"
             )
@@ -356,7 +356,7 @@ class HFModel(BaseModel):
             return self._shared_cache
         keep = 0
         if self._shared_cache is not None:
-            keep = _common_prefix_len([self._shared_tokens, tokens])
+            keep = common_prefix_length(self._shared_tokens, tokens)
         cache = self._shared_cache if keep else self._new_cache()
         if keep:
             cache.crop(keep - len(self._shared_tokens))
@@ -429,7 +429,7 @@ class HFSession:
     def next_logprobs(self) -> np.ndarray:
         """``(vocab,)`` log-probs of the next token after the current tokens."""
         if not self.tokens:
-            raise ValueError("the session is empty: extend it before asking for next-token log-probs")
+            raise InputError("the session is empty: extend it before asking for next-token log-probs")
         j = len(self.tokens) - 1 - self._rows_start
         if not 0 <= j < len(self._rows):  # rolled back past the kept rows: recompute the last position
             last = self.tokens[-1]
@@ -490,7 +490,7 @@ class HFSession:
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` tokens by cropping the KV cache (no recomputation)."""
         if not 0 <= n <= len(self.tokens):
-            raise ValueError(f"rollback({n}) on a session of length {len(self.tokens)}")
+            raise InputError(f"rollback({n}) on a session of length {len(self.tokens)}")
         if n:
             self._cache.crop(-n)
             del self.tokens[-n:]
@@ -504,17 +504,6 @@ def _first_id(*candidates: Any) -> int | None:
         if value is not None:
             return int(value)
     return None
-
-
-def _common_prefix_len(sequences: Sequence[Sequence[int]]) -> int:
-    first = sequences[0]
-    n = min(len(s) for s in sequences)
-    for s in sequences[1:]:
-        k = 0
-        while k < n and s[k] == first[k]:
-            k += 1
-        n = k
-    return n
 
 
 def _kv_geometry(config: Any) -> tuple[int, int, int]:
@@ -532,8 +521,6 @@ def _gather(cache: Any, index: torch.Tensor, config: Any) -> Any:
 
     Layer objects are shallow-copied (their tensors are re-bound, not written, by ``batch_select_indices``)
     so this works for every cache-layer kind of the installed transformers."""
-    if cache is None:
-        raise ValueError("internal: no cache to gather from")
     if cache.get_seq_length() == 0:  # nothing encoded yet: a fresh cache serves any batch size
         from transformers import DynamicCache
 

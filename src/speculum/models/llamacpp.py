@@ -1,7 +1,8 @@
 """llama.cpp backend: any GGUF file through ``llama-cpp-python``, as a protocol model.
 
-Why: on CPUs small LLMs run with llama.cpp, not PyTorch. SmolLM2-135M-Instruct (Q4_1) decodes about four
-times faster here than in PyTorch float32 (issue 6), and speculum's exact verification runs on top of it.
+Why: on CPUs small LLMs run with llama.cpp, not PyTorch. SmolLM2-135M-Instruct (Q4_1) decodes several
+times faster here than in PyTorch float32 (``benchmarks/decoding_llamacpp.py``), and speculum's exact
+verification runs on top of it.
 
 How the one llama context is shared
 -----------------------------------
@@ -18,20 +19,17 @@ Consequences:
 * ``next_logprobs(prefixes)`` visits the prefixes in sorted order, so consecutive prefixes share the
   evaluation of their common prefix (a shared prompt is evaluated once, siblings cost one token each).
 
-Batch shapes and greedy exactness (field.md: near-ties can flip in low precision): llama.cpp's CPU
-kernels do not always compute a token's logits bit-identically when it is decoded alone (plain decoding)
-and when it is decoded with others (verification, prefill). Measured on SmolLM2 Q4_1 over context
-lengths 20-360: with the default settings the rows differ by up to ~1 nat even on short contexts; with
-flash attention (used here) they are bit-identical up to 64 tokens of context and differ beyond (<= 0.13
-nats on the top token); a float32 KV cache without flash attention differs at fewer lengths but flipped
-greedy tokens in the tests, flash attention never did. So greedy speculative decoding reproduces plain
-greedy decoding except at a near-exact tie of the top two tokens; every tested case (3 prompts x 64
-tokens in the tests, 6 prompts x 128 tokens in the benchmark) is identical.
+Batch shapes and greedy exactness: llama.cpp's CPU kernels do not always compute a token's logits
+bit-identically when it is decoded alone (plain decoding) and when it is decoded with others
+(verification, prefill), so two near-tied logits can swap order between the two. Flash attention (used
+here) keeps them closest: bit-identical on short contexts, a small difference on long ones, and no greedy
+token changed in the tests, which other settings did not achieve. Greedy speculative decoding therefore
+reproduces plain greedy decoding except at a near-exact tie of the top two tokens.
 
 Log-probs: llama.cpp returns float32 logits; rows are returned as float64 log-probs normalised over the
 vocabulary. Against the PyTorch backend on the same (dequantised) weights they differ by llama.cpp's 8-bit
-activation quantisation: max |Δ log p| ≈ 0.43 nats on tokens with p > 1e-3, total variation ≤ 0.08 per
-row (mean 0.02), measured in tests/test_llamacpp.py.
+activation quantisation (``tests/test_llamacpp.py`` bounds it: under 0.6 nats on tokens with p > 1e-3,
+total variation under 0.11 per row).
 
 Example:
     >>> from speculum.models.llamacpp import load_llamacpp_model
@@ -50,7 +48,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .base import BaseModel, Capabilities, check_prompt, check_token_ids
+from ..validation import InputError, check_int, check_optional_int
+from .base import BaseModel, Capabilities, check_prompt, check_token_ids, common_prefix_length
 from .default import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path
 from .llamacpp_check import check_native_build
 
@@ -77,23 +76,14 @@ def _import_llama_cpp():
     return llama_cpp
 
 
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix; the equal-prefix case (the usual one) is one C-level compare."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    mismatch = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(mismatch[0])
-
-
 def _logits_to_logprobs(logits: np.ndarray) -> np.ndarray:
     """``(n, vocab)`` float32 logits -> float64 log-probs (the normaliser is summed in float64).
 
-    ``max`` propagates NaN and +inf, so checking the row maxima validates every entry (vLLM #21876).
+    ``max`` propagates NaN and +inf, so checking the row maxima validates every entry.
     The float32 ``exp`` pass is ~5x cheaper than a float64 one; the result is within 1e-8 of it."""
     top = logits.max(axis=1, keepdims=True)  # (n, 1)
     if not np.isfinite(top).all():
-        raise ValueError("llama.cpp returned logits with NaN, +inf, or a row with no finite entry")
+        raise InputError("llama.cpp returned logits with NaN, +inf, or a row with no finite entry")
     scaled = np.subtract(logits, top)  # (n, vocab) float32, a fresh buffer reused for exp
     np.exp(scaled, out=scaled)
     log_normaliser = top.astype(np.float64) + np.log(scaled.sum(axis=1, keepdims=True, dtype=np.float64))
@@ -135,7 +125,7 @@ class LlamaCppTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds BOS only where the GGUF asks for it."""
         if not isinstance(text, str):
-            raise ValueError(f"text must be a str, got {type(text).__name__}")
+            raise InputError(f"text must be a str, got {type(text).__name__}")
         return list(self._llama.tokenize(text.encode("utf-8"), add_bos=add_special_tokens, special=True))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -157,7 +147,7 @@ class LlamaCppTokenizer:
 
         ``return_dict=True`` returns ``{"input_ids": ids}`` like a Hugging Face ``BatchEncoding``."""
         if self.chat_template is None:
-            raise ValueError("this GGUF file has no chat template (metadata tokenizer.chat_template)")
+            raise InputError("this GGUF file has no chat template (metadata tokenizer.chat_template)")
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         formatter = Jinja2ChatFormatter(
@@ -204,7 +194,7 @@ class LlamaCppSession:
     def next_logprobs(self) -> np.ndarray:
         """``(vocab,)`` exact log p(next | current tokens)."""
         if not self.tokens:
-            raise ValueError("the session is empty (rolled back to length 0): extend it first")
+            raise InputError("the session is empty (rolled back to length 0): extend it first")
         row = self._known_row()
         if row is not None:
             return row
@@ -239,7 +229,7 @@ class LlamaCppSession:
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` tokens by truncating the KV cache (no re-evaluation of kept tokens)."""
         if not isinstance(n, (int, np.integer)) or not 0 <= n <= len(self.tokens):
-            raise ValueError(f"n must be an int in [0, {len(self.tokens)}], got {n!r}")
+            raise InputError(f"n must be an int in [0, {len(self.tokens)}], got {n!r}")
         if n:
             self.model._release(self.tokens, len(self.tokens) - n)
             del self.tokens[-n:]
@@ -282,12 +272,8 @@ class LlamaCppModel(BaseModel):
         path = os.fspath(model_path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model_path: no GGUF file at {path!r}")
-        for name, value in (("n_ctx", n_ctx), ("n_batch", n_batch)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
-            raise ValueError(f"n_threads must be a positive int or None, got {n_threads!r}")
-        threads = n_threads or os.cpu_count() or 1
+        n_ctx, n_batch = check_int(n_ctx, "n_ctx", minimum=1), check_int(n_batch, "n_batch", minimum=1)
+        threads = check_optional_int(n_threads, "n_threads", minimum=1) or os.cpu_count() or 1
         n_batch = min(n_batch, n_ctx)
         # A crashing native build would kill the process with no message: probe it once (llamacpp_check).
         check_native_build(path, llama_cpp.llama_print_system_info().decode(errors="replace"))
@@ -396,12 +382,12 @@ class LlamaCppModel(BaseModel):
         ``tokens`` is resident."""
         total = len(tokens)
         if total > self.max_context:
-            raise ValueError(f"sequence of {total} tokens exceeds the context length n_ctx={self.max_context}")
+            raise InputError(f"sequence of {total} tokens exceeds the context length n_ctx={self.max_context}")
         if not 1 <= n_rows <= total:
             raise ValueError(f"n_rows must be in [1, {total}], got {n_rows}")
         self._claim_context()
         first_output = total - n_rows
-        position = self._truncate(min(_common_prefix_length(self._resident, tokens), first_output))
+        position = self._truncate(min(common_prefix_length(self._resident, tokens), first_output))
         parts = []
         try:
             while position < total:
@@ -470,17 +456,17 @@ class LlamaCppModel(BaseModel):
 
 
 def check_same_vocabulary(target: Any, draft: Any) -> None:
-    """Raise ``ValueError`` unless ``draft`` can draft for ``target``: the same token ids must mean the
-    same strings, or the draft's proposals would be verified as other tokens."""
+    """Raise ``InputError`` (a ``ValueError``) unless ``draft`` can draft for ``target``: the same token
+    ids must mean the same strings, or the draft's proposals would be verified as other tokens."""
     if target.vocab_size != draft.vocab_size:
-        raise ValueError(
+        raise InputError(
             f"draft vocabulary ({draft.vocab_size} tokens) differs from the target's ({target.vocab_size}): "
             "a draft must share the target's tokenizer"
         )
     target_print = getattr(target, "vocabulary_fingerprint", None)
     draft_print = getattr(draft, "vocabulary_fingerprint", None)
     if target_print is not None and draft_print is not None and target_print != draft_print:
-        raise ValueError(
+        raise InputError(
             "draft and target tokenizers differ (same size, different tokens): a draft must share the "
             "target's tokenizer"
         )
@@ -493,14 +479,12 @@ def load_llamacpp_model(
     n_threads: int | None = None,
     n_batch: int = DEFAULT_N_BATCH,
     draft_for: Any = None,
-    dtype: str | None = None,
 ) -> LlamaCppModel:
     """Load a GGUF file (or ``"smollm2-135m"``, the embedded default) on the llama.cpp backend.
 
     Args:
         name_or_path: ``"smollm2-135m"`` or a path to a ``.gguf`` file.
         draft_for: a target model; the loaded model must share its tokenizer (else ``ValueError``).
-        dtype: accepted for ``load_model`` compatibility and ignored: the GGUF fixes its weight types.
 
     Raises ``ImportError`` (one line, with the install command) without ``llama-cpp-python``.
 
@@ -508,7 +492,6 @@ def load_llamacpp_model(
         >>> target = load_llamacpp_model("smollm2-135m")                                  # doctest: +SKIP
         >>> draft = load_llamacpp_model("smollm2-135m", n_ctx=1024, draft_for=target)     # doctest: +SKIP
     """
-    del dtype
     _import_llama_cpp()
     path = Path(name_or_path).expanduser()
     if not path.is_file():

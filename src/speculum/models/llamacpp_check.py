@@ -17,10 +17,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["check_native_build", "REBUILD_COMMAND"]
+__all__ = ["check_native_build", "CMAKE_ARGS", "LLAMACPP_REQUIREMENT", "REBUILD_COMMAND"]
 
-REBUILD_COMMAND = ("CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON' "
-                   "pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36")
+# The one list of llama.cpp build flags: any x86-64 CPU with AVX2, never -march=native (whose AMX kernels
+# are what crashes). `make install` reads this line, so keep it a single-line string literal.
+CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+# The version the ``llamacpp`` extra pins (pyproject.toml; a test keeps the two equal).
+LLAMACPP_REQUIREMENT = "llama-cpp-python==0.3.36"
+# --no-cache-dir: pip must not reuse a wheel built with other flags.
+REBUILD_COMMAND = f"CMAKE_ARGS='{CMAKE_ARGS}' pip install --force-reinstall --no-cache-dir {LLAMACPP_REQUIREMENT}"
 
 # Loads the model and decodes a batch of four tokens: a batch (not one token) reaches the matrix kernels.
 _PROBE = """

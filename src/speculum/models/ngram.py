@@ -26,6 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..validation import InputError, check_int, check_number
 from .base import BaseModel, check_token_ids
 
 __all__ = ["NGramModel", "NGramSession", "SMOOTHINGS"]
@@ -67,21 +68,14 @@ class NGramModel(BaseModel):
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
     ) -> None:
-        if int(n) < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if int(vocab_size) < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.n, self.vocab_size = check_int(n, "n", minimum=1), check_int(vocab_size, "vocab_size", minimum=1)
         if smoothing not in SMOOTHINGS:
-            raise ValueError(f"smoothing must be one of {SMOOTHINGS}, got {smoothing!r}")
-        if not (np.isfinite(concentration) and concentration > 0):
-            raise ValueError(f"concentration must be finite and > 0, got {concentration}")
+            raise InputError(f"smoothing must be one of {SMOOTHINGS}, got {smoothing!r}")
+        self.smoothing = smoothing
+        self.concentration = check_number(concentration, "concentration", above=0)
         if max_cached_rows is None:
-            max_cached_rows = min(MAX_DEFAULT_CACHED_ROWS, max(8, DEFAULT_ROW_CACHE_BYTES // (8 * int(vocab_size))))
-        if int(max_cached_rows) < 0:
-            raise ValueError(f"max_cached_rows must be >= 0, got {max_cached_rows}")
-        self.n, self.vocab_size = int(n), int(vocab_size)
-        self.smoothing, self.concentration = smoothing, float(concentration)
-        self.max_cached_rows = int(max_cached_rows)
+            max_cached_rows = min(MAX_DEFAULT_CACHED_ROWS, max(8, DEFAULT_ROW_CACHE_BYTES // (8 * self.vocab_size)))
+        self.max_cached_rows = check_int(max_cached_rows, "max_cached_rows", minimum=0)
         for name, tok in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
             if tok is not None:
                 check_token_ids([tok], self.vocab_size, name=name)
@@ -112,7 +106,7 @@ class NGramModel(BaseModel):
         """
         tokens = check_token_ids(sequence, self.vocab_size, name="sequence")
         if not 0 <= start <= len(tokens):
-            raise ValueError(f"start must be in [0, {len(tokens)}], got {start}")
+            raise InputError(f"start must be in [0, {len(tokens)}], got {start}")
         for i in range(start, len(tokens)):
             token = tokens[i]
             for k in range(min(self.n - 1, i) + 1):
@@ -238,10 +232,6 @@ class NGramSession:
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` tokens (free)."""
         if not 0 <= n <= len(self.tokens):
-            raise ValueError(f"rollback({n}) on a session of length {len(self.tokens)}")
+            raise InputError(f"rollback({n}) on a session of length {len(self.tokens)}")
         if n:
             del self.tokens[-n:]
-
-    def fork(self) -> "NGramSession":
-        """An independent copy (branching for enumeration)."""
-        return NGramSession(self.model, self.tokens)

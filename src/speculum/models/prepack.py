@@ -1,11 +1,11 @@
 """Pre-packed float32 ``nn.Linear`` layers on CPU (oneDNN): cheap verification of short blocks.
 
 Why: PyTorch's default CPU matmul (MKL) runs one row through a matrix-vector kernel but re-packs the whole
-weight matrix on every call with two or more rows. On SmolLM2-135M (2 cores) feeding 2 tokens therefore
-costs ~1.6 decode steps and 17 tokens ~2.5, and speculative decoding pays that on every verification.
-oneDNN's inner product with the weights reordered *once* into its blocked layout (the path
-``torch.compile`` takes for frozen CPU weights) costs 1.04 / 1.9 steps for the same calls, and a single
-decode step ~12 % less (``benchmarks/decoding_llm.py``).
+weight matrix on every call with two or more rows, so a forward of even 2 tokens costs far more than a
+one-token decode step, and speculative decoding pays that on every verification. oneDNN's inner product
+with the weights reordered *once* into its blocked layout (the path ``torch.compile`` takes for frozen CPU
+weights) brings a 2-token forward close to the cost of one step and makes the step itself cheaper
+(``benchmarks/decoding_llm.py`` measures both).
 
 Exactness: the layers compute the same products summed in another order, so results agree with the default
 kernels to float32 rounding (≤ 1e-4 nats on SmolLM2's log-probs, tested). Plain and speculative decoding

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..validation import InputError
 from .base import BaseModel, check_logits, check_token_ids, log_softmax
 
 __all__ = ["MarkovModel", "NGramModel", "TinyTransformer"]
@@ -42,7 +43,7 @@ class MarkovSession:
 
     def rollback(self, n: int) -> None:
         if not 0 <= n <= len(self.tokens):
-            raise ValueError(f"rollback({n}) on a session of length {len(self.tokens)}")
+            raise InputError(f"rollback({n}) on a session of length {len(self.tokens)}")
         if n:
             del self.tokens[-n:]
 
@@ -75,10 +76,10 @@ class MarkovModel(BaseModel):
         eos_token_id: int | None = None,
     ) -> None:
         if order not in (1, 2):
-            raise ValueError(f"order must be 1 or 2, got {order}")
+            raise InputError(f"order must be 1 or 2, got {order}")
         trans = check_logits(transition_logits, name="transition_logits")
         if trans.ndim != order + 1 or len(set(trans.shape)) != 1:
-            raise ValueError(
+            raise InputError(
                 f"transition_logits must be square with {order + 1} axes for order {order}, got shape {trans.shape}"
             )
         self.vocab_size = int(trans.shape[-1])
@@ -86,7 +87,7 @@ class MarkovModel(BaseModel):
             initial_logits = np.zeros(self.vocab_size)
         init = check_logits(initial_logits, name="initial_logits")
         if init.shape != (self.vocab_size,):
-            raise ValueError(f"initial_logits must have shape ({self.vocab_size},), got {init.shape}")
+            raise InputError(f"initial_logits must have shape ({self.vocab_size},), got {init.shape}")
         self.order = order
         self.transition_logprobs = log_softmax(trans)
         self.initial_logprobs = log_softmax(init)

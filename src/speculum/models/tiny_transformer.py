@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..validation import InputError, check_int, check_number
 from .base import BaseModel, check_prompt, check_token_ids, log_softmax
 
 __all__ = ["TinyTransformer", "TransformerWeights", "LayerWeights", "TransformerSession"]
@@ -118,25 +119,17 @@ class TinyTransformer(BaseModel):
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
     ) -> None:
-        if int(vocab_size) < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-        if int(n_heads) < 1 or int(d_model) < 1 or int(d_model) % int(n_heads):
-            raise ValueError(f"d_model ({d_model}) must be a positive multiple of n_heads ({n_heads})")
-        if int(n_layers) < 0:
-            raise ValueError(f"n_layers must be >= 0, got {n_layers}")
-        if int(max_len) < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
-        d_mlp = 4 * int(d_model) if d_mlp is None else int(d_mlp)
-        if d_mlp < 1:
-            raise ValueError(f"d_mlp must be >= 1, got {d_mlp}")
-        self.vocab_size = int(vocab_size)
-        self.d_model, self.n_heads, self.d_mlp = int(d_model), int(n_heads), d_mlp
-        self.max_len = self.max_context = int(max_len)
+        self.vocab_size = check_int(vocab_size, "vocab_size", minimum=1)
+        d_model, n_heads = check_int(d_model, "d_model", minimum=1), check_int(n_heads, "n_heads", minimum=1)
+        if d_model % n_heads:
+            raise InputError(f"d_model ({d_model}) must be a positive multiple of n_heads ({n_heads})")
+        n_layers = check_int(n_layers, "n_layers", minimum=0)
+        self.max_len = self.max_context = check_int(max_len, "max_len", minimum=1)
+        d_mlp = 4 * d_model if d_mlp is None else check_int(d_mlp, "d_mlp", minimum=1)
+        self.d_model, self.n_heads, self.d_mlp = d_model, n_heads, d_mlp
         if logit_scale is None:
             logit_scale = DEFAULT_LOGIT_SCALE_PER_SQRT_2LNV * np.sqrt(2.0 * np.log(max(self.vocab_size, 2)))
-        if not np.isfinite(logit_scale) or logit_scale < 0:
-            raise ValueError(f"logit_scale must be finite and >= 0, got {logit_scale}")
-        self.logit_scale = float(logit_scale)
+        self.logit_scale = check_number(logit_scale, "logit_scale", minimum=0)
         for name, tok in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
             if tok is not None:
                 check_token_ids([tok], self.vocab_size, name=name)
@@ -188,8 +181,7 @@ class TinyTransformer(BaseModel):
             >>> target = TinyTransformer(16, seed=0)
             >>> draft = target.perturbed(0.2, seed=1)
         """
-        if not np.isfinite(noise) or noise < 0:
-            raise ValueError(f"noise must be finite and >= 0, got {noise}")
+        noise = check_number(noise, "noise", minimum=0)
         rng = np.random.default_rng(seed)
 
         def jitter(_name: str, array: np.ndarray) -> np.ndarray:
@@ -201,7 +193,7 @@ class TinyTransformer(BaseModel):
     def truncated(self, n_layers: int) -> "TinyTransformer":
         """The same model keeping only its first ``n_layers`` blocks (a layer-truncated self-draft)."""
         if not 0 <= n_layers <= self.n_layers:
-            raise ValueError(f"n_layers must be in [0, {self.n_layers}], got {n_layers}")
+            raise InputError(f"n_layers must be in [0, {self.n_layers}], got {n_layers}")
         return self._with_weights(dataclasses.replace(self.weights, layers=self.weights.layers[:n_layers]))
 
     # ------------------------------------------------------------------------------------- forward
@@ -251,7 +243,7 @@ class TinyTransformer(BaseModel):
 
     def _check_length(self, length: int, name: str) -> None:
         if length > self.max_len:
-            raise ValueError(f"{name} would make the sequence {length} tokens long, over max_len={self.max_len}")
+            raise InputError(f"{name} would make the sequence {length} tokens long, over max_len={self.max_len}")
 
     # ------------------------------------------------------------------------------------- protocol
     def start(self, prompt: Sequence[int]) -> "TransformerSession":
@@ -338,7 +330,7 @@ class TransformerSession:
     def next_logprobs(self) -> np.ndarray:
         """``(vocab,)`` exact log p(next | tokens)."""
         if not self.tokens:
-            raise ValueError("the session is empty: TinyTransformer needs at least one token of context")
+            raise InputError("the session is empty: TinyTransformer needs at least one token of context")
         return self.model._logprobs(self._hidden[len(self.tokens) - 1])
 
     def extend(self, tokens: Sequence[int]) -> np.ndarray:
@@ -350,15 +342,6 @@ class TransformerSession:
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` tokens: O(1), the cache slots are simply reused."""
         if not 0 <= n <= len(self.tokens):
-            raise ValueError(f"rollback({n}) on a session of length {len(self.tokens)}")
+            raise InputError(f"rollback({n}) on a session of length {len(self.tokens)}")
         if n:
             del self.tokens[-n:]
-
-    def fork(self) -> "TransformerSession":
-        """An independent copy of this session (branching for enumeration); copies the whole KV cache."""
-        clone = object.__new__(TransformerSession)
-        clone.model, clone.tokens = self.model, list(self.tokens)
-        clone._keys = [k.copy() for k in self._keys]
-        clone._values = [v.copy() for v in self._values]
-        clone._hidden = self._hidden.copy()
-        return clone

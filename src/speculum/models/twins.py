@@ -3,12 +3,16 @@
 All three share the target's tokenizer, so their proposals are always in the target's vocabulary.
 
 * ``int8_twin`` — int8 dynamic quantisation of every ``nn.Linear`` (weights int8, activations quantised
-  on the fly); ~2x cheaper per token on CPU, top-1 agreement with SmolLM2 ~50-56 % (field.md).
-* ``bf16_twin`` — a bfloat16 copy; agrees with the target ~98 % but on CPUs without a bf16 matrix path it
-  is barely cheaper than the target (field.md), so mostly useful on hardware that has one.
+  on the fly); cheaper per token on CPU, and its top token is the target's about half the time.
+* ``bf16_twin`` — a bfloat16 copy; agrees with the target almost always, but on CPUs without a bf16
+  matrix path it is barely cheaper than the target, so mostly useful on hardware that has one.
 * ``truncated_draft`` — the first k transformer blocks + the final norm + the output head, sharing the
-  target's weights (no extra memory). Without training such early exits agree rarely (4-5 %, field.md;
-  LayerSkip, Elhoushi et al. 2024, trains for it); speculum's adaptive γ backs off when it does not pay.
+  target's weights (no extra memory). Without training such early exits rarely agree with the target
+  (LayerSkip, Elhoushi et al. 2024, trains for it); speculum's adaptive γ backs off when it does not pay.
+  It declares itself a prefix of the target (``prefix_of``), so the decoding loop can hand it the
+  target's cache instead of running it over accepted tokens.
+
+Measured costs and agreement rates are in ``benchmarks/RESULTS.md``.
 
 Each twin is a complete ``HFModel``: the decoding loop verifies it with the distribution-aware rule
 (Leviathan et al. 2023), which is exact for any draft distribution.

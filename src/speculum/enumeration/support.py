@@ -1,0 +1,105 @@
+"""Which continuations an index enumerates: one object that every part of enumeration asks.
+
+A :class:`Support` is either every sequence of exactly ``max_len`` tokens (``eos`` None), or every sequence
+that ends in ``eos`` and contains it only there, of at most ``max_len`` tokens (``max_len`` None: of any
+length). The prefix tree asks it which prefixes grow and which sequences are complete, the indexes ask it
+whether a sequence belongs and how many sequences exist, and rescoring compares two of them with ``==``.
+
+Example:
+    >>> support = Support(max_len=3, eos=2)
+    >>> support.size(vocab_size=3), support.contains((0, 1, 2)), support.contains((2, 2))
+    (7, True, False)
+    >>> support.describe()
+    'continuations ending in eos=2, of at most 3 tokens'
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..models.base import check_token_ids
+from ..validation import InputError, check_optional_int
+
+__all__ = ["Support"]
+
+
+@dataclass(frozen=True)
+class Support:
+    """Every ``max_len``-token sequence (``eos`` None), or every sequence ending in its only ``eos`` of at
+    most ``max_len`` tokens (``max_len`` None: no cap). The token ids range over the model's vocabulary."""
+
+    max_len: int | None = None
+    eos: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_len is None and self.eos is None:
+            raise InputError("give max_len (fixed-length continuations) or eos (continuations ending in eos)")
+        # Canonical Python ints, so that two equal supports compare (and hash) equal.
+        object.__setattr__(self, "max_len", check_optional_int(self.max_len, "max_len", minimum=1))
+        object.__setattr__(self, "eos", check_optional_int(self.eos, "eos", minimum=0))
+
+    def expandable(self, depth: int) -> bool:
+        """Whether a prefix of ``depth`` tokens that is not complete may still grow inside the support."""
+        return self.max_len is None or depth < self.max_len
+
+    def forces_eos(self, depth: int) -> bool:
+        """Whether only eos may follow a prefix of ``depth`` tokens (the last position under the cap)."""
+        return self.eos is not None and self.max_len is not None and depth + 1 == self.max_len
+
+    def is_complete(self, length: int, last_tokens: np.ndarray) -> np.ndarray:
+        """Element-wise: whether a sequence of ``length`` tokens ending in each of ``last_tokens`` is a
+        support sequence, given that the prefix before its last token is a live prefix of the support."""
+        last_tokens = np.asarray(last_tokens)
+        if self.eos is None:
+            return np.full(last_tokens.shape, length == self.max_len)
+        return last_tokens == self.eos
+
+    def horizon(self, default: int) -> int:
+        """The longest sequence length to consider: ``max_len``, or ``default`` for an uncapped support."""
+        return self.max_len if self.max_len is not None else default
+
+    def size(self, vocab_size: int) -> int | None:
+        """Exact number of support sequences over a vocabulary of ``vocab_size`` tokens (whatever their
+        probability), or None when the support is infinite (eos-terminated without a cap).
+
+        Fixed length: ``V ** max_len``. Eos-terminated: ``l - 1`` non-eos tokens then eos, for every length
+        ``l <= max_len``: ``sum((V - 1) ** (l - 1))``."""
+        if self.eos is None:
+            return vocab_size ** self.max_len
+        if self.max_len is None:
+            return None
+        return sum((vocab_size - 1) ** (length - 1) for length in range(1, self.max_len + 1))
+
+    def contains(self, sequence: Sequence[int]) -> bool:
+        """Whether ``sequence`` (token ids) is a support sequence."""
+        return self._off_support(tuple(sequence), "sequence") is None
+
+    def check(self, sequence: Sequence[int], vocab_size: int, *, name: str = "sequence") -> tuple[int, ...]:
+        """``sequence`` as a tuple of ints; ``InputError`` naming ``name`` and the reason unless it consists
+        of token ids in ``[0, vocab_size)`` and is a support sequence."""
+        seq = tuple(check_token_ids(sequence, vocab_size, name=name))
+        reason = self._off_support(seq, name)
+        if reason is not None:
+            raise InputError(reason)
+        return seq
+
+    def describe(self) -> str:
+        """The support in words, for messages."""
+        if self.eos is None:
+            return f"length-{self.max_len} continuations"
+        cap = "" if self.max_len is None else f", of at most {self.max_len} tokens"
+        return f"continuations ending in eos={self.eos}{cap}"
+
+    def _off_support(self, seq: tuple[int, ...], name: str) -> str | None:
+        """Why ``seq`` is not a support sequence, or None when it is."""
+        if self.eos is None:
+            if len(seq) != self.max_len:
+                return f"{name} has length {len(seq)}; the support is length-{self.max_len} sequences"
+            return None
+        if not seq or seq[-1] != self.eos or self.eos in seq[:-1]:
+            return f"{name} is off the support: it must end in eos={self.eos} and contain it once"
+        if self.max_len is not None and len(seq) > self.max_len:
+            return f"{name} has length {len(seq)} > max_len={self.max_len}"
+        return None
