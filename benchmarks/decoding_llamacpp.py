@@ -1,4 +1,4 @@
-"""Speculative decoding on the llama.cpp backend versus llama-cpp-python itself (issue 6).
+"""Speculative decoding on the llama.cpp backend versus llama-cpp-python itself.
 
 One run, side by side, on SmolLM2-135M-Instruct Q4_1 (or any GGUF given with --gguf), greedy:
 

@@ -63,8 +63,8 @@ TASKS = {
                f"keeping everything else the same.\n\n{CODE}",
 }
 DRAFTS = ("lookup", "ngram", "int8", "bf16", "layers:8")
-# Fixed γ per draft, chosen from field.md's costs: cheap proposers can afford long blocks (verifying 8 tokens
-# costs ~1.7 decode steps), the twins cost ~0.5-0.6 steps a token, so short blocks.
+# Fixed γ per draft, chosen from the measured costs (benchmarks/RESULTS.md): cheap proposers can afford long
+# blocks, the twins cost about half a decode step a token, so short blocks.
 FIXED_GAMMA = {"lookup": 8, "ngram": 4, "int8": 2, "bf16": 3, "layers:8": 2}
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 
@@ -248,13 +248,13 @@ def main(argv=None) -> int:
             print(f"{label:<26}{run.rate():>9.2f}{entry.speedup():>14.2f}{vs_hf:>17}{tpf:>9}  "
                   f"{'yes' if same else 'NO ':<3}  {rounds}", flush=True)
         goals += goal_checks(task, measured)
-    print("\n## goals (issue 3)")
+    print("\n## performance goals")
     for ok, text in goals:
         print(f"{'met ' if ok else 'MISS'}  {text}")
     if mismatches:
         print(f"\nOutputs differing from plain greedy decoding: {mismatches}")
     # Ours (every draft) and transformers' plain generate must match exactly; transformers' assisted runs are
-    # reported above but not asserted (its batched verification may flip float32 near-ties, field.md).
+    # reported above but not asserted (its batched verification may flip float32 near-ties).
     strict = [m for m in mismatches if m[1].startswith("ours") or m[1] == "transformers plain"]
     assert not strict, f"greedy outputs differ from plain greedy decoding: {strict}"
     return 0

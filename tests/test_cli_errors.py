@@ -14,6 +14,7 @@ import pytest
 import speculum.cli.enumerate as enumerate_cli
 from reference_target import PATCH_LOADER, REFERENCE_TARGET as REFERENCE
 from speculum.cli import BROKEN_PIPE_EXIT, main
+from speculum.validation import InputError
 
 pytestmark = pytest.mark.usefixtures("reference_target")
 ENUMERATE = ["enumerate", "0 1", "--length", "2", "--top-k", "3", "--target", REFERENCE]
@@ -30,7 +31,7 @@ speculum.models.default.load_model = lambda *args, **kwargs: target
 """
 
 
-@pytest.mark.parametrize("error", [IndexError, KeyError, RuntimeError, TypeError, AttributeError])
+@pytest.mark.parametrize("error", [IndexError, KeyError, RuntimeError, TypeError, AttributeError, ValueError])
 def test_an_internal_error_keeps_its_traceback(monkeypatch, capsys, error):
     def broken(spec, **options):
         raise error("an internal failure")
@@ -41,7 +42,7 @@ def test_an_internal_error_keeps_its_traceback(monkeypatch, capsys, error):
     assert "error:" not in capsys.readouterr().err  # not dressed up as a user error
 
 
-@pytest.mark.parametrize("error", [ValueError, FileNotFoundError])
+@pytest.mark.parametrize("error", [InputError, FileNotFoundError])
 def test_a_user_error_is_one_line_and_exit_2(monkeypatch, capsys, error):
     def refuse(spec, **options):
         raise error("no such target")
@@ -96,3 +97,12 @@ def test_generate_into_a_closed_pipe_stops_quietly():
     assert done.returncode == BROKEN_PIPE_EXIT, done.stderr.decode()
     assert done.stderr.decode().splitlines() == [
         "speculum generate: warning: PROMPT is not valid UTF-8: invalid bytes replaced with U+FFFD"]
+
+
+def test_a_broken_model_directory_is_a_one_line_error(tmp_path, capsys):
+    """transformers reports a broken directory from deep inside (here OSError on bad JSON): the user sees
+    one line naming the folder, not a traceback."""
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["generate", "hi", "--target", str(tmp_path), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(tmp_path) in err and "cannot load a model" in err

@@ -238,7 +238,7 @@ def test_bad_input():
         ar.rank((0, 1, 2))
     with pytest.raises(ValueError, match="vocabulary"):
         ar.rank((0, 7))
-    with pytest.raises(ValueError, match="(?i)nan"):
+    with pytest.raises(ValueError, match="NaN"):
         ar.count(float("nan"))
     banned = np.zeros((3, 3))
     banned[0, 1] = -np.inf

@@ -58,7 +58,9 @@ def check_number(value: Any, name: str, *, minimum: float | None = None, maximum
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (Real, np.floating, np.integer)):
         raise InputError(f"{name} must be a number, got {value!r}")
     result = float(value)
-    if math.isnan(result) or (finite and math.isinf(result)):
+    if math.isnan(result):
+        raise InputError(f"{name} is NaN: it must be a number")
+    if finite and math.isinf(result):
         raise InputError(f"{name} must be a finite number, got {result}")
     if minimum is not None and result < minimum:
         raise InputError(f"{name} must be >= {minimum}, got {result}")

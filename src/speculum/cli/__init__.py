@@ -3,11 +3,11 @@
 Each sub-command lives in its own module exposing ``register(subparsers)``; this module builds the
 parser and runs the chosen handler. Every flag is checked before a model loads (``cli/checks.py``).
 User errors become one line on stderr with exit code 2: :class:`CLIError` (the CLI's own argument
-checks), ``ValueError`` (the library's input checks, :class:`speculum.validation.InputError` among them,
-e.g. a prompt longer than the context window or a draft with another tokenizer),
-``FileNotFoundError`` (a missing path), ``ImportError`` (a missing optional extra) and enumeration's
+checks), :class:`speculum.validation.InputError` (every input check the library makes on purpose, e.g. a
+prompt longer than the context window or a draft with another tokenizer), ``ModelCacheError`` (the
+embedded model loads from neither its cache nor its GGUF), ``FileNotFoundError`` (a missing path), ``ImportError`` (a missing optional extra) and enumeration's
 resource limits (``IndexBudgetError``: raise ``--max-nodes``; ``BandTooLargeError``). Any other exception
-is a bug and keeps its traceback (exit code 1). When the reader of stdout goes away
+is a bug and keeps its traceback (exit code 1), a bare ``ValueError`` from deep inside included. When the reader of stdout goes away
 (``speculum ... | head``), the command stops quietly with exit code 141, what the shell reports for a
 process ended by SIGPIPE.
 """
@@ -21,13 +21,16 @@ from typing import Sequence
 
 from speculum.cli.checks import CLIError
 from speculum.enumeration.exact import BandTooLargeError, IndexBudgetError
+from speculum.models.cache import ModelCacheError
+from speculum.validation import InputError
 
 __all__ = ["main", "build_parser", "CLIError", "USER_ERRORS", "BROKEN_PIPE_EXIT"]
 
 # Sub-command modules, in the order shown by --help.
 _COMMANDS = ("generate", "enumerate", "demo")
 # Enumeration's two resource limits (node budget, band size) are the user's to raise, not bugs.
-USER_ERRORS = (CLIError, ValueError, FileNotFoundError, ImportError, IndexBudgetError, BandTooLargeError)
+USER_ERRORS = (CLIError, InputError, ModelCacheError, FileNotFoundError, ImportError, IndexBudgetError,
+               BandTooLargeError)
 BROKEN_PIPE_EXIT = 128 + 13  # 128 + SIGPIPE, as for `yes | head`
 
 

@@ -25,6 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..validation import InputError
+
 from .warp import sample_from_logprobs
 
 __all__ = ["Verdict", "verify_distribution", "verify_point_mass", "verify_greedy", "residual_logprobs"]
@@ -82,7 +84,7 @@ def _draw(acceptance_rng: np.random.Generator, resampling_rng: np.random.Generat
 def _check_shapes(draft_tokens: Sequence[int], target_logprobs: np.ndarray) -> int:
     gamma = len(draft_tokens)
     if target_logprobs.ndim != 2 or target_logprobs.shape[0] != gamma + 1:
-        raise ValueError(f"target_logprobs must have shape ({gamma + 1}, vocab) for {gamma} draft tokens, "
+        raise InputError(f"target_logprobs must have shape ({gamma + 1}, vocab) for {gamma} draft tokens, "
                          f"got {target_logprobs.shape}")
     return gamma
 
@@ -112,13 +114,13 @@ def verify_distribution(
     """
     gamma = _check_shapes(draft_tokens, target_logprobs)
     if draft_logprobs.shape != (gamma, target_logprobs.shape[1]):
-        raise ValueError(f"draft_logprobs must have shape ({gamma}, {target_logprobs.shape[1]}), "
+        raise InputError(f"draft_logprobs must have shape ({gamma}, {target_logprobs.shape[1]}), "
                          f"got {draft_logprobs.shape}")
     uniforms, resample_uniform = _draw(acceptance_rng, resampling_rng, gamma)
     for i, token in enumerate(draft_tokens):
         draft_lp = draft_logprobs[i, token]
         if not draft_lp > -np.inf:
-            raise ValueError(f"draft token {token} at position {i} has zero probability under the draft "
+            raise InputError(f"draft token {token} at position {i} has zero probability under the draft "
                              "distribution it was reported to be sampled from")
         # u < p_t/p_d  <=>  log u < t - d  (u in [0, 1): a zero-probability target token is never accepted).
         if uniforms[i] < np.exp(min(0.0, target_logprobs[i, token] - draft_lp)):

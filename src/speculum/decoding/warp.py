@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from ..validation import check_number, check_optional_int
+from ..validation import InputError, check_number, check_optional_int
 
 __all__ = ["check_sampling_args", "warp_logprobs", "sample_from_logprobs", "is_identity_warp"]
 
@@ -72,7 +72,7 @@ def warp_logprobs(logprobs: np.ndarray, *, temperature: float, top_k: int | None
         array([0.625, 0.375, 0.   ])
     """
     if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be finite and > 0 here (0 = greedy is handled by the caller), "
+        raise InputError(f"temperature must be finite and > 0 here (0 = greedy is handled by the caller), "
                          f"got {temperature}")
     rows = np.asarray(logprobs, dtype=np.float64)
     shape = rows.shape
@@ -80,7 +80,7 @@ def warp_logprobs(logprobs: np.ndarray, *, temperature: float, top_k: int | None
     rows = rows.reshape(-1, vocab)                                                     # (R, V)
     top = rows.max(axis=-1, keepdims=True)                                             # (R, 1)
     if not np.isfinite(top).all():
-        raise ValueError("logprobs have a row with NaN, +inf or no finite entry")
+        raise InputError("logprobs have a row with NaN, +inf or no finite entry")
     # Shift first: every entry is then <= 0 and the maximum exactly 0, so dividing by any temperature > 0
     # (1e-320 included) gives 0 at the maximum and at worst -inf elsewhere, never inf - inf.
     scaled = rows - top                                                                # (R, V) max 0 per row
@@ -125,7 +125,7 @@ def sample_from_logprobs(logprobs: np.ndarray, uniform: float) -> int:
     probs = np.exp(logprobs - logprobs.max())                                # (V,) unnormalised
     cdf = np.cumsum(probs)                                                   # (V,)
     if not cdf[-1] > 0.0:                                                    # NaN or no mass: nothing to sample
-        raise ValueError("cannot sample from a log-prob row with NaN or no finite entry")
+        raise InputError("cannot sample from a log-prob row with NaN or no finite entry")
     index = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
     if index >= len(cdf) or probs[index] <= 0.0:
         # Only reachable through rounding at the very top of the CDF: take the last possible token.

@@ -29,6 +29,8 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from ..validation import InputError
+
 __all__ = [
     "Capabilities",
     "capabilities_of",
@@ -62,11 +64,11 @@ def check_logits(logits: np.ndarray, *, name: str = "logits") -> np.ndarray:
     """Reject NaN / +inf entries and rows with no finite entry; ``-inf`` (a banned token) is allowed."""
     logits = np.asarray(logits, dtype=np.float64)
     if np.isnan(logits).any():
-        raise ValueError(f"{name} contain NaN")
+        raise InputError(f"{name} contain NaN")
     if np.isposinf(logits).any():
-        raise ValueError(f"{name} contain +inf")
+        raise InputError(f"{name} contain +inf")
     if logits.size and not np.isfinite(logits).any(axis=-1).all():
-        raise ValueError(f"{name} have a row with no finite entry (every token has zero probability)")
+        raise InputError(f"{name} have a row with no finite entry (every token has zero probability)")
     return logits
 
 
@@ -100,9 +102,9 @@ def check_token_id(token: Any, vocab_size: int, *, name: str = "token id") -> in
     """
     value = _token_id(token)
     if value is None:
-        raise ValueError(f"{name} must be an integer token id, got {_describe(token)}")
+        raise InputError(f"{name} must be an integer token id, got {_describe(token)}")
     if not 0 <= value < vocab_size:
-        raise ValueError(f"{name} is {value}, outside the vocabulary [0, {vocab_size})")
+        raise InputError(f"{name} is {value}, outside the vocabulary [0, {vocab_size})")
     return value
 
 
@@ -124,27 +126,27 @@ def check_token_ids(tokens: Sequence[int], vocab_size: int, *, name: str = "toke
     """
     if isinstance(tokens, (str, bytes)):
         shown = tokens if len(tokens) <= 40 else tokens[:37] + "..."
-        raise ValueError(f"{name} is text ({shown!r}), not token ids: call model.encode(text) to get token ids")
+        raise InputError(f"{name} is text ({shown!r}), not token ids: call model.encode(text) to get token ids")
     if isinstance(tokens, np.ndarray) and tokens.dtype.kind != "O":
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise ValueError(f"{name} must be a 1-D array of integer token ids, got an array of shape "
+            raise InputError(f"{name} must be a 1-D array of integer token ids, got an array of shape "
                              f"{tokens.shape} and dtype {tokens.dtype}")
         ids = tokens.tolist()
     else:
         try:
             items = list(tokens)
         except TypeError:
-            raise ValueError(f"{name} must be a sequence of integer token ids, got {_describe(tokens)}") from None
+            raise InputError(f"{name} must be a sequence of integer token ids, got {_describe(tokens)}") from None
         ids = []
         for position, item in enumerate(items):
             value = _token_id(item)
             if value is None:
-                raise ValueError(f"{name} must contain integer token ids only, got {_describe(item)} "
+                raise InputError(f"{name} must contain integer token ids only, got {_describe(item)} "
                                  f"at position {position}")
             ids.append(value)
     for t in ids:
         if not 0 <= t < vocab_size:
-            raise ValueError(f"{name} contain {t}, outside the vocabulary [0, {vocab_size})")
+            raise InputError(f"{name} contain {t}, outside the vocabulary [0, {vocab_size})")
     return ids
 
 
@@ -156,7 +158,7 @@ def check_prompt(model: "AutoregressiveModel", prompt: Sequence[int], *, name: s
         if bos is not None:
             return [int(bos)]
         if not getattr(model, "accepts_empty_prompt", False):
-            raise ValueError(f"{name} is empty and the model has no BOS token to start from")
+            raise InputError(f"{name} is empty and the model has no BOS token to start from")
     return ids
 
 
@@ -270,7 +272,7 @@ def as_model(obj: Any, *, name: str = "model") -> "AutoregressiveModel":
         return obj
     if callable(getattr(obj, "forward", None)):
         return ForwardModel(obj)
-    raise ValueError(f"{name} must be a model (start, next_logprobs, vocab_size) or a seed-style model with "
+    raise InputError(f"{name} must be a model (start, next_logprobs, vocab_size) or a compatibility-API model with "
                      f"forward(ids[1, T]) -> logits[1, T, V], got {type(obj).__name__}")
 
 
@@ -338,7 +340,7 @@ class RecomputeSession:
 
     def next_logprobs(self) -> np.ndarray:
         if not self.tokens:
-            raise ValueError("the session is empty: this model needs at least one prompt token")
+            raise InputError("the session is empty: this model needs at least one prompt token")
         return self._rows[-1]
 
     def extend(self, tokens: Sequence[int]) -> np.ndarray:
@@ -351,7 +353,7 @@ class RecomputeSession:
 
     def rollback(self, n: int) -> None:
         if not 0 <= n <= len(self.tokens):
-            raise ValueError(f"rollback({n}) on a session of length {len(self.tokens)}")
+            raise InputError(f"rollback({n}) on a session of length {len(self.tokens)}")
         if n:
             del self.tokens[-n:]
             self._rows = self._rows[: len(self.tokens)]
@@ -362,7 +364,7 @@ class ForwardModel(BaseModel):
 
     def __init__(self, obj: Any, vocab_size: int | None = None) -> None:
         if not callable(getattr(obj, "forward", None)):
-            raise ValueError("from_forward() needs an object with a forward(ids[1, T]) -> logits[1, T, V] method")
+            raise InputError("from_forward() needs an object with a forward(ids[1, T]) -> logits[1, T, V] method")
         self.inner = obj
         if vocab_size is None:
             vocab_size = getattr(obj, "vocab_size", None)
@@ -376,9 +378,9 @@ class ForwardModel(BaseModel):
     def _full_logprobs(self, tokens: Sequence[int]) -> np.ndarray:
         logits = np.asarray(self.inner.forward(np.asarray([list(tokens)], dtype=np.int64)))
         if logits.ndim != 3 or logits.shape[0] != 1 or logits.shape[1] != len(tokens):
-            raise ValueError(f"forward() returned shape {logits.shape}, expected (1, {len(tokens)}, vocab)")
+            raise InputError(f"forward() returned shape {logits.shape}, expected (1, {len(tokens)}, vocab)")
         if logits.shape[-1] != self.vocab_size:
-            raise ValueError(f"forward() returned vocab size {logits.shape[-1]}, expected {self.vocab_size}")
+            raise InputError(f"forward() returned vocab size {logits.shape[-1]}, expected {self.vocab_size}")
         return log_softmax(check_logits(logits[0], name="forward() logits"))
 
     def start(self, prompt: Sequence[int]) -> RecomputeSession:

@@ -271,7 +271,7 @@ def _load_converted(folder: Path, key: str, *, dtype: str, prepack: bool) -> Any
 
     model = HFModel.from_pretrained(folder, dtype=dtype, prepack=prepack)
     if model.tokenizer is None:  # no tokenizer file at all (one that fails to load raises in from_pretrained)
-        raise ValueError(f"the tokenizer files in {folder} are missing")
+        raise InputError(f"the tokenizer files in {folder} are missing")
     model.name = key
     return model
 

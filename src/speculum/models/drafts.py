@@ -208,7 +208,7 @@ class NGramProposer(_Locked):
     def __init__(self, model: NGramModel, *, num_pred_tokens: int = 8, learn: bool = False,
                  min_context: int = 0) -> None:
         if not isinstance(model, NGramModel):
-            raise ValueError(f"model must be an NGramModel, got {type(model).__name__}")
+            raise InputError(f"model must be an NGramModel, got {type(model).__name__}")
         num_pred_tokens = check_int(num_pred_tokens, "num_pred_tokens", minimum=1)
         min_context = check_int(min_context, "min_context", minimum=0)
         if min_context > model.n - 1:

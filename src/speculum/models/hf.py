@@ -82,6 +82,11 @@ def _logprob_rows(logits: torch.Tensor) -> np.ndarray:
     return (logits.double() - _log_mass(logits)[:, None]).numpy()
 
 
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (transformers' messages span several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -161,10 +166,14 @@ class HFModel(BaseModel):
         torch.set_num_threads(threads or os.cpu_count() or 1)
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a local load takes about a second: no per-tensor bar
+        # transformers reports a broken directory (bad JSON, missing or truncated weights, an unknown
+        # architecture) as OSError / ValueError / KeyError from deep inside: name the folder in one line.
         try:
             module = AutoModelForCausalLM.from_pretrained(
                 folder, dtype=parse_dtype(dtype), local_files_only=True
             )
+        except (OSError, ValueError, KeyError) as exc:
+            raise InputError(f"cannot load a model from {folder}: {_one_line(exc)}") from exc
         finally:
             if bars:
                 hf_logging.enable_progress_bar()
@@ -172,7 +181,10 @@ class HFModel(BaseModel):
         # (swallowing it would surface later as a misleading "has no tokenizer").
         tokenizer = None
         if any((folder / name).is_file() for name in _TOKENIZER_FILES):
-            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise InputError(f"cannot load the tokenizer in {folder}: {_one_line(exc)}") from exc
         return cls(module, tokenizer, name=folder.name, prepack=prepack)
 
     # ------------------------------------------------------------------------------------ text helpers

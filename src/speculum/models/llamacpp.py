@@ -384,7 +384,7 @@ class LlamaCppModel(BaseModel):
         if total > self.max_context:
             raise InputError(f"sequence of {total} tokens exceeds the context length n_ctx={self.max_context}")
         if not 1 <= n_rows <= total:
-            raise ValueError(f"n_rows must be in [1, {total}], got {n_rows}")
+            raise InputError(f"n_rows must be in [1, {total}], got {n_rows}")
         self._claim_context()
         first_output = total - n_rows
         position = self._truncate(min(common_prefix_length(self._resident, tokens), first_output))

@@ -29,6 +29,8 @@ import warnings
 
 import torch
 
+from ..validation import InputError
+
 from .hf import HFModel
 from .prepack import unpacked_copy
 
@@ -66,9 +68,9 @@ def truncated_draft(target: HFModel, layers: int) -> HFModel:
     decoder = target.module.get_decoder() if hasattr(target.module, "get_decoder") else None
     blocks = getattr(decoder, "layers", None)
     if not isinstance(blocks, torch.nn.ModuleList):
-        raise ValueError(f"layer truncation needs a decoder with a .layers list; {target.name} has none")
+        raise InputError(f"layer truncation needs a decoder with a .layers list; {target.name} has none")
     if not isinstance(layers, int) or not 1 <= layers < len(blocks):
-        raise ValueError(f"layers must be an integer in [1, {len(blocks) - 1}] for {target.name}, got {layers!r}")
+        raise InputError(f"layers must be an integer in [1, {len(blocks) - 1}] for {target.name}, got {layers!r}")
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = layers
     if isinstance(getattr(config, "layer_types", None), list):
@@ -84,7 +86,7 @@ def truncated_draft(target: HFModel, layers: int) -> HFModel:
             setattr(module, name, child)
     leftovers = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if leftovers:
-        raise ValueError(f"cannot truncate {target.name}: unshared tensors {leftovers[:3]}")
+        raise InputError(f"cannot truncate {target.name}: unshared tensors {leftovers[:3]}")
     draft = HFModel(module.eval(), target.tokenizer, name=f"{target.name}-layers{layers}")
     # Its keys and values are the target's first `layers` layers': a decoding loop may hand the draft the
     # target's cache instead of running the draft over accepted tokens (HFSession.adopt_prefix_layers).
