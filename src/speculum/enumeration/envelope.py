@@ -32,10 +32,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..models.base import as_model, check_prompt, check_token_id
-from ..validation import InputError, check_int, check_logprob, check_number, check_optional_int
+from ..models.base import as_model, check_prompt
+from ..validation import InputError, check_int, check_logprob, check_number
 from .exact import AutoregressiveEnumerable, SeekIndex
-from .support import Support
+from .support import Support, SupportAttributes
 
 __all__ = ["AREnvelopeIndex", "EnvelopeEntry", "DEFAULT_RESOLUTION", "DEFAULT_EXACT_LIMIT"]
 
@@ -126,7 +126,7 @@ class _Histograms:
         return float(self.cumulative[min(bucket, self.top)])
 
 
-class AREnvelopeIndex:
+class AREnvelopeIndex(SupportAttributes):
     """Approximate-rank, exact-score index over a model's continuations, for very deep ranks.
 
     Args:
@@ -162,10 +162,7 @@ class AREnvelopeIndex:
             model, support, prompt = ar_or_model.model, ar_or_model.support, ar_or_model.prompt
         else:
             model = as_model(ar_or_model, name="ar_or_model")
-            max_len = check_optional_int(max_len, "max_len", minimum=1)
-            if eos is not None:
-                eos = check_token_id(eos, model.vocab_size, name="eos")
-            support = Support(max_len=max_len, eos=eos)
+            support = Support.for_model(max_len=max_len, eos=eos, vocab_size=model.vocab_size)
         n_paths = check_int(n_paths, "n_paths", minimum=1)
         exact_limit = check_int(exact_limit, "exact_limit", minimum=0)
         max_depth = check_int(max_depth, "max_depth", minimum=1)
@@ -187,14 +184,6 @@ class AREnvelopeIndex:
         self._lo = _Histograms(lo, self.resolution, self.horizon)  # optimistic: counts more
         self._hi = _Histograms(hi, self.resolution, self.horizon)  # pessimistic: counts fewer
         self._build_exact_region(exact_limit)
-
-    @property
-    def max_len(self) -> int | None:
-        return self.support.max_len
-
-    @property
-    def eos(self) -> int | None:
-        return self.support.eos
 
     # ------------------------------------------------------------------------------ envelope order
     def _build_exact_region(self, exact_limit: int) -> None:

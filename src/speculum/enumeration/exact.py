@@ -24,12 +24,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..models.base import as_model, check_prompt, check_token_id
+from ..models.base import as_model, check_prompt
 from ..validation import InputError, check_int, check_number, check_optional_int
 from .histogram import DEFAULT_WIDTH_BITS
 from .seek import (DEFAULT_BATCH_SIZE, DEFAULT_BEAM_FORWARDS, DEFAULT_MAX_BAND, DEFAULT_MAX_NODES,
                    DEFAULT_RESERVE_BITS, BandTooLargeError, IndexBudgetError, SeekIndex)
-from .support import Support
+from .support import Support, SupportAttributes
 from .tree import BuildProgress
 
 __all__ = ["AutoregressiveEnumerable", "SeekIndex", "BandTooLargeError", "IndexBudgetError", "BuildProgress",
@@ -47,7 +47,7 @@ def _eos_token_of(model) -> int:
     return eos
 
 
-class AutoregressiveEnumerable:
+class AutoregressiveEnumerable(SupportAttributes):
     """A model's continuations of ``prompt``, enumerable in exact descending probability.
 
     Args:
@@ -95,9 +95,7 @@ class AutoregressiveEnumerable:
             eos = _eos_token_of(model)
         if eos is False:
             eos = None
-        if eos is not None:
-            eos = check_token_id(eos, model.vocab_size, name="eos")
-        support = Support(max_len=max_len, eos=eos)
+        support = Support.for_model(max_len=max_len, eos=eos, vocab_size=model.vocab_size)
         branch_cap = check_optional_int(branch_cap, "branch_cap", minimum=1)
         batch_size = check_int(batch_size, "batch_size", minimum=1)
         max_band = check_int(max_band, "max_band", minimum=1)
@@ -118,14 +116,6 @@ class AutoregressiveEnumerable:
                                 progress=progress)
         self.vocab_size, self.support, self.prompt = self._index.vocab_size, support, self._index.prompt
         self.order_error = 0.0
-
-    @property
-    def max_len(self) -> int | None:
-        return self.support.max_len
-
-    @property
-    def eos(self) -> int | None:
-        return self.support.eos
 
     def seek_index(self) -> SeekIndex:
         """The persistent index behind every query (built lazily, deepened in place)."""

@@ -24,7 +24,7 @@ import numpy as np
 from ..validation import InputError, check_int, check_logprob
 from .beam import beam_logprobs
 from .histogram import DEFAULT_WIDTH_BITS, BucketIndex
-from .support import Support
+from .support import Support, SupportAttributes
 from .tree import DEFAULT_MAX_NODES, BuildProgress, IndexBudgetError, PrefixTree
 
 __all__ = ["SeekIndex", "BandTooLargeError", "IndexBudgetError", "DEFAULT_MAX_BAND", "DEFAULT_MAX_NODES",
@@ -45,7 +45,7 @@ class BandTooLargeError(RuntimeError):
     """The sequences tied (to within one bucket) with a query's answer are too many to sort exactly."""
 
 
-class SeekIndex:
+class SeekIndex(SupportAttributes):
     """The persistent index behind every query of an ``AutoregressiveEnumerable`` (see the module doc).
 
     Attributes: ``vocab_size``, ``support`` (with its ``max_len`` and ``eos``), ``prompt``, ``order_error``
@@ -78,14 +78,6 @@ class SeekIndex:
         self._refresh()
 
     # ------------------------------------------------------------------------------------------ state
-    @property
-    def max_len(self) -> int | None:
-        return self.support.max_len
-
-    @property
-    def eos(self) -> int | None:
-        return self.support.eos
-
     @property
     def forwards(self) -> int:
         """Prefixes sent to the model so far: the tree's forwards and the aiming beam's."""

@@ -19,10 +19,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..models.base import check_token_ids
+from ..models.base import check_token_id, check_token_ids
 from ..validation import InputError, check_optional_int
 
-__all__ = ["Support"]
+__all__ = ["Support", "SupportAttributes"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,13 @@ class Support:
         # Canonical Python ints, so that two equal supports compare (and hash) equal.
         object.__setattr__(self, "max_len", check_optional_int(self.max_len, "max_len", minimum=1))
         object.__setattr__(self, "eos", check_optional_int(self.eos, "eos", minimum=0))
+
+    @classmethod
+    def for_model(cls, *, max_len: int | None, eos: int | None, vocab_size: int) -> "Support":
+        """The support with ``eos`` checked against the model's vocabulary (an ``InputError`` naming it)."""
+        if eos is not None:
+            eos = check_token_id(eos, vocab_size, name="eos")
+        return cls(max_len=max_len, eos=eos)
 
     def expandable(self, depth: int) -> bool:
         """Whether a prefix of ``depth`` tokens that is not complete may still grow inside the support."""
@@ -103,3 +110,17 @@ class Support:
         if self.max_len is not None and len(seq) > self.max_len:
             return f"{name} has length {len(seq)} > max_len={self.max_len}"
         return None
+
+
+class SupportAttributes:
+    """``max_len`` and ``eos`` of an index, read from its ``support`` (one spelling for every index)."""
+
+    support: Support
+
+    @property
+    def max_len(self) -> int | None:
+        return self.support.max_len
+
+    @property
+    def eos(self) -> int | None:
+        return self.support.eos
