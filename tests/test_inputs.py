@@ -17,21 +17,11 @@ from speculum.enumeration import AutoregressiveEnumerable
 from speculum.models import MarkovModel, TinyTransformer
 from speculum.models.base import check_prompt, check_token_id, check_token_ids
 
+from test_speculative import plain_greedy
+
 V = 8
 TARGET = MarkovModel.random(V, seed=0, order=2)
 DRAFT = MarkovModel.random(V, seed=1, order=2)
-
-
-def plain_greedy(model, prompt, n, eos=None):
-    """Reference greedy decoding from batched rows (no sessions)."""
-    context, out = list(prompt), []
-    for _ in range(n):
-        token = int(np.argmax(model.next_logprobs([context])[0]))
-        out.append(token)
-        context.append(token)
-        if token == eos:
-            break
-    return out
 
 
 # ------------------------------------------------------------------------------------------ token ids
