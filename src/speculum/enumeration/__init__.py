@@ -2,7 +2,8 @@
 
 ``AutoregressiveEnumerable`` / ``SeekIndex`` (exact order), ``AREnvelopeIndex`` (very deep ranks,
 approximate rank coordinate, exact scores), ``RescoredIndex`` (draft-built, target-scored, certified).
-``Support`` says which continuations an index enumerates; ``EnumerationIndex`` is what every index offers.
+``Regex`` / ``Choices`` constrain an index to a format or a label set (``StringIndex``: its strings over
+all their tokenizations). ``Support`` says which continuations an index enumerates; ``EnumerationIndex`` is what every index offers.
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ _LAZY = {
     "RankReport": ".exposure",
     "Support": ".support",
     "EnumerationIndex": ".index",
+    "Regex": ".constraint",
+    "Choices": ".constraint",
+    "TokenAutomaton": ".constraint",
+    "StringIndex": ".strings",
     "ScoringIndex": ".index",
 }
 

@@ -37,7 +37,9 @@ def beam_logprobs(model: Any, *, prompt: Sequence[int], width: int, support: Sup
     horizon = support.horizon(max_steps)
     eos = support.eos
     prompt = [int(t) for t in prompt]
+    constrained = support.constraint is not None
     live: list[tuple[list[int], float]] = [([], 0.0)]
+    states = np.zeros(1, dtype=np.int32)          # constraint automaton state of each live sequence
     finished: list[float] = []
     forwards = 0
     for depth in range(horizon):
@@ -45,7 +47,7 @@ def beam_logprobs(model: Any, *, prompt: Sequence[int], width: int, support: Sup
             break
         rows = np.asarray(model.next_logprobs([prompt + seq for seq, _ in live]), dtype=np.float64)
         forwards += len(live)
-        steps = np.minimum(rows, 0.0)
+        steps = support.allowed(np.minimum(rows, 0.0), states)
         last = depth + 1 == horizon
         if eos is not None:
             # eos ends a sequence (at the last position nothing else may); the others continue.
@@ -66,6 +68,16 @@ def beam_logprobs(model: Any, *, prompt: Sequence[int], width: int, support: Sup
         candidates_at = np.flatnonzero(flat >= cut)
         best = candidates_at[np.lexsort((candidates_at, -flat[candidates_at]))][:keep]
         candidates = [(live[i // rows.shape[1]][0] + [int(i % rows.shape[1])], float(flat[i])) for i in best]
+        if constrained:
+            states = support.advance(states[best // rows.shape[1]], best % rows.shape[1])
+            if eos is None:
+                # A constrained sequence without eos is complete when the automaton accepts it.
+                done = support.is_complete(depth + 1, best % rows.shape[1], states)
+                finished.extend(lp for (_, lp), d in zip(candidates, done) if d)
+                candidates = [c for c, d in zip(candidates, done) if not d]
+                states = states[~done]
+                live = candidates
+                continue
         if eos is None and last:
             finished.extend(lp for _, lp in candidates)
             break

@@ -20,6 +20,7 @@ Example:
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import numpy as np
@@ -29,6 +30,8 @@ from ..validation import InputError, check_int, check_number, check_optional_int
 from .histogram import DEFAULT_WIDTH_BITS
 from .seek import (DEFAULT_BATCH_SIZE, DEFAULT_BEAM_FORWARDS, DEFAULT_MAX_BAND, DEFAULT_MAX_NODES,
                    DEFAULT_RESERVE_BITS, BandTooLargeError, IndexBudgetError, SeekIndex)
+from .constraint import compile_for
+from .strings import DEFAULT_MAX_TOKENIZATIONS, StringIndex
 from .support import Support, SupportAttributes
 from .tree import BuildProgress
 
@@ -71,6 +74,12 @@ class AutoregressiveEnumerable(SupportAttributes):
             query's first budget (0: never); it changes what is forwarded, never an answer.
         progress: callable receiving ``BuildProgress`` events (the library draws nothing itself; the CLI's
             ``speculum.cli.progress.index_bar()`` is such a callable drawing a tqdm bar).
+        constraint: ``Regex(...)`` / ``Choices(...)`` (or a compiled ``TokenAutomaton``): only the token
+            sequences whose text is a member of its language are enumerated (followed by ``eos`` when
+            given; ``max_len`` is then a cap). Off-format prefixes are never forwarded. Each item is a token
+            sequence scored by log p(exactly these tokens).
+        strings: items are the constraint's strings (text), each scored over all its tokenizations (at most
+            ``max_tokenizations`` per string): exact order and log-probs, see :class:`StringIndex`.
 
     Every query (``top_k``, ``unrank``, ``slice``, ``rank``, ``count``, ``threshold``, ``mass_above``) is
     exact and delegates to the persistent ``seek_index()``; ``unrank(rank(s)) == s`` for every ``s``.
@@ -89,13 +98,15 @@ class AutoregressiveEnumerable(SupportAttributes):
                  batch_size: int = DEFAULT_BATCH_SIZE, width_bits: float = DEFAULT_WIDTH_BITS,
                  reserve_bits: float = DEFAULT_RESERVE_BITS, max_band: int = DEFAULT_MAX_BAND,
                  max_nodes: int = DEFAULT_MAX_NODES, max_beam_forwards: int = DEFAULT_BEAM_FORWARDS,
-                 progress: Callable[[BuildProgress], None] | None = None) -> None:
+                 progress: Callable[[BuildProgress], None] | None = None, constraint=None,
+                 strings: bool = False, max_tokenizations: int = DEFAULT_MAX_TOKENIZATIONS) -> None:
         model = as_model(model, name="model")
         if eos is True:
             eos = _eos_token_of(model)
         if eos is False:
             eos = None
-        support = Support.for_model(max_len=max_len, eos=eos, vocab_size=model.vocab_size)
+        automaton = compile_for(constraint, model, eos=eos)
+        support = Support.for_model(max_len=max_len, eos=eos, vocab_size=model.vocab_size, constraint=automaton)
         branch_cap = check_optional_int(branch_cap, "branch_cap", minimum=1)
         batch_size = check_int(batch_size, "batch_size", minimum=1)
         max_band = check_int(max_band, "max_band", minimum=1)
@@ -116,6 +127,13 @@ class AutoregressiveEnumerable(SupportAttributes):
                                 progress=progress)
         self.vocab_size, self.support, self.prompt = self._index.vocab_size, support, self._index.prompt
         self.order_error = 0.0
+        self.strings = bool(strings)
+        if self.strings:
+            if automaton is None:
+                raise InputError("strings=True needs a constraint (Regex or Choices): items are its strings")
+            self._queries = StringIndex(self._index, max_tokenizations_per_string=max_tokenizations)
+        else:
+            self._queries = self._index
 
     def seek_index(self) -> SeekIndex:
         """The persistent index behind every query (built lazily, deepened in place)."""
@@ -131,23 +149,37 @@ class AutoregressiveEnumerable(SupportAttributes):
 
     def top_k(self, k: int) -> list[tuple[tuple[int, ...], float]]:
         """The ``k`` most probable continuations with exact log-probs, descending. Exact."""
-        return self._index.top_k(k)
+        return self._queries.top_k(k)
 
     def unrank(self, i: int) -> tuple[tuple[int, ...], float]:
         """The ``i``-th most probable continuation (0-based) and its exact log-prob. Exact."""
-        return self._index.unrank(i)
+        return self._queries.unrank(i)
 
     def slice(self, start: int, k: int) -> list[tuple[tuple[int, ...], float]]:
         """Ranks ``start .. start+k-1``. Exact."""
-        return self._index.slice(start, k)
+        return self._queries.slice(start, k)
 
     def rank(self, seq: Sequence[int]) -> int:
         """Number of continuations before ``seq`` (more probable, or tied and lexicographically smaller). Exact."""
-        return self._index.rank(seq)
+        return self._queries.rank(seq)
 
     def count(self, min_log_prob: float) -> int:
         """Number of continuations with ``log p >= min_log_prob``. Exact."""
-        return self._index.count(min_log_prob)
+        return self._queries.count(min_log_prob)
+
+    def size(self) -> int | float:
+        """Number of items: the strings of the constraint's language (``math.inf`` when infinite), or the
+        support's sequences without a constraint (``math.inf`` for an uncapped eos support). Exact."""
+        if self.support.constraint is not None:
+            return self.support.constraint.language_size()
+        size = self.support.size(self.vocab_size)
+        return math.inf if size is None else size
+
+    def mass(self, *, tolerance: float = 1e-3, max_forwards: int | None = None) -> tuple[float, float]:
+        """Sound ``(lo, hi)`` bracket on the total probability of the support (with a constraint: that the
+        model spells a member of the language), deepened until ``hi - lo <= tolerance * hi`` or
+        ``max_forwards`` prefixes were forwarded. Certified."""
+        return self._index.mass(tolerance=tolerance, max_forwards=max_forwards)
 
     def count_bracket(self, min_log_prob: float) -> tuple[int, int]:
         """Sound bracket on ``count`` over the uncapped support (equal ends without ``branch_cap``). Certified."""
@@ -155,11 +187,11 @@ class AutoregressiveEnumerable(SupportAttributes):
 
     def threshold(self, k: int) -> float:
         """Log-prob of the ``k``-th most probable continuation (``k >= 1``). Exact."""
-        return self._index.threshold(k)
+        return self._queries.threshold(k)
 
     def mass_above(self, min_log_prob: float) -> tuple[float, float]:
         """Sound ``(lo, hi)`` bracket on the probability of continuations with ``log p >= min_log_prob``. Certified."""
-        return self._index.mass_above(min_log_prob)
+        return self._queries.mass_above(min_log_prob)
 
     def score_sequences(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
         """``(batch,)`` exact log p(continuation | prompt), batched teacher forcing."""

@@ -1,9 +1,13 @@
-"""A continuation's rank among all continuations of its length, and its exposure.
+"""A continuation's rank among all continuations of its length or of a format, and its exposure.
 
-Exposure (Carlini et al. 2019, "The Secret Sharer", Sec. 4): ``log2(V^L) - log2(rank + 1)`` bits —
-how much more likely the model makes this continuation than a uniformly random one of the same token
-length. The rank is exact (the exact index) when it is shallow enough to count, and otherwise estimated
-by the sampled envelope with a bracket; the report says which.
+Exposure (Carlini et al. 2019, "The Secret Sharer", Sec. 4): ``log2 |space| - log2(rank + 1)`` bits —
+how much more likely the model makes this continuation than a uniformly random member of the space. The
+space is every continuation of the same token length (``V^L``), or, with a ``constraint``, the format's
+language (``Regex(r" \\d{4}-\\d{4}")``: |space| is its number of strings). Unconstrained, the rank is
+exact (the exact index) when it is shallow enough to count, and otherwise estimated by the sampled envelope
+with a bracket. Constrained, the rank is exact while the index it needs fits in ``max_forwards``, and
+beyond that a sound bracket: the stored members above it, plus at most (unexplored mass) / p(canary)
+unseen ones. The report says which.
 
 Example:
     >>> from speculum.models import MarkovModel
@@ -17,23 +21,28 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+
 from ..models.base import as_model, check_prompt, check_token_ids
 from ..validation import InputError, check_int
 from .envelope import DEFAULT_RESOLUTION, AREnvelopeIndex
 from .support import Support
 
-__all__ = ["RankReport", "estimate_rank", "DEFAULT_EXACT_RANK_LIMIT"]
+__all__ = ["RankReport", "estimate_rank", "estimate_ranks", "DEFAULT_EXACT_RANK_LIMIT", "DEFAULT_MAX_FORWARDS"]
 
 DEFAULT_EXACT_RANK_LIMIT = 1_000  # count exactly when the envelope says the rank is at most this
+DEFAULT_MAX_FORWARDS = 200_000    # constrained: most prefixes an exact rank may forward before a bracket
 
 
 @dataclass(frozen=True)
 class RankReport:
-    """Rank of a continuation among the ``vocab_size ** length`` continuations of its length.
+    """Rank of a continuation among the ``vocab_size ** length`` continuations of its length, or among the
+    members of a format (``space_size``).
 
     ``method`` is ``"exact"`` (``rank_lo == rank == rank_hi``; ties count lexicographically smaller
-    sequences as before it) or ``"envelope"`` (approximate: ``rank`` estimated, ``[rank_lo, rank_hi]``
-    sound when every prefix's sorted next-token row lies within the sampled envelopes).
+    sequences as before it), ``"envelope"`` (approximate: ``rank`` estimated, ``[rank_lo, rank_hi]``
+    sound when every prefix's sorted next-token row lies within the sampled envelopes) or ``"bracket"``
+    (constrained, certified: ``rank_lo <= true rank <= rank_hi``, ``rank`` their geometric middle).
     """
 
     rank: int  # number of continuations strictly more probable
@@ -43,9 +52,18 @@ class RankReport:
     log_prob: float  # exact log p(continuation | prompt), nats
     length: int
     vocab_size: int
+    space_size: float | None = None   # size of the ranked space (None: vocab_size ** length); inf allowed
+    item: Any = None                  # what was ranked (token ids, or text in string mode)
+
+    @property
+    def space_bits(self) -> float:
+        """``log2 |space|``."""
+        if self.space_size is None:
+            return self.length * math.log2(self.vocab_size)
+        return math.inf if self.space_size == math.inf else math.log2(self.space_size)
 
     def _exposure(self, rank: int) -> float:
-        return self.length * math.log2(self.vocab_size) - math.log2(rank + 1)
+        return self.space_bits - math.log2(rank + 1)
 
     @property
     def exposure_bits(self) -> float:
@@ -58,15 +76,20 @@ class RankReport:
         return self._exposure(self.rank_hi), self._exposure(self.rank_lo)
 
 
-def estimate_rank(model: Any, continuation: Sequence[int], *, prompt: Sequence[int] = (),
+def estimate_rank(model: Any, continuation: Sequence[int] | str, *, prompt: Sequence[int] = (),
                   exact_limit: int = DEFAULT_EXACT_RANK_LIMIT, n_paths: int = 16, seed: int = 0,
-                  resolution: float = DEFAULT_RESOLUTION) -> RankReport:
+                  resolution: float = DEFAULT_RESOLUTION, constraint: Any = None, **constrained: Any) -> RankReport:
     """Rank and exposure of ``continuation`` after ``prompt``, exact when cheap, else enveloped.
 
     The exact index is used when the whole space (every continuation of the same length) or the
     envelope's upper bracket is at most ``exact_limit``; otherwise the envelope's estimate and bracket are
-    reported (APPROXIMATE).
+    reported (APPROXIMATE). With a ``constraint`` (``Regex`` / ``Choices``) the space is the format's
+    language: see :func:`estimate_ranks` (``strings``, ``eos``, ``max_len``, ``max_forwards`` go there).
     """
+    if constraint is not None:
+        return estimate_ranks(model, [continuation], constraint=constraint, prompt=prompt, **constrained)[0]
+    if constrained:
+        raise InputError(f"{', '.join(sorted(constrained))} only apply with a constraint")
     model = as_model(model, name="model")
     exact_limit = check_int(exact_limit, "exact_limit", minimum=0)
     seq = check_token_ids(continuation, model.vocab_size, name="continuation")
@@ -87,3 +110,110 @@ def estimate_rank(model: Any, continuation: Sequence[int], *, prompt: Sequence[i
 
     rank = AutoregressiveEnumerable(model, max_len=length, prompt=prompt).rank(seq)
     return RankReport(rank, rank, rank, "exact", log_prob, length, vocab_size)
+
+
+def estimate_ranks(model: Any, items: Sequence[Any], *, constraint: Any, prompt: Sequence[int] = (),
+                   strings: bool = False, eos: int | bool | None = None, max_len: int | None = None,
+                   max_forwards: int = DEFAULT_MAX_FORWARDS, index: Any = None, **index_options: Any
+                   ) -> list[RankReport]:
+    """Rank and exposure of each of ``items`` within the language of ``constraint``, all on one shared index.
+
+    ``items`` are token-id sequences (token mode) or texts (``strings=True``: ranked over all their
+    tokenizations; a text is also accepted in token mode and then means its canonical tokenization only if
+    given as ids, so pass ids there). The rank is EXACT when the index certifies down to the item within
+    ``max_forwards`` forwarded prefixes, else a CERTIFIED bracket (``method="bracket"``). Exposure uses
+    ``log2`` of the language's number of strings (string mode) or token sequences (token mode).
+
+    Example:
+        >>> from speculum.models import MarkovModel
+        >>> from speculum.enumeration import Regex
+        >>> vocab = ["7", "8", "77", "x", "y", "xy"]
+        >>> [report] = estimate_ranks(MarkovModel.random(6, seed=0), ["787"], strings=True, prompt=[3],
+        ...                           constraint=Regex("[78]{3}", vocabulary=vocab))
+        >>> report.method, report.space_size, 0 <= report.rank < 8
+        ('exact', 8, True)
+    """
+    from .exact import AutoregressiveEnumerable
+
+    max_forwards = check_int(max_forwards, "max_forwards", minimum=0)
+    if index is None:
+        index = AutoregressiveEnumerable(model, prompt=prompt, constraint=constraint, strings=strings, eos=eos,
+                                         max_len=max_len, **index_options)
+    seek = index.seek_index()
+    size = index.size() if strings else seek.support.size(seek.vocab_size)
+    size = math.inf if size is None else size
+    return [_rank_one(index, seek, item, strings=strings, size=size, max_forwards=max_forwards) for item in items]
+
+
+def _rank_one(index, seek, item, *, strings: bool, size, max_forwards: int) -> RankReport:
+    if strings:
+        if not isinstance(item, str):
+            raise InputError(f"in string mode an item is text, got {type(item).__name__}")
+        log_prob = index._queries.log_prob(item)
+        length = len(index._queries.tokenizations(item)[0])
+        budget = log_prob - index._queries.log_max_tokenizations
+    else:
+        if isinstance(item, str):
+            raise InputError("in token mode an item is a sequence of token ids (encode the text first, or pass "
+                             "strings=True to rank the text over all its tokenizations)")
+        item = seek.support.check(item, seek.vocab_size, name="item")
+        log_prob = float(seek.score_sequences([item])[0])
+        length, budget = len(item), log_prob
+    if log_prob == -math.inf:
+        raise InputError("the item has zero probability under the model")
+    budget -= 1e-6 * (1.0 + abs(budget))
+    # Deepen in steps that at most about double the forwards, until the item's budget is certified or the
+    # forward budget is spent.
+    while seek.certified_logprob > budget and not seek.tree.exhausted and seek.forwards < max_forwards:
+        built = -seek.tree.budget / math.log(2.0) if math.isfinite(seek.tree.budget) else 0.0
+        target = max(budget, -(built + max(1.0, seek._work_step_bits(max(built, 1.0)))) * math.log(2.0))
+        seek._extend(target)
+    common = dict(log_prob=log_prob, length=length, vocab_size=seek.vocab_size, space_size=size, item=item)
+    if seek.certified_logprob <= budget or seek.tree.exhausted:
+        rank = index.rank(item)
+        return RankReport(rank, rank, rank, "exact", **common)
+    lo, hi = _rank_bracket(index, seek, item, log_prob, strings=strings)
+    hi = min(hi, size - 1) if size != math.inf else hi
+    middle = int(round(math.sqrt((lo + 1) * (hi + 1)))) - 1
+    return RankReport(min(max(middle, lo), hi), lo, hi, "bracket", **common)
+
+
+def _rank_bracket(index, seek, item, log_prob: float, *, strings: bool) -> tuple[int, int]:
+    """Certified ``(lo, hi)`` on the rank from what the index stores, with no forward: members surely above
+    (stored leaves, or strings whose stored tokenizations alone outweigh the item) and at most
+    ``(mass not yet accounted) / p(item)`` more, since each member above has probability ``>= p(item)``."""
+    tree = seek.tree
+    leaves = [(depth, np.flatnonzero(level.leaf)) for depth, level in enumerate(tree.levels)]
+    unseen = tree.unseen_mass()
+    p_item = math.exp(log_prob)
+    if not strings:
+        lps = np.concatenate([tree.levels[d].logprob[ids] for d, ids in leaves])
+        above = int(np.count_nonzero(lps > log_prob))
+        maybe = int(np.count_nonzero(lps >= log_prob))
+        if seek._find(tuple(item)) is not None:
+            maybe -= 1                      # the item itself
+        else:
+            unseen -= p_item                # its own mass is among the unseen
+        return above, max(above, maybe + max(0, math.floor(unseen / p_item * (1.0 + 1e-9))))
+    known: dict[bytes, float] = {}
+    pieces = seek.support.constraint.token_bytes
+    eos = seek.support.eos
+    for depth, ids in leaves:
+        if not len(ids):
+            continue
+        level = tree.levels[depth]
+        tokens = np.zeros((len(ids), depth), dtype=np.int64)
+        node = ids
+        for d in range(depth, 0, -1):
+            tokens[:, d - 1] = tree.levels[d].token[node]
+            node = tree.levels[d].parent[node]
+        for row, lp in zip(tokens.tolist(), level.logprob[ids].tolist()):
+            text = b"".join(pieces[t] for t in row if t != eos)
+            known[text] = known.get(text, 0.0) + math.exp(lp)
+    key = item.encode("utf-8")
+    surely = [mass for text, mass in known.items() if text != key and mass > p_item * (1.0 + 1e-9)]
+    stored = math.fsum(known.values())
+    # Every member above the item, beside those surely above, has probability >= p(item); together with the
+    # item they hold at most the language's mass less what the sure ones hold.
+    spare = stored + unseen - math.fsum(surely) - p_item
+    return len(surely), len(surely) + max(0, math.floor(spare / p_item * (1.0 + 1e-9)))

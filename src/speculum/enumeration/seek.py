@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..validation import InputError, check_int, check_logprob
+from ..validation import InputError, check_int, check_logprob, check_number, check_optional_int
 from .beam import beam_logprobs
 from .histogram import DEFAULT_WIDTH_BITS, BucketIndex
 from .support import Support, SupportAttributes
@@ -367,6 +367,31 @@ class SeekIndex(SupportAttributes):
         lo = total * (1.0 - _MASS_ROUNDING)
         hi = total * (1.0 + _MASS_ROUNDING) + self._capped_mass_above(min_log_prob)
         return lo, min(hi, 1.0)
+
+    def mass(self, *, tolerance: float = 1e-3, max_forwards: int | None = None) -> tuple[float, float]:
+        """Sound ``(lo, hi)`` bracket on the total probability of the support: for a constrained index, the
+        probability that the model spells a member of the language. Certified.
+
+        Deepens (each step at most about doubling the forwards) until ``hi - lo <= tolerance * hi``, the
+        support is exhausted, or ``max_forwards`` prefixes were forwarded; the bracket is sound at any point:
+        ``lo`` sums the stored sequences, ``hi`` adds every prefix not expanded and every allowed child not
+        stored (``PrefixTree.unseen_mass``)."""
+        tolerance = check_number(tolerance, "tolerance", minimum=0)
+        max_forwards = check_optional_int(max_forwards, "max_forwards", minimum=0)
+        if not self.tree.constrained:
+            if self.support.eos is None and not self.capped:
+                return 1.0, 1.0           # every fixed-length sequence: the model's steps sum to one
+            raise InputError("mass() needs a constraint or a fixed-length uncapped support; use mass_above")
+        while True:
+            leaves = np.concatenate([level.logprob[level.leaf] for level in self.tree.levels])
+            lo = math.fsum(np.exp(leaves).tolist())
+            hi = min(1.0, lo * (1.0 + _MASS_ROUNDING) + self.tree.unseen_mass())
+            lo *= 1.0 - _MASS_ROUNDING
+            spent = max_forwards is not None and self.forwards >= max_forwards
+            if hi - lo <= tolerance * hi or self.tree.exhausted or spent:
+                return lo, hi
+            built = -self.tree.budget / _LN2 if math.isfinite(self.tree.budget) else 0.0
+            self._deepen(built + max(1.0, self._work_step_bits(max(built, 1.0))))
 
     # ------------------------------------------------------------------------------------------- rank
     def _find(self, seq: tuple[int, ...]) -> tuple[int, float] | None:

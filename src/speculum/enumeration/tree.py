@@ -66,21 +66,24 @@ class Level:
 
     # name -> (dtype, fill of a new entry); the last three only for expandable levels.
     _FIELDS = {"parent": (np.int32, 0), "token": (np.int32, 0), "logprob": (np.float64, 0.0),
-               "leaf": (bool, False), "floor": (np.float64, np.inf), "truncated": (bool, False),
-               "capped_mass": (np.float64, 0.0)}
-    _EXPANSION = ("floor", "truncated", "capped_mass")
+               "leaf": (bool, False), "state": (np.int32, 0), "floor": (np.float64, np.inf),
+               "truncated": (bool, False), "capped_mass": (np.float64, 0.0), "child_mass": (np.float64, 0.0)}
+    _EXPANSION = ("floor", "truncated", "capped_mass", "child_mass")
+    _CONSTRAINED = ("state", "child_mass")
 
-    def __init__(self, expandable: bool = True) -> None:
+    def __init__(self, expandable: bool = True, constrained: bool = False) -> None:
         # A level of complete sequences only (the last level of fixed-length continuations) never expands:
         # it keeps no floor / truncated / capped_mass arrays (a third less memory per leaf).
         # parent: index into the previous level; token: last token; logprob: exact log p(prefix | prompt);
         # leaf: a complete sequence of the support. Children of prefix i are stored down to
         # floor[i] (+inf: not expanded yet); truncated[i]: some positive-probability child lies below that
         # floor and was not stored; capped_mass[i]: probability of children dropped by branch_cap.
+        # Only under a constraint: state, the automaton's state after the prefix; child_mass, the probability
+        # of all the children the constraint allows (stored or not) of an expanded prefix.
         self.expandable = expandable
         self._size = 0
         self._buffers = {name: np.zeros(0, dtype=dtype) for name, (dtype, _) in self._FIELDS.items()
-                         if expandable or name not in self._EXPANSION}
+                         if (expandable or name not in self._EXPANSION) and (constrained or name not in self._CONSTRAINED)}
 
     def __len__(self) -> int:
         return self._size
@@ -93,7 +96,8 @@ class Level:
             return np.zeros(0, dtype=self._FIELDS[name][0])      # a leaf-only level has none
         raise AttributeError(name)
 
-    def append(self, parent: np.ndarray, token: np.ndarray, logprob: np.ndarray, leaf: np.ndarray) -> None:
+    def append(self, parent: np.ndarray, token: np.ndarray, logprob: np.ndarray, leaf: np.ndarray,
+               state: np.ndarray | None = None) -> None:
         n = len(token)
         size = self._size + n
         capacity = len(self._buffers["token"])
@@ -104,9 +108,10 @@ class Level:
                 grown[: self._size] = buffer[: self._size]
                 self._buffers[name] = grown
         new = slice(self._size, size)
-        values = {"parent": parent, "token": token, "logprob": logprob, "leaf": leaf}
+        values = {"parent": parent, "token": token, "logprob": logprob, "leaf": leaf, "state": state}
         for name, buffer in self._buffers.items():
-            buffer[new] = values[name] if name in values else self._FIELDS[name][1]
+            value = values.get(name)
+            buffer[new] = value if value is not None else self._FIELDS[name][1]
         self._size = size
 
     def capped_mass_above(self, min_log_prob: float) -> float:
@@ -151,8 +156,9 @@ class PrefixTree:
         self.reforwards = 0                         # of which: prefixes forwarded a second time
         self.length_truncated = False               # eos support: max_len cut a positive-probability prefix
         self.budget = math.inf                      # every sequence with log p >= budget is stored
-        root = Level()
-        root.append(np.array([-1]), np.array([-1]), np.array([0.0]), np.array([False]))
+        self.constrained = support.constraint is not None
+        root = Level(constrained=self.constrained)
+        root.append(np.array([-1]), np.array([-1]), np.array([0.0]), np.array([False]), np.array([0]))
         self.levels: list[Level] = [root]
 
     # ------------------------------------------------------------------------------------------ state
@@ -169,6 +175,29 @@ class PrefixTree:
 
     def nbytes(self) -> int:
         return sum(level.nbytes() for level in self.levels)
+
+    def unseen_mass(self) -> float:
+        """An upper bound on the probability of the support sequences not stored as leaves (constrained
+        trees only: they record each expanded prefix's allowed child mass). Certified: every such sequence
+        passes through a stored prefix that is not expanded, or through an allowed child an expanded prefix
+        did not store; both masses are counted, rounding made generous."""
+        if not self.constrained:
+            raise InputError("unseen_mass needs a constrained tree")
+        total = 0.0
+        for depth, level in enumerate(self.levels):
+            if not level.expandable or not self.support.expandable(depth):
+                continue
+            open_ = ~level.leaf & np.isfinite(level.logprob)
+            unexpanded = open_ & np.isinf(level.floor)
+            total += math.fsum(np.exp(level.logprob[unexpanded]).tolist())
+            expanded = np.flatnonzero(open_ & ~np.isinf(level.floor))
+            if len(expanded) and depth + 1 < len(self.levels):
+                children = self.levels[depth + 1]
+                stored = np.bincount(children.parent, weights=np.exp(children.logprob), minlength=len(level))
+                total += math.fsum(np.maximum(level.child_mass[expanded] * (1.0 + 1e-9) - stored[expanded], 0.0).tolist())
+            elif len(expanded):
+                total += math.fsum(level.child_mass[expanded].tolist())
+        return total * (1.0 + 1e-9) + 1e-300
 
     def _pending(self, depth: int, budget: float) -> np.ndarray:
         """(n,) bool: prefixes of this length that need a forward to store every child with log p >= budget."""
@@ -230,7 +259,7 @@ class PrefixTree:
         parent_lp = level.logprob[nodes]                   # (c,)
         capped = self.branch_cap is not None and self.branch_cap < self.vocab_size
         last_eos = self.support.forces_eos(depth)
-        if self.sparse_rows and not capped and not last_eos:
+        if self.sparse_rows and not capped and not last_eos and not self.constrained:
             self._expand_sparse(depth, nodes, parent_lp, floor)
             return
         rows = np.asarray(self.model.next_logprobs(self._prefixes(depth, nodes)), dtype=np.float64)
@@ -241,6 +270,9 @@ class PrefixTree:
         # float32 backends can round a near-certain token to a tiny positive log-prob; a step must not
         # raise a prefix's probability (the budget pruning relies on it), so clip those to 0.
         rows = np.minimum(rows, 0.0)
+        if self.constrained:
+            # Tokens the constraint forbids are not children: -inf, exactly as zero-probability tokens.
+            rows = self.support.allowed(rows, level.state[nodes])
         self.forwards += len(nodes)
         first = np.isinf(level.floor[nodes])
         self.reforwards += int((~first).sum())
@@ -267,6 +299,12 @@ class PrefixTree:
                 self.length_truncated |= bool((others > 0).any())
                 allowed = only_eos
 
+        if self.constrained:
+            if allowed is None:
+                level.child_mass[nodes] = np.exp(parent_lp + _logsumexp_rows(rows))
+            else:
+                kept = np.where(allowed >= 0, np.take_along_axis(rows, np.maximum(allowed, 0), axis=1), -np.inf)
+                level.child_mass[nodes] = np.exp(parent_lp + _logsumexp_rows(kept)) + level.capped_mass[nodes]
         if allowed is None:
             # Pre-select loosely on the rows (no (c, V) temporaries), then apply the exact tests on candidates.
             finite_rows = np.isfinite(rows)
@@ -340,9 +378,18 @@ class PrefixTree:
         order = np.lexsort((tok, -child_lp, r))
         r, child_tokens, child_lp = r[order], tok[order], child_lp[order]
         if depth + 1 == len(self.levels):
-            self.levels.append(Level(expandable=self.support.expandable(depth + 1)))
-        leaf = self.support.is_complete(depth + 1, child_tokens)
-        self.levels[depth + 1].append(nodes[r], child_tokens, child_lp, leaf)
+            self.levels.append(Level(expandable=self.support.expandable(depth + 1), constrained=self.constrained))
+        states = self.support.advance(level.state[nodes[r]], child_tokens) if self.constrained else None
+        leaf = self.support.is_complete(depth + 1, child_tokens, states)
+        self.levels[depth + 1].append(nodes[r], child_tokens, child_lp, leaf, states)
+
+
+def _logsumexp_rows(rows: np.ndarray) -> np.ndarray:
+    """(c,) log of each row's total probability (-inf for an all -inf row)."""
+    top = rows.max(axis=1) if rows.shape[1] else np.full(len(rows), -np.inf)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        return safe + np.log(np.exp(rows - safe[:, None]).sum(axis=1))
 
 
 def _loose_step_floor(parent_lp: np.ndarray, floor: float) -> np.ndarray:
