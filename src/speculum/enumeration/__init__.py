@@ -20,8 +20,11 @@ _LAZY = {
     "EnumerationIndex": ".index",
     "Regex": ".constraint",
     "Choices": ".constraint",
-    "TokenAutomaton": ".constraint",
+    "TokenAutomaton": ".automaton",
     "StringIndex": ".strings",
+    "score_choices": ".labels",
+    "ChoiceScores": ".labels",
+    "estimate_ranks": ".exposure",
     "ScoringIndex": ".index",
 }
 

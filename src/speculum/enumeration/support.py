@@ -2,7 +2,7 @@
 
 A :class:`Support` is either every sequence of exactly ``max_len`` tokens (``eos`` None), or every sequence
 that ends in ``eos`` and contains it only there, of at most ``max_len`` tokens (``max_len`` None: of any
-length). With a ``constraint`` (a :class:`~speculum.enumeration.constraint.TokenAutomaton`) only the token
+length). With a ``constraint`` (a :class:`~speculum.enumeration.automaton.TokenAutomaton`) only the token
 sequences whose text is a member of its language count: complete when the automaton accepts (then
 followed by ``eos`` when one is given), ``max_len`` being only a cap on the number of tokens. The prefix tree asks it which prefixes grow and which sequences are complete, the indexes ask it
 whether a sequence belongs and how many sequences exist, and rescoring compares two of them with ``==``.
@@ -25,7 +25,7 @@ from ..models.base import check_token_id, check_token_ids
 from ..validation import InputError, check_optional_int
 
 if TYPE_CHECKING:
-    from .constraint import TokenAutomaton
+    from .automaton import TokenAutomaton
 
 __all__ = ["Support", "SupportAttributes"]
 
@@ -85,8 +85,13 @@ class Support:
     def allowed(self, rows: np.ndarray, states: np.ndarray | None) -> np.ndarray:
         """``(c, V)`` next-token rows with every token the constraint forbids after ``states`` at ``-inf``
         (the rows themselves without a constraint)."""
+        return self.allowed_with_mass(rows, states)[0]
+
+    def allowed_with_mass(self, rows: np.ndarray, states: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """``allowed(rows, states)`` and ``(c,)`` the log of each row's allowed probability (None without a
+        constraint)."""
         if self.constraint is None:
-            return rows
+            return rows, None
         return self.constraint.mask(rows, states, eos=self.eos)
 
     def advance(self, states: np.ndarray | None, tokens: np.ndarray) -> np.ndarray | None:

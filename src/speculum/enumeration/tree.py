@@ -272,7 +272,7 @@ class PrefixTree:
         rows = np.minimum(rows, 0.0)
         if self.constrained:
             # Tokens the constraint forbids are not children: -inf, exactly as zero-probability tokens.
-            rows = self.support.allowed(rows, level.state[nodes])
+            rows, allowed_log_mass = self.support.allowed_with_mass(rows, level.state[nodes])
         self.forwards += len(nodes)
         first = np.isinf(level.floor[nodes])
         self.reforwards += int((~first).sum())
@@ -301,7 +301,7 @@ class PrefixTree:
 
         if self.constrained:
             if allowed is None:
-                level.child_mass[nodes] = np.exp(parent_lp + _logsumexp_rows(rows))
+                level.child_mass[nodes] = np.exp(parent_lp + allowed_log_mass)
             else:
                 kept = np.where(allowed >= 0, np.take_along_axis(rows, np.maximum(allowed, 0), axis=1), -np.inf)
                 level.child_mass[nodes] = np.exp(parent_lp + _logsumexp_rows(kept)) + level.capped_mass[nodes]
