@@ -173,3 +173,45 @@ def test_off_language_items_are_refused():
         text_mode.rank("78")
     with pytest.raises(InputError, match="needs a constraint"):
         AutoregressiveEnumerable(model(), max_len=2, strings=True)
+
+
+def test_speculative_enumeration_over_a_format_is_certified_and_exact():
+    """A constrained draft index behind RescoredIndex: every item is a member, scores are the target's, and a
+    certified top-k equals the exact constrained top-k of the target."""
+    from speculum.enumeration import RescoredIndex
+
+    pattern = "[78x]{2,3}y"
+    draft, target = model(1), model(2)
+    constraint = Regex(pattern, vocabulary=VOCAB)
+    draft_index = AutoregressiveEnumerable(draft, prompt=PROMPT, constraint=constraint)
+    exact = AutoregressiveEnumerable(target, prompt=PROMPT, constraint=constraint).top_k(6)
+    result = RescoredIndex(draft_index, target, rerank_window=8, assumed_gap=30.0).top_k(6, certify=True)
+    assert result["certified"] is True
+    assert [seq for seq, _ in result["items"]] == [seq for seq, _ in exact]
+    assert np.allclose([lp for _, lp in result["items"]], [lp for _, lp in exact], atol=1e-9)
+    other = AutoregressiveEnumerable(target, prompt=PROMPT, constraint=Regex("[78x]{2}y", vocabulary=VOCAB))
+    with pytest.raises(InputError, match="different support"):
+        RescoredIndex(draft_index, other)
+
+
+@pytest.mark.parametrize("max_forwards", [0, 2, 5, 20])
+def test_mass_bracket_is_sound_at_any_budget(max_forwards):
+    m = model(6)
+    tokens, _ = brute_force(m, "[78x]{1,4}", eos=True, max_tokens=5)
+    total = math.fsum(math.exp(lp) for _, lp in tokens)
+    ar = AutoregressiveEnumerable(m, prompt=PROMPT, constraint=Regex("[78x]{1,4}", vocabulary=VOCAB), eos=EOS, max_len=5)
+    lo, hi = ar.mass(max_forwards=max_forwards)
+    assert lo <= total <= hi
+
+
+def test_only_prefixes_of_members_are_forwarded():
+    from counting import CountingModel
+
+    counted = CountingModel(model(8), record=True)
+    automaton = Regex("x(7|8){2}y", vocabulary=VOCAB).compile(vocab_size=len(VOCAB))
+    ar = AutoregressiveEnumerable(counted, prompt=PROMPT, constraint=automaton)
+    ar.top_k(8)
+    assert counted.forwarded
+    for prefix in counted.forwarded:
+        text = "".join(VOCAB[t] for t in prefix[len(PROMPT):])
+        assert re.fullmatch(r"(x((7|8){0,2}|(7|8){2}y?))?", text), text
