@@ -215,3 +215,11 @@ def test_only_prefixes_of_members_are_forwarded():
     for prefix in counted.forwarded:
         text = "".join(VOCAB[t] for t in prefix[len(PROMPT):])
         assert re.fullmatch(r"(x((7|8){0,2}|(7|8){2}y?))?", text), text
+
+
+def test_the_envelope_refuses_a_constrained_index():
+    from speculum.enumeration import AREnvelopeIndex
+
+    ar = AutoregressiveEnumerable(model(), prompt=PROMPT, constraint=Regex("(7|8){3}", vocabulary=VOCAB))
+    with pytest.raises(InputError, match="constrained"):
+        AREnvelopeIndex(ar)

@@ -160,6 +160,10 @@ class AREnvelopeIndex(SupportAttributes):
                  max_depth: int = DEFAULT_MAX_DEPTH) -> None:
         if isinstance(ar_or_model, (AutoregressiveEnumerable, SeekIndex)):
             model, support, prompt = ar_or_model.model, ar_or_model.support, ar_or_model.prompt
+            if support.constraint is not None:
+                # The envelope samples unconstrained next-token rows; its rank coordinate would ignore the format.
+                raise InputError("AREnvelopeIndex does not take a constrained index; rank within a format with "
+                                 "estimate_rank(..., constraint=...) (exact, or a certified bracket)")
         else:
             model = as_model(ar_or_model, name="ar_or_model")
             support = Support.for_model(max_len=max_len, eos=eos, vocab_size=model.vocab_size)
