@@ -154,6 +154,8 @@ def test_string_top_k_is_a_prefix_of_the_full_order(seed, k):
     (lambda: Regex("(7", vocabulary=VOCAB), "invalid regex"),
     (lambda: Regex("7+", vocabulary=VOCAB), "proper prefix .*eos=True"),
     (lambda: Regex("z", vocabulary=VOCAB), "no token sequence"),
+    (lambda: Regex("7[^\\s\\S]", vocabulary=VOCAB), "matches no string"),
+    (lambda: Regex("x{0}", vocabulary=VOCAB), "only the empty string"),
     (lambda: Choices([], vocabulary=VOCAB), "empty"),
     (lambda: Choices(["7", "7"], vocabulary=VOCAB), "more than once"),
     (lambda: Regex("7", vocabulary=VOCAB[:3]), "vocabulary has 3 entries"),

@@ -46,6 +46,9 @@ class Support:
         object.__setattr__(self, "max_len", check_optional_int(self.max_len, "max_len", minimum=1))
         object.__setattr__(self, "eos", check_optional_int(self.eos, "eos", minimum=0))
         constraint = self.constraint
+        if constraint is not None and self.eos is None and constraint.accepting[0] and not len(constraint.tokens[0]):
+            raise InputError(f"the {constraint.description} matches only the empty string, which has no tokens; "
+                             "pass eos=True to score stopping right away")
         if constraint is not None and self.eos is None and not constraint.prefix_free():
             example = constraint.prefix_example()
             which = f" ({example[0]!r} and {example[1]!r})" if example else ""
