@@ -2,9 +2,10 @@
 
 ``enumerate`` lists the top-K continuations of a prompt with the TARGET's exact log-probs: exactly
 (``--draft none``: the exact index on the target) or speculatively (a draft builds the index, the target
-rescores the pulled window in one batched call, with a certificate). ``rank`` places one continuation
-among all continuations of its token length and reports its exposure (Carlini et al., "The Secret
-Sharer"). Formatting only: the work is in :mod:`speculum.enumeration`.
+rescores the pulled window in one batched call, with a certificate). ``rank`` places continuations
+among all continuations of their token length and reports their exposure (Carlini et al., "The Secret
+Sharer"). With ``--regex`` / ``--choices-file`` both run constrained (:mod:`speculum.cli.constrained`).
+Formatting only: the work is in :mod:`speculum.enumeration`.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from speculum.cli import constrained
 from speculum.cli.checks import CLIError, check_at_least, check_draft, utf8_text
 from speculum.cli.generate import add_cache_argument
 from speculum.cli.progress import index_bar, loading_progress
@@ -29,13 +31,20 @@ def register(subparsers: Any) -> None:
     enum = subparsers.add_parser(
         "enumerate", help="the K most probable continuations of a prompt (exact target scores)",
         description="List a prompt's most probable continuations with the target's exact log-probs. A draft "
-                    "(--draft) builds the index; the target rescores the candidates in one batched call.")
+                    "(--draft) builds the index; the target rescores the candidates in one batched call. "
+                    "--regex: only the members of a format, exact; --choices-file: every label of a set.")
     enum.add_argument("prompt", help="prompt text (token ids separated by spaces for models without a tokenizer)")
-    size = enum.add_mutually_exclusive_group(required=True)
-    size.add_argument("--length", type=int, help="enumerate continuations of exactly this many tokens")
-    size.add_argument("--eos", action="store_true", help="enumerate continuations ending in the model's eos")
-    enum.add_argument("--max-len", type=int, default=None, help="with --eos: longest continuation (tokens)")
-    enum.add_argument("--top-k", type=int, required=True, help="how many continuations to list")
+    # One of --length, --eos, --regex, --choices-file is required: checked in run_enumerate.
+    size = enum.add_mutually_exclusive_group()
+    size.add_argument("--length", type=int, help="enumerate continuations of exactly this many tokens (one of "
+                                                 "--length, --eos, --regex, --choices-file is required)")
+    size.add_argument("--eos", action="store_true", help="enumerate continuations ending in the model's eos "
+                                                         "(with --regex / --choices-file: each member then eos)")
+    enum.add_argument("--max-len", type=int, default=None,
+                      help="with --eos or --regex: longest continuation (tokens)")
+    enum.add_argument("--top-k", type=int, default=None,
+                      help="how many continuations to list (required; with --choices-file default: all)")
+    constrained.add_enumerate_arguments(enum)
     enum.add_argument("--draft", default="none",
                       help="none (exact index on the target), ngram (fitted to target samples), llamacpp (the "
                            "embedded GGUF on llama.cpp; llamacpp:FILE.gguf for another), int8, bf16, "
@@ -56,12 +65,17 @@ def register(subparsers: Any) -> None:
         "rank", help="a continuation's rank among all continuations of its length, and its exposure",
         description="Rank of a continuation among all vocab^length continuations of its token length, its "
                     "log-prob and exposure log2(V^L) - log2(rank+1) (Carlini et al., 'The Secret Sharer'): "
-                    "exact when the rank is small, else a sampled-envelope estimate with a bracket.")
+                    "exact when the rank is small, else a sampled-envelope estimate with a bracket. With "
+                    "--regex: among the members of a format, exact or a certified bracket.")
     rank.add_argument("prompt", help="prompt text (token ids for models without a tokenizer)")
-    rank.add_argument("--text", required=True, help="the continuation (token ids for models without a tokenizer)")
+    canary = rank.add_mutually_exclusive_group(required=True)
+    canary.add_argument("--text", help="the continuation (token ids for models without a tokenizer)")
+    canary.add_argument("--file", help="rank every line of this file (one continuation per line; leading "
+                                       "spaces count, empty lines are skipped)")
     rank.add_argument("--n-paths", type=int, default=16, help="sampled paths of the envelope (default: 16)")
     rank.add_argument("--exact-limit", type=int, default=1000,
                       help="count exactly when the rank is at most this (default: 1000)")
+    constrained.add_rank_arguments(rank)
     _common(rank)
     rank.set_defaults(handler=run_rank)
 
@@ -136,16 +150,17 @@ def run_enumerate(args: argparse.Namespace) -> int:
     _check_enumeration_draft(args.draft)
     if args.certify and args.assumed_gap is None and args.draft.strip().lower() != "none":
         raise CLIError("--certify needs --assumed-gap: a certificate rests on a bound on |target - draft|")
-    if args.max_len is not None and not args.eos:
-        raise CLIError("--max-len goes with --eos (use --length for fixed-length continuations)")
+    constraint = constrained.check_enumerate(args)
+    if args.max_len is not None and not args.eos and args.regex is None:
+        raise CLIError("--max-len goes with --eos or --regex (use --length for fixed-length continuations)")
     prompt_text = utf8_text(args.prompt, "prompt", "enumerate")
     target = _load_target(args.target, verify=args.verify_cache)
     prompt = _encode(target, prompt_text, chat=args.chat, prompt=True)
-    eos = None
-    if args.eos:
-        eos = getattr(target, "eos_token_id", None)
-        if eos is None:
-            raise CLIError("--eos: the target has no eos token")
+    eos = constrained.eos_id(target) if args.eos else None
+    if args.regex is not None:
+        return constrained.enumerate_format(args, target, prompt, eos, constraint)
+    if constraint is not None:
+        return constrained.enumerate_choices(args, target, prompt, eos, constraint)
     max_len = args.length if args.length is not None else args.max_len
     started = time.perf_counter()
     draft = make_enumeration_draft(args.draft, target, prompt=prompt, length=max_len or 16, eos=eos,
@@ -185,33 +200,47 @@ def run_enumerate(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------------------------- rank
 def run_rank(args: argparse.Namespace) -> int:
-    from speculum.enumeration.exposure import estimate_rank
-
     check_at_least(args.n_paths, 1, "--n-paths")
     check_at_least(args.exact_limit, 0, "--exact-limit")
     check_at_least(args.seed, 0, "--seed")
+    regex = constrained.check_rank(args)
     prompt_text = utf8_text(args.prompt, "prompt", "rank")
-    continuation_text = utf8_text(args.text, "--text", "rank")
+    if args.text is not None:
+        texts = [utf8_text(args.text, "--text", "rank")]
+    else:
+        texts = constrained.read_lines(args.file, "--file", "rank")
     target = _load_target(args.target, verify=args.verify_cache)
     prompt = _encode(target, prompt_text, chat=args.chat, prompt=True)
-    continuation = _encode(target, continuation_text, chat=None, prompt=False)
+    if regex is not None:
+        return constrained.rank_format(args, target, prompt, texts, regex,
+                                       lambda text: _encode(target, text, chat=None, prompt=False))
+    reports = [_rank_one(args, target, prompt, text) for text in texts]
+    if args.json:
+        print(json.dumps(reports[0] if args.text is not None else {"prompt": args.prompt, "items": reports}))
+        return 0
+    for data in reports:
+        low, high = data["exposure_bracket"]
+        lo, hi = data["rank_bracket"]
+        space = data["length"] * math.log2(target.vocab_size)
+        print(f"continuation: {_text(target, data['tokens'])!r} ({data['length']} tokens, 2^{space:.1f} "
+              f"continuations)")
+        print(f"rank: {data['rank']:.4g} in [{lo:.4g}, {hi:.4g}] ({data['method']})")
+        print(f"log-prob: {data['log_prob']:.4f} nats; exposure: {data['exposure_bits']:.2f} bits "
+              f"in [{low:.2f}, {high:.2f}]; {data['seconds']:.2f} s")
+    return 0
+
+
+def _rank_one(args: argparse.Namespace, target: Any, prompt: list[int], text: str) -> dict:
+    """One continuation's rank among all continuations of its token length, as the JSON fields."""
+    from speculum.enumeration.exposure import estimate_rank
+
+    continuation = _encode(target, text, chat=None, prompt=False)
     if not continuation:
-        raise CLIError("--text encodes to no tokens")
+        raise CLIError("--text encodes to no tokens" if args.text is not None else f"{text!r} encodes to no tokens")
     started = time.perf_counter()
     report = estimate_rank(target, continuation, prompt=prompt, exact_limit=args.exact_limit,
                            n_paths=args.n_paths, seed=args.seed)
-    seconds = time.perf_counter() - started
-    low, high = report.exposure_bracket
-    data = {"tokens": continuation, "length": report.length, "rank": report.rank,
+    return {"tokens": continuation, "length": report.length, "rank": report.rank,
             "rank_bracket": [report.rank_lo, report.rank_hi], "log_prob": report.log_prob,
-            "exposure_bits": report.exposure_bits, "exposure_bracket": [low, high],
-            "method": report.method, "seconds": seconds}
-    if args.json:
-        print(json.dumps(data))
-        return 0
-    space = report.length * math.log2(report.vocab_size)
-    print(f"continuation: {_text(target, continuation)!r} ({report.length} tokens, 2^{space:.1f} continuations)")
-    print(f"rank: {report.rank:.4g} in [{report.rank_lo:.4g}, {report.rank_hi:.4g}] ({report.method})")
-    print(f"log-prob: {report.log_prob:.4f} nats; exposure: {report.exposure_bits:.2f} bits "
-          f"in [{low:.2f}, {high:.2f}]; {seconds:.2f} s")
-    return 0
+            "exposure_bits": report.exposure_bits, "exposure_bracket": list(report.exposure_bracket),
+            "method": report.method, "seconds": time.perf_counter() - started}
