@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "generate": "speculum.decoding",
+    "generate_batch": "speculum.decoding",
     "stream": "speculum.decoding",
     "DecodingStats": "speculum.decoding",
     "GenerationResult": "speculum.decoding",

@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Iterable
+from typing import Any
 
 from speculum.cli.checks import CLIError, check_draft, check_sampling, read_stdin, utf8_text, warn
 from speculum.cli.progress import loading_progress
+from speculum.decoding.text import TextStream
 
 __all__ = ["register", "run", "format_stats", "parse_gamma", "TextStream"]
 
@@ -156,34 +157,6 @@ def run(args: argparse.Namespace) -> int:
         if stats is not None:
             print(format_stats(stats, draft=args.draft, gamma=args.gamma, stop_reason=stop_reason), file=sys.stderr)
     return 0
-
-
-class TextStream:
-    """Incremental detokenisation: returns only the text that became final since the last call.
-
-    Decoding the whole output each time (not token by token) keeps merges and multi-byte characters
-    right; a trailing U+FFFD (an incomplete UTF-8 sequence) is held back until it completes.
-    """
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.tokens: list[int] = []
-        self._shown = 0
-
-    def text(self) -> str:
-        return self.model.decode(self.tokens)
-
-    def add(self, tokens: Iterable[int]) -> str:
-        self.tokens.extend(int(t) for t in tokens)
-        text = self.text()
-        final = len(text.rstrip("\ufffd"))
-        piece, self._shown = text[self._shown:final], max(self._shown, final)
-        return piece
-
-    def flush(self) -> str:
-        text = self.text()
-        piece, self._shown = text[self._shown:], len(text)
-        return piece
 
 
 def format_stats(stats: Any, *, draft: str, gamma: Any, stop_reason: str | None = None) -> str:

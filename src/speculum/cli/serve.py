@@ -1,0 +1,96 @@
+"""``speculum serve``: an OpenAI-compatible HTTP server (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``, ``/health``, ``/metrics``) over speculative decoding, on FastAPI + uvicorn.
+
+The target and draft are chosen as for ``speculum generate``. Requests run one at a time in arrival order
+(a bounded queue; 429 beyond it); each is exactly the target's law, and a seeded request's output does
+not depend on the others (with a draft whose proposals depend on the context only, e.g. ``lookup``).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from speculum.cli.checks import CLIError, check_at_least, check_draft
+from speculum.cli.generate import add_model_arguments, load_target, parse_gamma
+
+__all__ = ["register", "run"]
+
+DEFAULT_DRAFT = "lookup"
+
+
+def register(subparsers: Any) -> None:
+    from speculum.models.select import DRAFT_KINDS
+
+    drafts = "\n".join(f"  {name:<10} {text}" for name, text in DRAFT_KINDS.items())
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the target over an OpenAI-compatible HTTP API, with speculative decoding",
+        description=(
+            "Serve the target over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions "
+            "with streaming, /v1/models, /health, /metrics). Every response has exactly the target's "
+            "output distribution; temperature 0 gives the tokens of plain greedy decoding. Requests run "
+            "one at a time in arrival order; more than --max-waiting waiting get HTTP 429."
+        ),
+        epilog=(f"drafts (--draft):\n{drafts}\n\nexample:\n  speculum serve --port 8000 &\n"
+                "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+                "       -d '{\"prompt\": \"The capital of France is\", \"max_tokens\": 16, \"temperature\": 0}'"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, metavar="DRAFT",
+                        help=f"none | lookup | ngram | int8 | bf16 | layers:K | PATH (default: {DEFAULT_DRAFT})")
+    parser.add_argument("--gamma", default="auto", metavar="N|auto", type=parse_gamma,
+                        help="draft tokens per target forward, or 'auto' to adapt it (default: auto)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="the model name clients send and /v1/models lists (default: --target)")
+    parser.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                        help="requests that may wait for the running one; more get HTTP 429 (default: 64)")
+    parser.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
+                        help="max_tokens of a request that sets none (default: 256)")
+    parser.set_defaults(handler=run)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    check_draft(args.draft)
+    if not 0 <= args.port <= 65535:
+        raise CLIError(f"--port must be in 0..65535, got {args.port}")
+    check_at_least(args.max_waiting, 0, "--max-waiting")
+    check_at_least(args.default_max_tokens, 1, "--default-max-tokens")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    try:
+        import uvicorn
+    except ImportError:
+        raise ImportError("speculum serve needs FastAPI and uvicorn: pip install 'speculum[serve]'") from None
+    from speculum.models.select import make_draft
+    from speculum.serving import Engine, create_app
+
+    target = load_target(args)
+    draft = make_draft(args.draft, target)
+    engine = Engine(target, draft=draft, gamma=args.gamma, max_waiting=args.max_waiting)
+    name = args.served_model_name or args.target
+    encode_chat = chat_encoder(target)
+    app = create_app(engine, name, encode_text=lambda text: target.encode(text, chat=False),
+                     encode_chat=encode_chat, default_max_tokens=args.default_max_tokens)
+    # uvicorn handles SIGINT / SIGTERM: it stops accepting, lets open responses end (at most 5 s), then
+    # the app's shutdown closes the engine.
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    return 0
+
+
+def chat_encoder(target: Any) -> Any:
+    """messages -> prompt ids through the tokenizer's chat template (None when it has none)."""
+    tokenizer = getattr(target, "tokenizer", None)
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None
+
+    def encode(messages: list[dict]) -> list[int]:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        return [int(t) for t in ids]
+
+    return encode

@@ -1,0 +1,71 @@
+"""Streaming text out of streamed tokens: :class:`TextStream` (incremental detokenisation) and
+:class:`StopMatcher` (stop strings that may straddle chunks).
+
+Example:
+    >>> stops = StopMatcher(["\\n\\n"])
+    >>> stops.add("Hello\\n")          # the "\\n" may start a stop string: held back
+    ('Hello', False)
+    >>> stops.add("\\nWorld")          # the stop string completes: cut before it
+    ('', True)
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+__all__ = ["TextStream", "StopMatcher"]
+
+
+class TextStream:
+    """Incremental detokenisation: returns only the text that became final since the last call.
+
+    Decoding the whole output each time (not token by token) keeps merges and multi-byte characters
+    right; a trailing U+FFFD (an incomplete UTF-8 sequence) is held back until it completes. ``decoder``
+    is a model with ``decode(ids)`` or the function itself.
+    """
+
+    def __init__(self, decoder: Any) -> None:
+        self._decode: Callable[[Sequence[int]], str] = decoder if callable(decoder) else decoder.decode
+        self.tokens: list[int] = []
+        self._shown = 0
+
+    def text(self) -> str:
+        return self._decode(self.tokens)
+
+    def add(self, tokens: Iterable[int]) -> str:
+        self.tokens.extend(int(t) for t in tokens)
+        text = self.text()
+        final = len(text.rstrip("\ufffd"))
+        piece, self._shown = text[self._shown:final], max(self._shown, final)
+        return piece
+
+    def flush(self) -> str:
+        text = self.text()
+        piece, self._shown = text[self._shown:], len(text)
+        return piece
+
+
+class StopMatcher:
+    """Cuts streamed text at the first occurrence of any stop string (OpenAI's ``stop``; the stop string
+    itself is not returned). Text that could be the start of a stop string is held back until the next
+    piece tells."""
+
+    def __init__(self, stops: Iterable[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def add(self, piece: str) -> tuple[str, bool]:
+        """(text safe to show, whether a stop string was found: then nothing more may be shown)."""
+        text = self._held + piece
+        cuts = [at for at in (text.find(s) for s in self.stops) if at >= 0]
+        if cuts:
+            self._held = ""
+            return text[:min(cuts)], True
+        keep = max((n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:n])), default=0)
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        """The held-back text, at the end of the stream."""
+        held, self._held = self._held, ""
+        return held
