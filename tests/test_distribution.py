@@ -97,7 +97,12 @@ def chi_square_pvalue(target, draft, *, gamma, temperature=1.0, top_k=None, top_
     n_blocks = required_blocks(max(n_support - 1, 1))
     result = generate(target, [RESET], draft=draft, max_new_tokens=4 * n_blocks, gamma=gamma,
                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    blocks = np.asarray(result.tokens).reshape(n_blocks, 4)
+    return block_law_pvalue(result.tokens, law, n_blocks)
+
+
+def block_law_pvalue(tokens, law: np.ndarray, n_blocks: int) -> float:
+    """Chi-square p-value of the blocks of ``tokens`` (generated from [RESET]) against the exact ``law``."""
+    blocks = np.asarray(tokens).reshape(n_blocks, 4)
     if not (blocks[:, 3] == RESET).all():          # a zero-probability token was emitted
         return 0.0
     symbols = blocks[:, :3] - 1 - SYMBOLS * np.arange(3)

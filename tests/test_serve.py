@@ -203,23 +203,21 @@ def test_load_32_requests_at_concurrency_8_each_checked(server):
 
 
 def test_a_full_queue_answers_429():
-    gate = threading.Event()
+    gate, reached = threading.Event(), threading.Event()
 
     class Held(MarkovModel):
-        def start(self, *args, **kwargs):      # the first job waits here, holding the worker
+        def start(self, *args, **kwargs):      # the first job's prefill waits here, holding the worker
+            reached.set()
             gate.wait(10)
             return super().start(*args, **kwargs)
 
     base = make_target()
     engine = Engine(Held(base.transition_logprobs, base.initial_logprobs, eos_token_id=EOS), decode=decode,
-                    max_waiting=1)
+                    max_batch=1, max_waiting=1)
     running = Server(engine)
     try:
-        engine.submit(GenerationRequest(encode("ab"), max_tokens=2, temperature=0.0))   # runs, held at decode
-        deadline = time.monotonic() + 10
-        while engine.metrics.requests_running != 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        engine.submit(GenerationRequest(encode("ab"), max_tokens=2, temperature=0.0))   # admitted, held
+        assert reached.wait(10)
         engine.submit(GenerationRequest(encode("ab"), max_tokens=2, temperature=0.0))   # waits
         with pytest.raises(EngineBusy):
             engine.submit(GenerationRequest(encode("ab"), max_tokens=2, temperature=0.0))
@@ -314,3 +312,12 @@ def test_smollm2_served_greedy_chat_equals_plain_greedy_decoding():
         assert served == target.decode(plain.tokens)
     finally:
         running.stop()
+
+
+@pytest.mark.parametrize("module", ["speculum.serving.engine", "speculum.serving.openai_api"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0

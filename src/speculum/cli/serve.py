@@ -1,9 +1,10 @@
 """``speculum serve``: an OpenAI-compatible HTTP server (``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``, ``/health``, ``/metrics``) over speculative decoding, on FastAPI + uvicorn.
 
-The target and draft are chosen as for ``speculum generate``. Requests run one at a time in arrival order
-(a bounded queue; 429 beyond it); each is exactly the target's law, and a seeded request's output does
-not depend on the others (with a draft whose proposals depend on the context only, e.g. ``lookup``).
+The target and draft are chosen as for ``speculum generate``. Up to ``--max-batch`` requests are generated
+together, one block each per step, admitted in arrival order from a bounded queue (429 beyond it); each
+is exactly the target's law, and a seeded request's output does not depend on the others (with a draft
+whose proposals depend on the context only, e.g. ``lookup``).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def register(subparsers: Any) -> None:
         description=(
             "Serve the target over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions "
             "with streaming, /v1/models, /health, /metrics). Every response has exactly the target's "
-            "output distribution; temperature 0 gives the tokens of plain greedy decoding. Requests run "
-            "one at a time in arrival order; more than --max-waiting waiting get HTTP 429."
+            "output distribution; temperature 0 gives the tokens of plain greedy decoding. Up to "
+            "--max-batch requests are generated together; more than --max-waiting waiting get HTTP 429."
         ),
         epilog=(f"drafts (--draft):\n{drafts}\n\nexample:\n  speculum serve --port 8000 &\n"
                 "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
@@ -45,8 +46,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model name clients send and /v1/models lists (default: --target)")
+    parser.add_argument("--max-batch", type=int, default=8, metavar="N",
+                        help="requests generated together, one block each per step (default: 8)")
     parser.add_argument("--max-waiting", type=int, default=64, metavar="N",
-                        help="requests that may wait for the running one; more get HTTP 429 (default: 64)")
+                        help="requests that may wait while --max-batch run; more get HTTP 429 (default: 64)")
     parser.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
                         help="max_tokens of a request that sets none (default: 256)")
     parser.set_defaults(handler=run)
@@ -56,6 +59,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_draft(args.draft)
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in 0..65535, got {args.port}")
+    check_at_least(args.max_batch, 1, "--max-batch")
     check_at_least(args.max_waiting, 0, "--max-waiting")
     check_at_least(args.default_max_tokens, 1, "--default-max-tokens")
 
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     target = load_target(args)
     draft = make_draft(args.draft, target)
-    engine = Engine(target, draft=draft, gamma=args.gamma, max_waiting=args.max_waiting)
+    engine = Engine(target, draft=draft, gamma=args.gamma, max_batch=args.max_batch, max_waiting=args.max_waiting)
     name = args.served_model_name or args.target
     encode_chat = chat_encoder(target)
     app = create_app(engine, name, encode_text=lambda text: target.encode(text, chat=False),

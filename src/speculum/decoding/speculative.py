@@ -48,51 +48,79 @@ class _Decoder:
         self.drafter = drafter_for(plan, self.policy, self.stats, self.warp)
 
     def run(self) -> Iterator[Chunk]:
-        plan, stats, policy, drafter = self.plan, self.stats, self.policy, self.drafter
-        context = list(plan.prompt)                 # prompt + emitted tokens
-        started = time.perf_counter()
-        if plan.budget == 0:
+        if not self.begin():
             return
-        # Prefill all but the last prompt token: it becomes the first `pending` token, so every block is
-        # exactly one target extend([pending] + proposals) returning the γ + 1 rows it needs.
-        target = plan.target.start(context[:-1])
-        pending = context[-1:]
-        stats.target_seconds += time.perf_counter() - started
-        drafter.start(context, target)
         try:
             while True:
-                t0 = time.perf_counter()
-                proposal = drafter.propose(context, plan.budget - stats.emitted)
+                proposal = self.propose()
                 t1 = time.perf_counter()
-                rows = self._target_rows(target, pending, proposal.tokens)
-                t2 = time.perf_counter()
-                stats.draft_seconds += t1 - t0
-                stats.target_seconds += t2 - t1
-                stats.target_forwards += 1
-                verdict = self._verify(proposal, rows)
-                proposed = len(proposal.tokens)
-                stats.record_block(proposed, verdict.accepted)
-                policy.observe_verification(len(pending) + proposed, t2 - t1, proposed=proposed,
-                                            accepted=verdict.accepted, key=proposal.key)
-                target.rollback(proposed - verdict.accepted)   # the target consumed every proposal
-                drafter.verified(verdict.accepted)
-                chunk = self._emit(context, verdict, proposed)
-                stats.total_seconds = time.perf_counter() - started
-                pending = chunk.tokens[-1:]
+                rows = self.target_rows(proposal)
+                chunk = self.verify(proposal, rows, time.perf_counter() - t1)
                 yield chunk
                 if chunk.finished:
                     return
         finally:
-            drafter.finish()
+            self.close()
+
+    # One block in three steps, so that a scheduler can verify the blocks of many generations together:
+    # propose (drafter), target rows (the target's forward: batched across generations by the caller),
+    # verify (the pure rule, rollbacks, the chunk).
+    def begin(self) -> bool:
+        """Prefill the target and start the drafter; False when there is nothing to generate."""
+        plan = self.plan
+        self.context = list(plan.prompt)                 # prompt + emitted tokens
+        self.started = time.perf_counter()
+        if plan.budget == 0:
+            return False
+        # Prefill all but the last prompt token: it becomes the first `pending` token, so every block is
+        # exactly one target extend([pending] + proposals) returning the γ + 1 rows it needs.
+        self.target = plan.target.start(self.context[:-1])
+        self.pending = self.context[-1:]
+        self.stats.target_seconds += time.perf_counter() - self.started
+        self.drafter.start(self.context, self.target)
+        return True
+
+    def propose(self) -> Proposal:
+        t0 = time.perf_counter()
+        proposal = self.drafter.propose(self.context, self.plan.budget - self.stats.emitted)
+        self.stats.draft_seconds += time.perf_counter() - t0
+        return proposal
+
+    def target_input(self, proposal: Proposal) -> list[int]:
+        """The tokens the target consumes this block (empty ``pending``: see :meth:`target_rows`)."""
+        return self.pending + proposal.tokens
+
+    def target_rows(self, proposal: Proposal) -> np.ndarray:
+        return self._target_rows(self.target, self.pending, proposal.tokens)
+
+    def verify(self, proposal: Proposal, rows: np.ndarray, target_seconds: float) -> Chunk:
+        """The block's verdict on the target's ``rows`` (γ + 1 of them), the rollbacks, and its chunk."""
+        stats, policy = self.stats, self.policy
+        rows = checked_rows(rows, len(proposal.tokens) + 1, self.vocab_size, "target")
+        stats.target_seconds += target_seconds
+        stats.target_forwards += 1
+        verdict = self._verify(proposal, rows)
+        proposed = len(proposal.tokens)
+        stats.record_block(proposed, verdict.accepted)
+        policy.observe_verification(len(self.pending) + proposed, target_seconds, proposed=proposed,
+                                    accepted=verdict.accepted, key=proposal.key)
+        self.target.rollback(proposed - verdict.accepted)   # the target consumed every proposal
+        self.drafter.verified(verdict.accepted)
+        chunk = self._emit(self.context, verdict, proposed)
+        stats.total_seconds = time.perf_counter() - self.started
+        self.pending = chunk.tokens[-1:]
+        return chunk
+
+    def close(self) -> None:
+        self.drafter.finish()
 
     def _target_rows(self, target: Any, pending: list[int], tokens: list[int]) -> np.ndarray:
-        """The γ + 1 checked target rows: after ``pending`` and after each proposal."""
+        """The γ + 1 target rows (checked by :meth:`verify`): after ``pending`` and after each proposal."""
         if pending:
-            rows = target.extend(pending + tokens)
-        else:  # empty prompt on a model with an initial distribution: the first row needs no token
-            first = target.next_logprobs()[None, :]
-            rows = np.vstack([first, target.extend(tokens)]) if tokens else first
-        return checked_rows(rows, len(tokens) + 1, self.vocab_size, "target")
+            return target.extend(pending + tokens)
+        # empty prompt on a model with an initial distribution: the first row needs no token
+        first = target.next_logprobs()[None, :]
+        return np.vstack([first, target.extend(tokens)]) if tokens else first
 
     def _verify(self, proposal: Proposal, target_rows: np.ndarray) -> Verdict:
         if self.greedy:

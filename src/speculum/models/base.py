@@ -250,11 +250,15 @@ class Capabilities:
     ``shares_prefix_cache``: ``start_sharing(source_session)`` starts a session on the cache of a session of
     ``prefix_of`` (a model whose computation this one's is a prefix of, such as its first K layers), or
     returns None when it cannot.
+    ``batched_extend``: ``extend_sessions(sessions, token_lists) -> [rows]``, the ``extend`` of several of its
+    sessions (each by its own tokens) in one forward, each result equal to that session's own ``extend``
+    (the decoding scheduler then verifies many generations' blocks in one call).
     """
 
     sparse_rows: bool = False
     session_advance: bool = False
     shares_prefix_cache: bool = False
+    batched_extend: bool = False
 
 
 def capabilities_of(model: Any) -> Capabilities:

@@ -1,10 +1,11 @@
-"""The serving engine: a bounded queue of generation jobs run by one worker thread.
+"""The serving engine: a bounded queue of generation jobs, run by one worker thread through a
+:class:`~speculum.decoding.batch.Scheduler` (continuous batching: up to ``max_batch`` jobs advance together,
+one block each per step; jobs join and leave between steps).
 
-The target runs one request at a time (a declared batch size of 1): each job is :func:`speculum.stream`
-over its own prompt and its own seed, so a seeded request's output does not depend on what else is
-queued, and a greedy request's output is identical to ``speculum.generate`` alone. A job yields
+Each job has its own session, drafter and seed, so a seeded request's output does not depend on what
+else runs, and a greedy request's output is identical to ``speculum.generate`` alone. A job yields
 :class:`Delta` events (text that became final, then a last event with the finish reason and usage); a job
-whose reader goes away is cancelled and frees the worker at its next verification step.
+whose reader goes away is cancelled at the next step.
 
 Example:
     >>> from speculum.models import MarkovModel
@@ -23,7 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from ..decoding import stream
+from ..decoding.batch import Scheduler
+from ..decoding.plan import plan_generation
 from ..decoding.text import StopMatcher, TextStream
 from ..validation import check_int
 
@@ -95,13 +97,15 @@ _DONE = object()
 class Job:
     """One submitted request: iterate it for its :class:`Delta` events (blocking), or ``cancel()`` it."""
 
-    def __init__(self, request: GenerationRequest, chunks: Iterator[Any],
+    def __init__(self, request: GenerationRequest, decode: Callable[[Sequence[int]], str],
                  on_event: Callable[[Delta | None], None] | None = None) -> None:
         self.request = request
-        self.chunks = chunks
         self.events: queue.Queue = queue.Queue()
         self._on_event = on_event
         self._cancelled = threading.Event()
+        self.text = TextStream(decode)
+        self.stops = StopMatcher(request.stop)
+        self.emitted = 0
 
     def put(self, event: Delta | None) -> None:
         """Deliver an event (None: the job has ended) to ``on_event``, else to the blocking queue."""
@@ -111,7 +115,7 @@ class Job:
             self.events.put(_DONE if event is None else event)
 
     def cancel(self) -> None:
-        """Stop generating at the next verification step (the reader went away)."""
+        """Stop generating at the next step (the reader went away)."""
         self._cancelled.set()
 
     @property
@@ -129,7 +133,7 @@ class Job:
 
 
 class Engine:
-    """Runs :func:`speculum.stream` jobs one at a time, in submission order, on a worker thread.
+    """Runs generation jobs on a worker thread, up to ``max_batch`` at a time, admitted in arrival order.
 
     Args:
         target: the protocol model that verifies (and has the last word).
@@ -137,15 +141,16 @@ class Engine:
         gamma: proposals per target forward, or ``"auto"``.
         decode: token ids -> text (default: ``target.decode``).
         eos_token_id: where generation stops (default: the target's).
-        max_waiting: requests that may wait beyond the running one; more are refused (:class:`EngineBusy`).
+        max_batch: jobs that advance together (each step verifies one block of each).
+        max_waiting: requests that may wait beyond the running ones; more are refused (:class:`EngineBusy`).
 
     Guarantee: exact — every job's tokens have the law of plain sampling from the target (greedy: the
-    same tokens as ``speculum.generate`` with the same arguments), whatever else is queued.
+    same tokens as ``speculum.generate`` with the same arguments), whatever else runs or waits.
     """
 
     def __init__(self, target: Any, *, draft: Any = None, gamma: int | str = "auto",
                  decode: Callable[[Sequence[int]], str] | None = None, eos_token_id: Any = ...,
-                 max_waiting: int = 64) -> None:
+                 max_batch: int = 8, max_waiting: int = 64) -> None:
         self.target = target
         self.draft = draft
         self.gamma = gamma
@@ -155,31 +160,36 @@ class Engine:
         # Hugging Face's fast tokenizers refuse concurrent use from several threads ("Already borrowed"):
         # the HTTP handlers encode and the worker decodes under this one lock.
         self.tokenizer_lock = threading.Lock()
+        self.max_batch = check_int(max_batch, "max_batch", minimum=1)
         self.max_waiting = check_int(max_waiting, "max_waiting", minimum=0)
         self._waiting: queue.Queue = queue.Queue()
-        self._pending = 0                   # jobs submitted and not yet ended: waiting + running
         self._lock = threading.Lock()
         self._closed = False
-        self._current: Job | None = None
+        self._running: dict[int, Job] = {}     # scheduler id -> job (the worker's alone)
+        self._admitting = 0                     # 1 while a job is being prefilled into the scheduler
+        self._scheduler = Scheduler(target)
         self._worker = threading.Thread(target=self._work, name="speculum-engine", daemon=True)
         self._worker.start()
+
+    def _arguments(self, request: GenerationRequest) -> dict:
+        return dict(draft=self.draft, max_new_tokens=request.max_tokens, gamma=self.gamma,
+                    temperature=request.temperature, top_k=None, top_p=request.top_p, eos_token_id=self.eos_token_id,
+                    seed=request.seed)
 
     def submit(self, request: GenerationRequest, on_event: Callable[[Delta | None], None] | None = None) -> Job:
         """Queue ``request``. Its arguments are checked here, before it waits (``InputError``); a full
         queue raises :class:`EngineBusy`, a closed engine :class:`EngineClosed`. Events go to
         ``on_event`` (called from the worker thread; None marks the end) or, without it, to the job's
         blocking iterator."""
-        chunks = stream(self.target, list(request.prompt_ids), draft=self.draft,
-                        max_new_tokens=request.max_tokens, gamma=self.gamma, temperature=request.temperature,
-                        top_p=request.top_p, eos_token_id=self.eos_token_id, seed=request.seed)
-        job = Job(request, chunks, on_event)
+        plan_generation(self.target, list(request.prompt_ids), **self._arguments(request))   # checks only
+        job = Job(request, self._locked_decode, on_event)
         with self._lock:
             if self._closed:
                 raise EngineClosed("the server is shutting down")
-            if self._pending > self.max_waiting:
+            if (self._waiting.qsize() >= self.max_waiting
+                    and len(self._running) + self._admitting >= self.max_batch):
                 self.metrics.requests_rejected += 1
                 raise EngineBusy(f"too many requests waiting ({self.max_waiting}); retry later")
-            self._pending += 1
             self._waiting.put(job)
             self.metrics.requests_waiting = self._waiting.qsize()
         return job
@@ -188,82 +198,113 @@ class Engine:
         """Refuse new requests, cancel the running and waiting ones, and stop the worker."""
         with self._lock:
             self._closed = True
-            current = self._current
-        if current is not None:
-            current.cancel()
+        self._waiting.put(None)
+        self._worker.join(timeout)
+
+    def _locked_decode(self, ids: Sequence[int]) -> str:
+        with self.tokenizer_lock:
+            return self.decode(ids)
+
+    # ------------------------------------------------------------------------------------ worker
+    def _work(self) -> None:
+        try:
+            while self._admit():
+                self._step()
+        finally:
+            self._shut_down()
+
+    def _admit(self) -> bool:
+        """Move waiting jobs into the scheduler (blocking while nothing runs); False once closed."""
+        while len(self._running) < self.max_batch:
+            try:
+                job = self._waiting.get(block=not self._running)
+            except queue.Empty:
+                break
+            if job is None or self._closed:
+                if job is not None:
+                    self._waiting.put(job)
+                return False
+            if job.cancelled:
+                self._end(job, cancelled=True)
+                continue
+            self._admitting = 1
+            try:
+                request = job.request
+                ident = self._scheduler.add(list(request.prompt_ids), **self._arguments(request))
+            except Exception as exc:  # checked at submit; a model failing at prefill fails this job only
+                job.put(Delta("", "error", error=f"{type(exc).__name__}: {exc}"))
+                self._end(job)
+                continue
+            finally:
+                self._admitting = 0
+            self._running[ident] = job
+        with self._lock:
+            self.metrics.requests_waiting = self._waiting.qsize()
+            self.metrics.requests_running = len(self._running)
+        return True
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        for ident, job in list(self._running.items()):
+            if job.cancelled:
+                self._scheduler.cancel(ident)
+                del self._running[ident]
+                self._end(job, cancelled=True)
+        try:
+            results = self._scheduler.step()
+        except Exception as exc:  # a failing model fails the jobs of this step, not the server
+            for ident, job in self._running.items():
+                self._scheduler.cancel(ident)
+                job.put(Delta("", "error", error=f"{type(exc).__name__}: {exc}"))
+                self._end(job)
+            self._running.clear()
+            return
+        for ident, chunk in results:
+            job = self._running[ident]
+            job.emitted = chunk.stats.emitted
+            self._account(chunk)
+            shown, hit = job.stops.add(job.text.add(chunk.tokens))
+            if chunk.finished and not hit:
+                more, hit = job.stops.add(job.text.flush())
+                shown += more if hit else more + job.stops.flush()
+            if shown:
+                job.put(Delta(shown))
+            if hit or chunk.finished:
+                self._scheduler.cancel(ident)
+                del self._running[ident]
+                reason = "stop" if hit or chunk.stop_reason == "eos" else "length"
+                job.put(Delta("", reason, prompt_tokens=len(job.request.prompt_ids), completion_tokens=job.emitted))
+                self.metrics.prompt_tokens += len(job.request.prompt_ids)
+                self._end(job, finished=True)
+        self.metrics.busy_seconds += time.perf_counter() - started
+
+    def _account(self, chunk: Any) -> None:
+        metrics = self.metrics
+        metrics.completion_tokens += len(chunk.tokens)
+        metrics.draft_proposed += chunk.proposed
+        metrics.draft_accepted += chunk.accepted
+        metrics.target_forwards += 1
+
+    def _end(self, job: Job, *, cancelled: bool = False, finished: bool = False) -> None:
+        if cancelled:
+            self.metrics.requests_cancelled += 1
+        if finished:
+            self.metrics.requests_finished += 1
+        job.put(None)
+        with self._lock:
+            self.metrics.requests_running = len(self._running)
+
+    def _shut_down(self) -> None:
+        self._scheduler.close()
+        for job in self._running.values():
+            job.put(Delta("", "error", error="the server is shutting down"))
+            self._end(job, cancelled=True)
+        self._running.clear()
         while True:
             try:
                 job = self._waiting.get_nowait()
             except queue.Empty:
                 break
             if job is not None:
-                job.cancel()
                 job.put(Delta("", "error", error="the server is shutting down"))
-                job.put(None)
-        self._waiting.put(None)
-        self._worker.join(timeout)
-
-    # ------------------------------------------------------------------------------------ worker
-    def _work(self) -> None:
-        while True:
-            job = self._waiting.get()
-            if job is None:
-                return
-            with self._lock:
-                self._current = job
-                self.metrics.requests_waiting = self._waiting.qsize()
-                self.metrics.requests_running = 1
-            try:
-                self._run(job)
-            except Exception as exc:  # a failing request must not take the server down with it
-                job.put(Delta("", "error", error=f"{type(exc).__name__}: {exc}"))
-            finally:
-                with self._lock:
-                    self._current = None
-                    self._pending -= 1
-                    self.metrics.requests_running = 0
-                job.put(None)
-
-    def _run(self, job: Job) -> None:
-        request, metrics = job.request, self.metrics
-
-        def decode(ids: Sequence[int]) -> str:
-            with self.tokenizer_lock:
-                return self.decode(ids)
-
-        text = TextStream(decode)
-        stops = StopMatcher(request.stop)
-        stats, stop_reason, started = None, None, time.perf_counter()
-        if job.cancelled:
-            metrics.requests_cancelled += 1
-            return
-        try:
-            for chunk in job.chunks:
-                stats, stop_reason = chunk.stats, chunk.stop_reason
-                shown, hit = stops.add(text.add(chunk.tokens))
-                if shown:
-                    job.put(Delta(shown))
-                if hit:
-                    stop_reason = "stop"
-                    break
-                if job.cancelled:
-                    metrics.requests_cancelled += 1
-                    return
-            else:
-                shown, hit = stops.add(text.flush())
-                rest = shown if hit else shown + stops.flush()
-                if rest:
-                    job.put(Delta(rest))
-        finally:
-            job.chunks.close()   # frees the target's session and the drafter's
-            metrics.busy_seconds += time.perf_counter() - started
-            if stats is not None:
-                metrics.completion_tokens += stats.emitted
-                metrics.draft_proposed += stats.proposed
-                metrics.draft_accepted += stats.accepted
-                metrics.target_forwards += stats.target_forwards
-        emitted = stats.emitted if stats is not None else 0
-        metrics.prompt_tokens += len(request.prompt_ids)
-        metrics.requests_finished += 1
-        reason = "stop" if stop_reason in ("eos", "stop") else "length"
-        job.put(Delta("", reason, prompt_tokens=len(request.prompt_ids), completion_tokens=emitted))
+                self._end(job, cancelled=True)

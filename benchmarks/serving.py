@@ -1,0 +1,123 @@
+"""Serving benchmark: `speculum serve` on SmolLM2-135M-Instruct (PyTorch, float32) under concurrent load.
+
+The server runs in this process (uvicorn on a localhost port, the same app as `speculum serve`); clients
+are threads sending greedy `/v1/completions` requests over HTTP with the real `openai` client, grounded
+prompts (summarise / rewrite a given text, where prompt lookup pays). For each concurrency level and each
+draft (`none` = plain decoding, `lookup` = prompt lookup with `gamma="auto"`) it reports aggregate tokens/s
+and p50 / p95 request latency, side by side in one run, and checks every response against the solo greedy
+output (end-of-sequence disabled, so each request emits exactly `--max-tokens` tokens).
+
+    .venv/bin/python benchmarks/serving.py                          # concurrency 1 4 8 16 (~10 min, 2 cores)
+    .venv/bin/python benchmarks/serving.py --concurrency 1 4 --requests 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import openai  # noqa: E402
+import uvicorn  # noqa: E402
+
+import speculum  # noqa: E402
+from speculum.cli.demo import PASSAGE  # noqa: E402
+from speculum.models.select import make_draft  # noqa: E402
+from speculum.serving import Engine, create_app  # noqa: E402
+
+PROMPTS = [
+    f"Summarise the following text in three sentences.\n\n{PASSAGE}",
+    f"Rewrite the following text for a ten-year-old.\n\n{PASSAGE}",
+    f"List the facts stated in the following text, one per line.\n\n{PASSAGE}",
+    f"Translate the key sentence of the following text into plain English.\n\n{PASSAGE}",
+]
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def serve(target, draft_spec: str, max_batch: int):
+    engine = Engine(target, draft=make_draft(draft_spec, target), gamma="auto", eos_token_id=None,
+                    max_batch=max_batch, max_waiting=1024)
+    app = create_app(engine, "smollm2-135m", encode_text=lambda text: target.encode(text, chat=True))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, f"http://127.0.0.1:{port}/v1"
+
+
+def load(url: str, concurrency: int, requests: int, max_tokens: int, expected: list[str]) -> dict:
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+
+    def one(i: int) -> tuple[float, int, bool]:
+        started = time.perf_counter()
+        reply = client.completions.create(model="smollm2-135m", prompt=PROMPTS[i % len(PROMPTS)],
+                                          max_tokens=max_tokens, temperature=0)
+        return (time.perf_counter() - started, reply.usage.completion_tokens,
+                reply.choices[0].text == expected[i % len(PROMPTS)])
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, range(requests)))
+    wall = time.perf_counter() - started
+    latencies = sorted(r[0] for r in results)
+    return {"concurrency": concurrency, "requests": requests, "tokens_per_second": sum(r[1] for r in results) / wall,
+            "p50": statistics.median(latencies), "p95": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
+            "all_identical": all(r[2] for r in results)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    from speculum.models.default import load_model
+
+    target = load_model()
+    expected = [target.decode(speculum.generate(target, target.encode(p, chat=True), max_new_tokens=args.max_tokens,
+                                                temperature=0, eos_token_id=None).tokens) for p in PROMPTS]
+    report = {"cpu": cpu_name(), "max_tokens": args.max_tokens, "runs": {}}
+    for draft in ("none", "lookup"):
+        server, thread, url = serve(target, draft, max_batch=max(args.concurrency))
+        load(url, 1, 1, 4, expected=[""] * len(PROMPTS))            # warm-up
+        report["runs"][draft] = [load(url, c, max(args.requests, c), args.max_tokens, expected)
+                                 for c in args.concurrency]
+        server.should_exit = True
+        thread.join(30)
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(f"CPU: {report['cpu']}; greedy, {args.max_tokens} tokens per request, PyTorch float32")
+    print(f"{'concurrency':>11} | {'plain tok/s':>11} {'p50 s':>6} {'p95 s':>6} | {'lookup tok/s':>12} {'p50 s':>6} "
+          f"{'p95 s':>6} | lookup/plain | vs c=1 (plain, lookup) | identical")
+    plain1, lookup1 = report["runs"]["none"][0], report["runs"]["lookup"][0]
+    for plain, lookup in zip(report["runs"]["none"], report["runs"]["lookup"]):
+        print(f"{plain['concurrency']:>11} | {plain['tokens_per_second']:>11.1f} {plain['p50']:>6.2f} {plain['p95']:>6.2f} | "
+              f"{lookup['tokens_per_second']:>12.1f} {lookup['p50']:>6.2f} {lookup['p95']:>6.2f} | "
+              f"{lookup['tokens_per_second'] / plain['tokens_per_second']:>12.2f} | "
+              f"{plain['tokens_per_second'] / plain1['tokens_per_second']:>10.2f}, "
+              f"{lookup['tokens_per_second'] / lookup1['tokens_per_second']:.2f} | "
+              f"{plain['all_identical'] and lookup['all_identical']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Many generations at once: a :class:`Scheduler` advances every active generation by one block per step
+(continuous batching: generations join and leave between steps).
+
+Each step runs the three parts of a block for every generation: its drafter proposes, the target
+computes the rows of every block (one batched call when the target declares
+``Capabilities.batched_extend``, else one call per generation), and the pure verification rule decides
+each block. Every generation keeps its own session, drafter and random streams, so its output is the one
+it gets alone: greedy tokens are identical, a seeded sample is the same, whatever else runs.
+
+Example:
+    >>> from speculum.models import MarkovModel
+    >>> target = MarkovModel.random(6, seed=0)
+    >>> scheduler = Scheduler(target)
+    >>> first, second = scheduler.add([0], max_new_tokens=3, temperature=0), scheduler.add([1], max_new_tokens=5)
+    >>> emitted = {first: 0, second: 0}
+    >>> while scheduler.active:
+    ...     for request, chunk in scheduler.step():
+    ...         emitted[request] += len(chunk.tokens)
+    >>> emitted == {first: 3, second: 5}
+    True
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from ..models.base import capabilities_of
+from .events import Chunk, DecodingStats
+from .plan import MODEL_EOS, plan_generation
+from .speculative import _Decoder
+
+__all__ = ["Scheduler"]
+
+
+class Scheduler:
+    """Generations on one target, advanced together one block per :meth:`step`.
+
+    Guarantee: exact — every generation has the law of :func:`speculum.stream` with its own arguments
+    (greedy: the same tokens), independent of the others.
+    """
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self._decoders: dict[int, _Decoder] = {}
+        self._finished_at_start: dict[int, str] = {}   # id -> stop reason: nothing to generate
+        self._next_id = 0
+        self.batched = capabilities_of(target).batched_extend
+
+    @property
+    def active(self) -> int:
+        """Generations that still emit (including those that end at their first step)."""
+        return len(self._decoders) + len(self._finished_at_start)
+
+    def add(self, prompt_ids: Sequence[int], *, draft: Any = None, max_new_tokens: int = 64,
+            gamma: int | str = 4, temperature: float = 1.0, top_k: int | None = None,
+            top_p: float | None = None, eos_token_id: Any = MODEL_EOS, seed: Any = None) -> int:
+        """Start a generation (the arguments of :func:`speculum.stream`, checked here); returns its id.
+        It prefills now and emits from the next :meth:`step` on."""
+        plan = plan_generation(self.target, prompt_ids, draft=draft, max_new_tokens=max_new_tokens, gamma=gamma,
+                               temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                               seed=seed)
+        request, self._next_id = self._next_id, self._next_id + 1
+        decoder = _Decoder(plan)
+        if decoder.begin():
+            self._decoders[request] = decoder
+        else:
+            self._finished_at_start[request] = plan.budget_reason
+        return request
+
+    def cancel(self, request: int) -> None:
+        """Stop a generation now (its reader went away); its session and drafter are released."""
+        decoder = self._decoders.pop(request, None)
+        if decoder is not None:
+            decoder.close()
+        self._finished_at_start.pop(request, None)
+
+    def close(self) -> None:
+        for request in list(self._decoders):
+            self.cancel(request)
+
+    def step(self) -> list[tuple[int, Chunk]]:
+        """One block of every active generation: ``(id, chunk)`` pairs; a finished generation leaves."""
+        out = [(request, Chunk([], 0, 0, None, None, True, reason, DecodingStats()))
+               for request, reason in self._finished_at_start.items()]
+        self._finished_at_start.clear()
+        if not self._decoders:
+            return out
+        requests = list(self._decoders)
+        decoders = [self._decoders[r] for r in requests]
+        proposals = [decoder.propose() for decoder in decoders]
+        rows, seconds = self._target_rows(decoders, proposals)
+        for request, decoder, proposal, block_rows, block_seconds in zip(requests, decoders, proposals, rows, seconds):
+            try:
+                chunk = decoder.verify(proposal, block_rows, block_seconds)
+            except Exception:
+                self.cancel(request)
+                raise
+            out.append((request, chunk))
+            if chunk.finished:
+                self.cancel(request)
+        return out
+
+    def _target_rows(self, decoders: list[_Decoder], proposals: list[Any]) -> tuple[list[Any], list[float]]:
+        """Every block's target rows, and the seconds each block is charged (a batched call is shared
+        evenly: ``gamma="auto"`` then sees the cost per generation)."""
+        batchable = [i for i, decoder in enumerate(decoders) if decoder.pending]
+        rows: list[Any] = [None] * len(decoders)
+        seconds = [0.0] * len(decoders)
+        if self.batched and len(batchable) > 1:
+            started = time.perf_counter()
+            batch = self.target.extend_sessions([decoders[i].target for i in batchable],
+                                                [decoders[i].target_input(proposals[i]) for i in batchable])
+            share = (time.perf_counter() - started) / len(batchable)
+            for i, block_rows in zip(batchable, batch):
+                rows[i], seconds[i] = block_rows, share
+        for i, (decoder, proposal) in enumerate(zip(decoders, proposals)):
+            if rows[i] is None:
+                started = time.perf_counter()
+                rows[i] = decoder.target_rows(proposal)
+                seconds[i] = time.perf_counter() - started
+        return rows, seconds

@@ -1,0 +1,136 @@
+"""Many generations at once (:class:`speculum.decoding.batch.Scheduler`).
+
+Invariants: each generation's output is the one it gets alone — greedy tokens identical to plain greedy
+decoding, a seeded sample identical to ``speculum.stream`` with that seed — whatever else runs and
+whenever it joins; its law is exactly the target's under batching (chi-square); a target that declares
+``batched_extend`` is called once per step with every active generation.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import speculum
+from speculum.decoding.batch import Scheduler
+from speculum.models import MarkovModel, PromptLookup
+from speculum.models.base import Capabilities
+from test_distribution import DRAFT, LEVEL, RESET, TARGET, block_law_pvalue, exact_block_law, required_blocks
+
+VOCAB = 12
+
+
+def run(scheduler: Scheduler, joins: dict[int, list[tuple[list[int], dict]]]) -> dict[int, list[int]]:
+    """Step until done; ``joins[step]`` are generations (prompt, arguments) added before that step."""
+    tokens: dict[int, list[int]] = {}
+    step = 0
+    while scheduler.active or any(s >= step for s in joins):
+        for prompt, arguments in joins.get(step, []):
+            tokens[scheduler.add(prompt, **arguments)] = []
+        for request, chunk in scheduler.step():
+            tokens[request].extend(chunk.tokens)
+        step += 1
+    return tokens
+
+
+DRAFTS = {"none": None, "lookup": PromptLookup(), "model": MarkovModel.random(VOCAB, seed=8)}
+
+
+@pytest.mark.parametrize("draft", DRAFTS.values(), ids=DRAFTS.keys())
+def test_greedy_under_batching_is_plain_greedy_decoding(draft):
+    target = MarkovModel.random(VOCAB, seed=7, eos_token_id=11)
+    prompts = [[0, 1, 2, 0, 1], [3], [4, 4, 4, 4], [5, 6], [7, 8, 9, 7, 8, 9], [10]]
+    lengths = [30, 5, 17, 1, 40, 23]
+    joins = {0: [], 2: [], 5: []}
+    for i, (prompt, length) in enumerate(zip(prompts, lengths)):
+        joins[(0, 2, 5)[i % 3]].append((prompt, dict(draft=draft, max_new_tokens=length, temperature=0, gamma=3)))
+    out = run(Scheduler(target), joins)
+    order = [p for step in (0, 2, 5) for p, _ in joins[step]]
+    for request, prompt in enumerate(order):
+        length = lengths[prompts.index(prompt)]
+        assert out[request] == speculum.generate(target, prompt, max_new_tokens=length, temperature=0).tokens
+
+
+@pytest.mark.parametrize("draft", DRAFTS.values(), ids=DRAFTS.keys())
+def test_a_seeded_generation_does_not_depend_on_the_batch(draft):
+    target = MarkovModel.random(VOCAB, seed=7)
+    arguments = dict(draft=draft, max_new_tokens=25, temperature=0.8, top_p=0.9, gamma="auto")
+    alone = speculum.generate(target, [1, 2, 3], seed=42, **arguments).tokens
+    joins = {0: [([4, 5], dict(arguments, seed=1)), ([1, 2, 3], dict(arguments, seed=42))],
+             3: [([6], dict(arguments, seed=2, max_new_tokens=60))]}
+    assert run(Scheduler(target), joins)[1] == alone
+
+
+def test_the_law_under_batching_is_the_targets():
+    """One long sampled generation shares every step with two others; its block law is exact (top-k 2
+    keeps the support, hence the sample, small)."""
+    warp = dict(temperature=1.5, top_k=2)
+    law = exact_block_law(TARGET, 1.5, 2, None)
+    n_blocks = required_blocks(max(int((law > 0).sum()) - 1, 1))
+    others = dict(draft=DRAFT, gamma=2, max_new_tokens=8 * n_blocks, seed=5, temperature=0.9)
+    joins = {0: [([RESET], dict(draft=DRAFT, gamma=3, max_new_tokens=4 * n_blocks, seed=0, **warp)),
+                 ([RESET], others)],
+             10: [([RESET], dict(others, seed=6, max_new_tokens=40))]}
+    tokens = run(Scheduler(TARGET), joins)[0]
+    pvalue = block_law_pvalue(tokens, law, n_blocks)
+    assert pvalue > LEVEL, f"the law under batching differs from the target's (p = {pvalue:.2e})"
+
+
+class BatchedMarkov(MarkovModel):
+    """Declares ``batched_extend``; records how many sessions each call verifies."""
+
+    capabilities = Capabilities(batched_extend=True)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[int] = []
+
+    def extend_sessions(self, sessions, token_lists):
+        self.calls.append(len(sessions))
+        return [session.extend(tokens) for session, tokens in zip(sessions, token_lists)]
+
+
+def test_a_batched_target_verifies_every_generation_in_one_call():
+    base = MarkovModel.random(VOCAB, seed=7)
+    target = BatchedMarkov(base.transition_logprobs, base.initial_logprobs)
+    joins = {0: [([1], dict(max_new_tokens=10, temperature=0, draft=DRAFTS["model"], gamma=2)),
+                 ([2, 3], dict(max_new_tokens=4, temperature=0))]}
+    out = run(Scheduler(target), joins)
+    assert out[0] == speculum.generate(base, [1], max_new_tokens=10, temperature=0).tokens
+    assert out[1] == speculum.generate(base, [2, 3], max_new_tokens=4, temperature=0).tokens
+    assert target.calls[0] == 2 and all(n in (2,) for n in target.calls)   # a lone generation: a plain extend
+
+
+def test_cancel_and_zero_budget():
+    target = MarkovModel.random(VOCAB, seed=7)
+    scheduler = Scheduler(target)
+    keep = scheduler.add([1], max_new_tokens=6, temperature=0)
+    drop = scheduler.add([2], max_new_tokens=100, temperature=0)
+    empty = scheduler.add([3], max_new_tokens=0)
+    first = dict(scheduler.step())
+    assert first[empty].finished and first[empty].tokens == []
+    scheduler.cancel(drop)
+    emitted = len(first[keep].tokens)
+    while scheduler.active:
+        for request, chunk in scheduler.step():
+            assert request == keep
+            emitted += len(chunk.tokens)
+    assert emitted == 6
+
+
+def test_generation_arguments_are_checked_when_added():
+    scheduler = Scheduler(MarkovModel.random(VOCAB, seed=7))
+    with pytest.raises(speculum.InputError):
+        scheduler.add([VOCAB + 1], max_new_tokens=3)
+    with pytest.raises(speculum.InputError):
+        scheduler.add([1], temperature=float("nan"))
+    assert scheduler.active == 0
+    np.testing.assert_equal(scheduler.step(), [])
+
+
+@pytest.mark.parametrize("module", ["speculum.decoding.batch", "speculum.decoding.text"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0
