@@ -7,15 +7,24 @@ draft (`none` = plain decoding, `lookup` = prompt lookup with `gamma="auto"`) it
 and p50 / p95 request latency, side by side in one run, and checks every response against the solo greedy
 output (end-of-sequence disabled, so each request emits exactly `--max-tokens` tokens).
 
+The peer is llama-cpp-python's own OpenAI-compatible server (`python -m llama_cpp.server`, the `[server]`
+extra) on the same GGUF file (Q4_1 weights, which llama.cpp computes with quantised kernels, while speculum
+runs the de-quantised float32 weights), driven by the same clients with the same prompt text; it serves one
+request at a time. Its tokens/s count the tokens it returned (it may stop at end-of-sequence).
+
     .venv/bin/python benchmarks/serving.py                          # concurrency 1 4 8 16 (~10 min, 2 cores)
     .venv/bin/python benchmarks/serving.py --concurrency 1 4 --requests 8
+    .venv/bin/python benchmarks/serving.py --batch-invariant        # each request in its own forward
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,9 +59,9 @@ def cpu_name() -> str:
     return "unknown CPU"
 
 
-def serve(target, draft_spec: str, max_batch: int):
+def serve(target, draft_spec: str, max_batch: int, batch_invariant: bool):
     engine = Engine(target, draft=make_draft(draft_spec, target), gamma="auto", eos_token_id=None,
-                    max_batch=max_batch, max_waiting=1024)
+                    max_batch=max_batch, max_waiting=1024, batch_invariant=batch_invariant)
     app = create_app(engine, "smollm2-135m", encode_text=lambda text: target.encode(text, chat=True))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -63,12 +72,37 @@ def serve(target, draft_spec: str, max_batch: int):
     return server, thread, f"http://127.0.0.1:{port}/v1"
 
 
-def load(url: str, concurrency: int, requests: int, max_tokens: int, expected: list[str]) -> dict:
+def start_peer(gguf: str):
+    """llama-cpp-python's server on a free port; None when its [server] extra is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llama_cpp.server") is None:
+        return None, None
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
+                                "--port", str(port), "--n_ctx", "2048", "--n_threads", str(os.cpu_count() or 2),
+                                "--verbose", "False"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=5)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            client.models.list()
+            return process, f"http://127.0.0.1:{port}/v1"
+        except openai.APIConnectionError:
+            time.sleep(0.5)
+    process.terminate()
+    return None, None
+
+
+def load(url: str, concurrency: int, requests: int, max_tokens: int, expected: list[str],
+         prompts: list[str] | None = None) -> dict:
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
 
     def one(i: int) -> tuple[float, int, bool]:
         started = time.perf_counter()
-        reply = client.completions.create(model="smollm2-135m", prompt=PROMPTS[i % len(PROMPTS)],
+        reply = client.completions.create(model="smollm2-135m", prompt=(prompts or PROMPTS)[i % len(PROMPTS)],
                                           max_tokens=max_tokens, temperature=0)
         return (time.perf_counter() - started, reply.usage.completion_tokens,
                 reply.choices[0].text == expected[i % len(PROMPTS)])
@@ -88,6 +122,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--batch-invariant", action="store_true", help="each request in its own forward")
+    parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip llama-cpp-python's server")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     from speculum.models.default import load_model
@@ -95,18 +131,31 @@ def main() -> None:
     target = load_model()
     expected = [target.decode(speculum.generate(target, target.encode(p, chat=True), max_new_tokens=args.max_tokens,
                                                 temperature=0, eos_token_id=None).tokens) for p in PROMPTS]
-    report = {"cpu": cpu_name(), "max_tokens": args.max_tokens, "runs": {}}
+    report = {"cpu": cpu_name(), "max_tokens": args.max_tokens, "batch_invariant": args.batch_invariant, "runs": {}}
     for draft in ("none", "lookup"):
-        server, thread, url = serve(target, draft, max_batch=max(args.concurrency))
+        server, thread, url = serve(target, draft, max(args.concurrency), args.batch_invariant)
         load(url, 1, 1, 4, expected=[""] * len(PROMPTS))            # warm-up
         report["runs"][draft] = [load(url, c, max(args.requests, c), args.max_tokens, expected)
                                  for c in args.concurrency]
         server.should_exit = True
         thread.join(30)
+    if args.peer:
+        from speculum.models.default import embedded_gguf_path
+
+        process, url = start_peer(str(embedded_gguf_path()))
+        if process is not None:
+            # The same text the speculum runs tokenise (the chat template applied), as a raw prompt.
+            texts = [target.tokenizer.decode(target.encode(p, chat=True)) for p in PROMPTS]
+            load(url, 1, 1, 4, expected=[""] * len(PROMPTS), prompts=texts)
+            report["runs"]["llama.cpp server"] = [load(url, c, max(args.requests, c), args.max_tokens,
+                                                       [""] * len(PROMPTS), prompts=texts) for c in args.concurrency]
+            process.terminate()
+            process.wait(30)
     if args.json:
         print(json.dumps(report))
         return
-    print(f"CPU: {report['cpu']}; greedy, {args.max_tokens} tokens per request, PyTorch float32")
+    mode = "batch-invariant (one forward per request)" if args.batch_invariant else "packed batched forward"
+    print(f"CPU: {report['cpu']}; greedy, {args.max_tokens} tokens per request, PyTorch float32, {mode}")
     print(f"{'concurrency':>11} | {'plain tok/s':>11} {'p50 s':>6} {'p95 s':>6} | {'lookup tok/s':>12} {'p50 s':>6} "
           f"{'p95 s':>6} | lookup/plain | vs c=1 (plain, lookup) | identical")
     plain1, lookup1 = report["runs"]["none"][0], report["runs"]["lookup"][0]
@@ -117,6 +166,9 @@ def main() -> None:
               f"{plain['tokens_per_second'] / plain1['tokens_per_second']:>10.2f}, "
               f"{lookup['tokens_per_second'] / lookup1['tokens_per_second']:.2f} | "
               f"{plain['all_identical'] and lookup['all_identical']}")
+    for peer in report["runs"].get("llama.cpp server", []):
+        print(f"llama.cpp server, concurrency {peer['concurrency']}: {peer['tokens_per_second']:.1f} tok/s, "
+              f"p50 {peer['p50']:.2f} s, p95 {peer['p95']:.2f} s")
 
 
 if __name__ == "__main__":

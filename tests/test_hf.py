@@ -370,3 +370,53 @@ def test_smollm_batched_next_logprobs_and_scores(smollm):
     scores = smollm.score_sequences([[504, 2017], [17]], prompt=prompt)
     assert scores[1] == pytest.approx(plain_rows(smollm, prompt)[17], abs=1e-4)
     assert scores[0] == pytest.approx(batched[0][2017] + plain_rows(smollm, prompt)[504], abs=1e-4)
+
+
+# ------------------------------------------------------------------- many sessions in one forward
+def _sessions_after(model: HFModel, prompts: list[list[int]]) -> list:
+    sessions = []
+    for prompt in prompts:
+        session = model.start(prompt)
+        session.extend([5, 6])
+        session.rollback(1)                     # a rollback before the packed call, as verification leaves it
+        sessions.append(session)
+    return sessions
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm"])
+def test_extend_sessions_equals_each_sessions_own_extend(which, request):
+    """The packed forward of several sessions gives each one the rows and the state of its own extend."""
+    model = request.getfixturevalue(which)
+    assert model.capabilities.batched_extend == model.fused_forward
+    prompts = [[1, 3, 4, 2], [7], [2, 9, 9, 9, 1, 8], [4, 4]]
+    blocks = [[3, 1, 2], [8], [5, 6, 7, 1, 2], [9, 10]]
+    alone = _sessions_after(model, prompts)
+    packed = _sessions_after(model, prompts)
+    expected = [session.extend(block) for session, block in zip(alone, blocks)]
+    got = model.extend_sessions(packed, blocks)
+    for want, have, one, other in zip(expected, got, alone, packed):
+        assert have.shape == want.shape and np.abs(have - want).max() < 1e-4
+        assert one.tokens == other.tokens
+        one.rollback(1), other.rollback(1)
+        assert np.abs(one.extend([3]) - other.extend([3])).max() < 1e-4   # the caches agree too
+    with pytest.raises(InputError, match="twice"):
+        model.extend_sessions([packed[0], packed[0]], [[1], [2]])
+
+
+@pytest.mark.llm
+@needs_smollm
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_smollm_greedy_under_batching_equals_solo(smollm, batch_invariant):
+    """Several greedy generations verified together (prompt lookup) give each prompt's solo greedy
+    tokens: guaranteed with batch_invariant (each generation's own forwards), tested for the packed one."""
+    from speculum.decoding.batch import Scheduler
+    from speculum.models import PromptLookup
+
+    prompts = [smollm.encode(p) for p in PROMPTS]
+    scheduler = Scheduler(smollm, batch_invariant=batch_invariant)
+    out = {scheduler.add(p, draft=PromptLookup(), gamma=4, max_new_tokens=20, temperature=0): [] for p in prompts}
+    while scheduler.active:
+        for request, chunk in scheduler.step():
+            out[request].extend(chunk.tokens)
+    for request, prompt in enumerate(prompts):
+        assert out[request] == speculum.generate(smollm, prompt, max_new_tokens=20, temperature=0).tokens

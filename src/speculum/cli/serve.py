@@ -48,6 +48,9 @@ def register(subparsers: Any) -> None:
                         help="the model name clients send and /v1/models lists (default: --target)")
     parser.add_argument("--max-batch", type=int, default=8, metavar="N",
                         help="requests generated together, one block each per step (default: 8)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="verify each request in its own forward: greedy output identical to the request "
+                             "alone, whatever else runs (slower under load)")
     parser.add_argument("--max-waiting", type=int, default=64, metavar="N",
                         help="requests that may wait while --max-batch run; more get HTTP 429 (default: 64)")
     parser.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
@@ -75,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
 
     target = load_target(args)
     draft = make_draft(args.draft, target)
-    engine = Engine(target, draft=draft, gamma=args.gamma, max_batch=args.max_batch, max_waiting=args.max_waiting)
+    engine = Engine(target, draft=draft, gamma=args.gamma, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                    batch_invariant=args.batch_invariant)
     name = args.served_model_name or args.target
     encode_chat = chat_encoder(target)
     app = create_app(engine, name, encode_text=lambda text: target.encode(text, chat=False),

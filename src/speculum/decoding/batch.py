@@ -4,8 +4,11 @@
 Each step runs the three parts of a block for every generation: its drafter proposes, the target
 computes the rows of every block (one batched call when the target declares
 ``Capabilities.batched_extend``, else one call per generation), and the pure verification rule decides
-each block. Every generation keeps its own session, drafter and random streams, so its output is the one
-it gets alone: greedy tokens are identical, a seeded sample is the same, whatever else runs.
+each block. Every generation keeps its own session, drafter and random streams, so its law is exactly
+the target's whatever else runs. With ``batch_invariant=True`` (or a target without batched extend) each
+generation's target calls are exactly those it makes alone, so its greedy tokens and seeded samples are
+identical to its solo run. A batched call computes the same rows up to float rounding (other matrix
+shapes), so at a near-tie a greedy token may differ from the solo run's.
 
 Example:
     >>> from speculum.models import MarkovModel
@@ -35,16 +38,17 @@ __all__ = ["Scheduler"]
 class Scheduler:
     """Generations on one target, advanced together one block per :meth:`step`.
 
-    Guarantee: exact — every generation has the law of :func:`speculum.stream` with its own arguments
-    (greedy: the same tokens), independent of the others.
+    Guarantee: exact — every generation has the law of :func:`speculum.stream` with its own arguments,
+    independent of the others; with ``batch_invariant=True`` its output is identical to its solo run
+    (greedy tokens, seeded samples).
     """
 
-    def __init__(self, target: Any) -> None:
+    def __init__(self, target: Any, *, batch_invariant: bool = False) -> None:
         self.target = target
         self._decoders: dict[int, _Decoder] = {}
         self._finished_at_start: dict[int, str] = {}   # id -> stop reason: nothing to generate
         self._next_id = 0
-        self.batched = capabilities_of(target).batched_extend
+        self.batched = capabilities_of(target).batched_extend and not batch_invariant
 
     @property
     def active(self) -> int:

@@ -223,29 +223,72 @@ class FusedLlama:
         batch, n = input_ids.shape
         past = cache.get_seq_length()
         x = F.embedding(input_ids, self.embed)                                      # (batch, n, hidden)
-        hidden = x.shape[-1]
         positions = (torch.arange(n) + past).unsqueeze(0)                           # (1, n)
         cos, sin = (t.unsqueeze(1) for t in self.rotary(x, positions))              # (1, 1, n, head_dim)
         # Causal mask offset by the cached length; one new token attends to everything (no mask).
         mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
-        q_end = self.heads * self.head_dim
-        k_end = q_end + self.kv_heads * self.head_dim
-        gqa = self.heads != self.kv_heads
         for index, block in enumerate(self.blocks):
-            h = _rms_norm(x, block.attn_norm, block.attn_eps).reshape(batch * n, hidden)
-            qkv = block.qkv(h).view(batch, n, -1)
-            q = qkv[..., :q_end].view(batch, n, self.heads, self.head_dim).transpose(1, 2)
-            k = qkv[..., q_end:k_end].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = qkv[..., k_end:].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k, v = self._qkv(block, x, cos, sin)
             k, v = cache.update(k, v, index)                                        # (batch, kv, past+n, d)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-            x = x + block.out(attn.transpose(1, 2).reshape(batch * n, q_end)).view(batch, n, hidden)
-            h = _rms_norm(x, block.mlp_norm, block.mlp_eps).reshape(batch * n, hidden)
-            gate, up = block.gate_up(h).chunk(2, dim=-1)
-            x = x + block.down(F.silu(gate) * up).view(batch, n, hidden)
+            x = self._after_attention(block, x, self._attend(q, k, v, mask))
         if keep:
             x = x[:, -keep:]
+        return self._head(x)
+
+    def forward_packed(self, token_lists: list[list[int]], caches: list[Any]) -> list[torch.Tensor]:
+        """Several sequences in one forward, each extending its own cache (updated in place): logits
+        ``(len(token_lists[b]), vocab)`` for each.
+
+        The per-token work (embedding, norms, projections, MLP, vocabulary head) runs once over every
+        token packed into one matrix, without padding; attention runs per sequence on its own cache,
+        with the shapes of a lone forward (so no padded keys enter any softmax)."""
+        lengths = [len(tokens) for tokens in token_lists]
+        pasts = [cache.get_seq_length() for cache in caches]
+        ids = torch.tensor([[t for tokens in token_lists for t in tokens]])        # (1, T)
+        x = F.embedding(ids, self.embed)                                            # (1, T, hidden)
+        positions = torch.cat([torch.arange(n) + past for n, past in zip(lengths, pasts)]).unsqueeze(0)
+        cos, sin = (t.unsqueeze(1) for t in self.rotary(x, positions))              # (1, 1, T, head_dim)
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        masks = [None if n == 1 else torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
+                 for n, past in zip(lengths, pasts)]
+        for index, block in enumerate(self.blocks):
+            q, k, v = self._qkv(block, x, cos, sin)                                 # (1, heads, T, d)
+            parts = []
+            for b, cache in enumerate(caches):
+                at = slice(bounds[b], bounds[b + 1])
+                keys, values = cache.update(k[:, :, at], v[:, :, at], index)
+                parts.append(self._attend(q[:, :, at], keys, values, masks[b]))
+            x = self._after_attention(block, x, torch.cat(parts, dim=2))
+        logits = self._head(x)[0]                                                   # (T, vocab)
+        return [logits[bounds[b]:bounds[b + 1]] for b in range(len(caches))]
+
+    def _qkv(self, block: _Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """Rotated queries and keys, and values, of ``x (batch, n, hidden)``: ``(batch, heads, n, d)``."""
+        batch, n, hidden = x.shape
+        q_end = self.heads * self.head_dim
+        k_end = q_end + self.kv_heads * self.head_dim
+        h = _rms_norm(x, block.attn_norm, block.attn_eps).reshape(batch * n, hidden)
+        qkv = block.qkv(h).view(batch, n, -1)
+        q = qkv[..., :q_end].view(batch, n, self.heads, self.head_dim).transpose(1, 2)
+        k = qkv[..., q_end:k_end].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = qkv[..., k_end:].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                              enable_gqa=self.heads != self.kv_heads)
+
+    def _after_attention(self, block: _Block, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The block's output projection and MLP, with their residuals."""
+        batch, n, hidden = x.shape
+        x = x + block.out(attn.transpose(1, 2).reshape(batch * n, self.heads * self.head_dim)).view(batch, n, hidden)
+        h = _rms_norm(x, block.mlp_norm, block.mlp_eps).reshape(batch * n, hidden)
+        gate, up = block.gate_up(h).chunk(2, dim=-1)
+        return x + block.down(F.silu(gate) * up).view(batch, n, hidden)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        batch, n, hidden = x.shape
         x = _rms_norm(x, self.norm, self.norm_eps)
-        return self.head(x.reshape(-1, hidden)).view(batch, x.shape[1], -1)
+        return self.head(x.reshape(-1, hidden)).view(batch, n, -1)

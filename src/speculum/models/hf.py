@@ -120,6 +120,9 @@ class HFModel(BaseModel):
         self.dtype = next(module.parameters()).dtype
         # The fused forward packs its own (fused) weights, so per-layer packing would only add a third copy.
         self._fused = FusedLlama.build(module) if prepack else None
+        # Many sessions in one forward needs the fused forward's packed variant.
+        self.capabilities = Capabilities(sparse_rows=True, session_advance=True, shares_prefix_cache=True,
+                                         batched_extend=self._fused is not None)
         self.prepacked_layers = prepack_linears(module) if prepack and self._fused is None else 0
         head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
         self.vocab_size = int(getattr(head, "out_features", 0) or self.config.vocab_size)
@@ -224,6 +227,25 @@ class HFModel(BaseModel):
     def start(self, prompt: Sequence[int]) -> "HFSession":
         """A KV-cached session after ``prompt`` (an empty prompt starts from BOS). Exact."""
         return HFSession(self, prompt)
+
+    def extend_sessions(self, sessions: Sequence["HFSession"], token_lists: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """``[session.extend(tokens) for ...]`` in one packed forward (``Capabilities.batched_extend``): the
+        decoding scheduler verifies the blocks of many generations with it. Without the fused forward,
+        one forward per session."""
+        if len(sessions) != len(token_lists):
+            raise InputError(f"{len(sessions)} sessions but {len(token_lists)} token lists")
+        if len({id(session) for session in sessions}) != len(sessions):
+            raise InputError("a session appears twice in one extend_sessions call")
+        if any(session.model is not self for session in sessions):
+            raise InputError(f"every session must be a session of {self.name}")
+        checked = [check_token_ids(tokens, self.vocab_size, name="tokens") for tokens in token_lists]
+        if self._fused is None or any(not tokens for tokens in checked):
+            return [session.extend(tokens) for session, tokens in zip(sessions, checked)]
+        for session, tokens in zip(sessions, checked):
+            self._check_length(len(session.tokens) + len(tokens), name="the session")
+        with torch.inference_mode():
+            logits = self._fused.forward_packed(checked, [session._cache for session in sessions])
+        return [session._consumed(tokens, rows) for session, tokens, rows in zip(sessions, checked, logits)]
 
     @torch.inference_mode()
     def next_logprobs(self, prefixes: Sequence[Sequence[int]]) -> np.ndarray:
@@ -468,16 +490,20 @@ class HFSession:
             return self.next_logprobs()
         return self._consume(tokens, keep=1)[0]
 
+    def _consumed(self, tokens: list[int], logits: torch.Tensor) -> np.ndarray:
+        """Record a forward of ``tokens`` that returned ``logits (n, vocab)``; its log-prob rows."""
+        self.tokens.extend(tokens)
+        self._rows = _logprob_rows(logits)
+        self._rows_start = len(self.tokens) - len(self._rows)
+        return self._rows
+
     def _consume(self, tokens: list[int], keep: int) -> np.ndarray:
         """One forward over checked, non-empty ``tokens``; keeps and returns the rows of the last ``keep``
         positions (0: all of them)."""
         self.model._check_length(len(self.tokens) + len(tokens), name="the session")
         with torch.inference_mode():
             logits = self.model._forward(torch.tensor([tokens]), self._cache, keep=keep)
-        self.tokens.extend(tokens)
-        self._rows = _logprob_rows(logits[0])
-        self._rows_start = len(self.tokens) - len(self._rows)
-        return self._rows
+        return self._consumed(tokens, logits[0])
 
     def adopt_prefix_layers(self, source: "HFSession") -> bool:
         """Take ``source``'s tokens and its KV cache for this model's layers (the first ones): exact for a

@@ -143,14 +143,17 @@ class Engine:
         eos_token_id: where generation stops (default: the target's).
         max_batch: jobs that advance together (each step verifies one block of each).
         max_waiting: requests that may wait beyond the running ones; more are refused (:class:`EngineBusy`).
+        batch_invariant: verify each job in its own target call (no batched forward), so that its output is
+            identical to its solo run; otherwise a target with ``batched_extend`` verifies a step's blocks
+            in one forward (faster; rows equal up to float rounding).
 
-    Guarantee: exact — every job's tokens have the law of plain sampling from the target (greedy: the
-    same tokens as ``speculum.generate`` with the same arguments), whatever else runs or waits.
+    Guarantee: exact — every job's tokens have the law of plain sampling from the target, whatever else
+    runs or waits; with ``batch_invariant=True`` greedy tokens are those of ``speculum.generate`` alone.
     """
 
     def __init__(self, target: Any, *, draft: Any = None, gamma: int | str = "auto",
                  decode: Callable[[Sequence[int]], str] | None = None, eos_token_id: Any = ...,
-                 max_batch: int = 8, max_waiting: int = 64) -> None:
+                 max_batch: int = 8, max_waiting: int = 64, batch_invariant: bool = False) -> None:
         self.target = target
         self.draft = draft
         self.gamma = gamma
@@ -167,7 +170,7 @@ class Engine:
         self._closed = False
         self._running: dict[int, Job] = {}     # scheduler id -> job (the worker's alone)
         self._admitting = 0                     # 1 while a job is being prefilled into the scheduler
-        self._scheduler = Scheduler(target)
+        self._scheduler = Scheduler(target, batch_invariant=batch_invariant)
         self._worker = threading.Thread(target=self._work, name="speculum-engine", daemon=True)
         self._worker.start()
 
