@@ -270,11 +270,13 @@ def test_generate_batch_equals_solo_generation_per_prompt():
     assert [r.tokens for r in greedy] == [speculum.generate(target, p, max_new_tokens=10, temperature=0).tokens
                                          for p in prompts]
     seeds = np.random.SeedSequence(5).spawn(len(prompts))
-    sampled = speculum.generate_batch(target, prompts, draft=draft, max_new_tokens=10, seed=5)
+    sampled = speculum.generate_batch(target, prompts, draft=draft, max_new_tokens=10, seed=5, max_batch=2)
     assert [r.tokens for r in sampled] == [speculum.generate(target, p, draft=draft, max_new_tokens=10,
                                                              seed=s).tokens for p, s in zip(prompts, seeds)]
     with pytest.raises(InputError):                        # every prompt is checked before any work
         speculum.generate_batch(target, [encode("ab"), [99]], max_new_tokens=3)
+    with pytest.raises(InputError, match="max_batch"):
+        speculum.generate_batch(target, prompts, max_batch=0)
 
 
 def test_serve_cli_checks_flags_before_loading(capsys):

@@ -23,6 +23,7 @@ import numpy as np
 from .controller import GammaPolicy
 from .drafter import Proposal, checked_rows, drafter_for
 from .events import Chunk, DecodingStats, GenerationResult
+from ..validation import check_int
 from .plan import MODEL_EOS, Plan, make_rngs, plan_generation
 from .verify import Verdict, verify_distribution, verify_greedy, verify_point_mass
 from .warp import is_identity_warp, warp_logprobs
@@ -222,14 +223,18 @@ def generate(target: Any, prompt_ids: Sequence[int], *, draft: Any = None, max_n
 
 def generate_batch(target: Any, prompts: Sequence[Sequence[int]], *, draft: Any = None, max_new_tokens: int = 64,
                    gamma: int | str = 4, temperature: float = 1.0, top_k: int | None = None,
-                   top_p: float | None = None, eos_token_id: Any = MODEL_EOS,
-                   seed: Any = None) -> list[GenerationResult]:
+                   top_p: float | None = None, eos_token_id: Any = MODEL_EOS, seed: Any = None,
+                   max_batch: int = 16, batch_invariant: bool = False) -> list[GenerationResult]:
     """Speculative decoding of many prompts (an offline job): one :class:`GenerationResult` per prompt.
 
-    Guarantee: exact, as :func:`generate`, for every prompt. Every prompt is checked before any model work.
-    ``seed`` gives each prompt its own independent streams (``SeedSequence.spawn``), so a prompt's output
-    depends on its position in the list and the seed only, never on the other prompts. The prompts run one
-    after another.
+    Up to ``max_batch`` prompts are generated together (:class:`~speculum.decoding.batch.Scheduler`: one
+    block of each per step, verified in one forward when the target declares ``batched_extend``).
+    Every prompt is checked before any model work. ``seed`` gives each prompt its own independent streams
+    (``SeedSequence.spawn``), so a prompt's output depends on its position in the list and the seed only.
+
+    Guarantee: exact, as :func:`generate`, for every prompt; with ``batch_invariant=True`` (or a target
+    without batched extend) each output is identical to :func:`generate` of that prompt with its seed
+    alone, otherwise up to float rounding in the target's rows.
 
     Example:
         >>> from speculum.models import MarkovModel
@@ -238,6 +243,9 @@ def generate_batch(target: Any, prompts: Sequence[Sequence[int]], *, draft: Any 
         >>> [len(r.tokens) for r in results]
         [4, 4]
     """
+    from .batch import Scheduler
+
+    check_int(max_batch, "max_batch", minimum=1)
     prompts = list(prompts)
     if isinstance(seed, np.random.Generator):
         seeds: list[Any] = list(seed.spawn(len(prompts)))
@@ -247,15 +255,24 @@ def generate_batch(target: Any, prompts: Sequence[Sequence[int]], *, draft: Any 
         make_rngs(seed)                                      # the same check and message as generate's
         sequence = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
         seeds = list(sequence.spawn(len(prompts)))
-    streams = [stream(target, prompt, draft=draft, max_new_tokens=max_new_tokens, gamma=gamma,
-                      temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=s)
-               for prompt, s in zip(prompts, seeds)]        # creating a stream checks its arguments
-    results = []
-    for chunks in streams:
-        tokens: list[int] = []
-        stats, stop_reason = DecodingStats(), None
-        for chunk in chunks:
-            tokens.extend(chunk.tokens)
-            stats, stop_reason = chunk.stats, chunk.stop_reason
-        results.append(GenerationResult(tokens, stats, stop_reason))
-    return results
+    arguments = dict(draft=draft, max_new_tokens=max_new_tokens, gamma=gamma, temperature=temperature,
+                     top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
+    for prompt in prompts:          # every prompt checked before any model work (seed=None: spawning from a
+        plan_generation(target, prompt, seed=None, **arguments)   # SeedSequence would change its children)
+    scheduler = Scheduler(target, batch_invariant=batch_invariant)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    last: list[Any] = [None] * len(prompts)
+    position: dict[int, int] = {}
+    waiting = 0
+    try:
+        while waiting < len(prompts) or scheduler.active:
+            while waiting < len(prompts) and scheduler.active < max_batch:
+                position[scheduler.add(prompts[waiting], seed=seeds[waiting], **arguments)] = waiting
+                waiting += 1
+            for request, chunk in scheduler.step():
+                tokens[position[request]].extend(chunk.tokens)
+                last[position[request]] = chunk
+    finally:
+        scheduler.close()
+    return [GenerationResult(out, chunk.stats if chunk else DecodingStats(), chunk.stop_reason if chunk else None)
+            for out, chunk in zip(tokens, last)]
