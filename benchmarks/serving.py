@@ -69,7 +69,7 @@ def serve(target, draft_spec: str, max_batch: int, batch_invariant: bool):
     while not server.started:
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    return server, thread, f"http://127.0.0.1:{port}/v1"
+    return server, thread, f"http://127.0.0.1:{port}/v1", engine
 
 
 def start_peer(gguf: str):
@@ -97,7 +97,7 @@ def start_peer(gguf: str):
 
 
 def load(url: str, concurrency: int, requests: int, max_tokens: int, expected: list[str],
-         prompts: list[str] | None = None) -> dict:
+         prompts: list[str] | None = None, engine=None) -> dict:
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
 
     def one(i: int) -> tuple[float, int, bool]:
@@ -107,12 +107,17 @@ def load(url: str, concurrency: int, requests: int, max_tokens: int, expected: l
         return (time.perf_counter() - started, reply.usage.completion_tokens,
                 reply.choices[0].text == expected[i % len(PROMPTS)])
 
+    prefill_before = engine.metrics.prefill_seconds if engine is not None else 0.0
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(one, range(requests)))
     wall = time.perf_counter() - started
     latencies = sorted(r[0] for r in results)
-    return {"concurrency": concurrency, "requests": requests, "tokens_per_second": sum(r[1] for r in results) / wall,
+    # The worker is busy throughout (the clients keep it fed): wall - prefill is the decoding phase.
+    prefill = engine.metrics.prefill_seconds - prefill_before if engine is not None else 0.0
+    tokens = sum(r[1] for r in results)
+    return {"concurrency": concurrency, "requests": requests, "tokens_per_second": tokens / wall,
+            "prefill_seconds": prefill, "decode_tokens_per_second": tokens / max(wall - prefill, 1e-9),
             "p50": statistics.median(latencies), "p95": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
             "all_identical": all(r[2] for r in results)}
 
@@ -133,9 +138,9 @@ def main() -> None:
                                                 temperature=0, eos_token_id=None).tokens) for p in PROMPTS]
     report = {"cpu": cpu_name(), "max_tokens": args.max_tokens, "batch_invariant": args.batch_invariant, "runs": {}}
     for draft in ("none", "lookup"):
-        server, thread, url = serve(target, draft, max(args.concurrency), args.batch_invariant)
+        server, thread, url, engine = serve(target, draft, max(args.concurrency), args.batch_invariant)
         load(url, 1, 1, 4, expected=[""] * len(PROMPTS))            # warm-up
-        report["runs"][draft] = [load(url, c, max(args.requests, c), args.max_tokens, expected)
+        report["runs"][draft] = [load(url, c, max(args.requests, c), args.max_tokens, expected, engine=engine)
                                  for c in args.concurrency]
         server.should_exit = True
         thread.join(30)
@@ -166,6 +171,10 @@ def main() -> None:
               f"{plain['tokens_per_second'] / plain1['tokens_per_second']:>10.2f}, "
               f"{lookup['tokens_per_second'] / lookup1['tokens_per_second']:.2f} | "
               f"{plain['all_identical'] and lookup['all_identical']}")
+    for plain, lookup in zip(report["runs"]["none"], report["runs"]["lookup"]):
+        print(f"concurrency {plain['concurrency']}: prefill {plain['prefill_seconds']:.1f} s / {lookup['prefill_seconds']:.1f} s; "
+              f"decoding phase {plain['decode_tokens_per_second']:.1f} / {lookup['decode_tokens_per_second']:.1f} tok/s "
+              f"(plain / lookup)")
     for peer in report["runs"].get("llama.cpp server", []):
         print(f"llama.cpp server, concurrency {peer['concurrency']}: {peer['tokens_per_second']:.1f} tok/s, "
               f"p50 {peer['p50']:.2f} s, p95 {peer['p95']:.2f} s")

@@ -80,6 +80,7 @@ class EngineMetrics:
     draft_accepted: int = 0
     target_forwards: int = 0
     busy_seconds: float = 0.0
+    prefill_seconds: float = 0.0       # prompts' forwards (when a job joins), part of busy_seconds
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -231,6 +232,7 @@ class Engine:
                 self._end(job, cancelled=True)
                 continue
             self._admitting = 1
+            started = time.perf_counter()
             try:
                 request = job.request
                 ident = self._scheduler.add(list(request.prompt_ids), **self._arguments(request))
@@ -240,6 +242,9 @@ class Engine:
                 continue
             finally:
                 self._admitting = 0
+                elapsed = time.perf_counter() - started
+                self.metrics.prefill_seconds += elapsed
+                self.metrics.busy_seconds += elapsed
             self._running[ident] = job
         with self._lock:
             self.metrics.requests_waiting = self._waiting.qsize()
