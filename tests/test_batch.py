@@ -134,3 +134,24 @@ def test_docstring_examples_run(module):
 
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_target_with_one_shared_state_runs_one_generation_at_a_time():
+    """llama.cpp's backend declares independent_sessions=False: the engine and generate_batch then run
+    one generation at a time (never interleaving sessions that would re-evaluate each other)."""
+    from speculum.serving import Engine
+
+    class Shared(MarkovModel):
+        capabilities = Capabilities(independent_sessions=False)
+
+    base = MarkovModel.random(VOCAB, seed=7)
+    target = Shared(base.transition_logprobs, base.initial_logprobs)
+    assert Scheduler(target).capacity == 1
+    engine = Engine(target, decode=str, max_batch=8)
+    try:
+        assert engine.max_batch == 1
+    finally:
+        engine.close()
+    results = speculum.generate_batch(target, [[1], [2], [3]], max_new_tokens=5, temperature=0, max_batch=8)
+    assert [r.tokens for r in results] == [speculum.generate(base, [p], max_new_tokens=5, temperature=0).tokens
+                                           for p in (1, 2, 3)]

@@ -48,7 +48,10 @@ class Scheduler:
         self._decoders: dict[int, _Decoder] = {}
         self._finished_at_start: dict[int, str] = {}   # id -> stop reason: nothing to generate
         self._next_id = 0
-        self.batched = capabilities_of(target).batched_extend and not batch_invariant
+        declared = capabilities_of(target)
+        self.batched = declared.batched_extend and not batch_invariant
+        # How many generations may run together (a target whose sessions share one state: one at a time).
+        self.capacity: int | None = None if declared.independent_sessions else 1
 
     @property
     def active(self) -> int:

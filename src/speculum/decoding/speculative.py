@@ -260,6 +260,7 @@ def generate_batch(target: Any, prompts: Sequence[Sequence[int]], *, draft: Any 
     for prompt in prompts:          # every prompt checked before any model work (seed=None: spawning from a
         plan_generation(target, prompt, seed=None, **arguments)   # SeedSequence would change its children)
     scheduler = Scheduler(target, batch_invariant=batch_invariant)
+    max_batch = min(max_batch, scheduler.capacity or max_batch)
     tokens: list[list[int]] = [[] for _ in prompts]
     last: list[Any] = [None] * len(prompts)
     position: dict[int, int] = {}

@@ -253,12 +253,16 @@ class Capabilities:
     ``batched_extend``: ``extend_sessions(sessions, token_lists) -> [rows]``, the ``extend`` of several of its
     sessions (each by its own tokens) in one forward, each result equal to that session's own ``extend``
     (the decoding scheduler then verifies many generations' blocks in one call).
+    ``independent_sessions`` (default True): each session keeps its own state, so several can advance in
+    turn. False (llama.cpp's single resident KV cache: switching sessions re-evaluates the context): the
+    serving engine and ``generate_batch`` run one generation at a time.
     """
 
     sparse_rows: bool = False
     session_advance: bool = False
     shares_prefix_cache: bool = False
     batched_extend: bool = False
+    independent_sessions: bool = True
 
 
 def capabilities_of(model: Any) -> Capabilities:

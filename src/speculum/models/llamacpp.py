@@ -256,7 +256,8 @@ class LlamaCppModel(BaseModel):
         (2, 49152)
     """
 
-    capabilities = Capabilities(session_advance=True)
+    # One resident KV cache: sessions advanced in turn would re-evaluate each other's context.
+    capabilities = Capabilities(session_advance=True, independent_sessions=False)
 
     backend = "llamacpp"
 

@@ -142,7 +142,8 @@ class Engine:
         gamma: proposals per target forward, or ``"auto"``.
         decode: token ids -> text (default: ``target.decode``).
         eos_token_id: where generation stops (default: the target's).
-        max_batch: jobs that advance together (each step verifies one block of each).
+        max_batch: jobs that advance together (each step verifies one block of each); 1 for a target whose
+            sessions share one state (``Capabilities.independent_sessions`` False, the llama.cpp backend).
         max_waiting: requests that may wait beyond the running ones; more are refused (:class:`EngineBusy`).
         batch_invariant: verify each job in its own target call (no batched forward), so that its output is
             identical to its solo run; otherwise a target with ``batched_extend`` verifies a step's blocks
@@ -164,14 +165,14 @@ class Engine:
         # Hugging Face's fast tokenizers refuse concurrent use from several threads ("Already borrowed"):
         # the HTTP handlers encode and the worker decodes under this one lock.
         self.tokenizer_lock = threading.Lock()
-        self.max_batch = check_int(max_batch, "max_batch", minimum=1)
+        self._scheduler = Scheduler(target, batch_invariant=batch_invariant)
+        self.max_batch = min(check_int(max_batch, "max_batch", minimum=1), self._scheduler.capacity or max_batch)
         self.max_waiting = check_int(max_waiting, "max_waiting", minimum=0)
         self._waiting: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
         self._running: dict[int, Job] = {}     # scheduler id -> job (the worker's alone)
         self._admitting = 0                     # 1 while a job is being prefilled into the scheduler
-        self._scheduler = Scheduler(target, batch_invariant=batch_invariant)
         self._worker = threading.Thread(target=self._work, name="speculum-engine", daemon=True)
         self._worker.start()
 
