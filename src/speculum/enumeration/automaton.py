@@ -24,6 +24,30 @@ from ..validation import InputError
 
 __all__ = ["TokenAutomaton"]
 
+def _refuse_lookarounds(pattern: str, description: str) -> None:
+    """Lookaheads and lookbehinds are refused: interegular reads a lookahead that reaches past the end of
+    the match as a condition on text after it (``a(?!b)`` then accepts ``"ax"``), not as ``re.fullmatch``
+    does, so the language would silently differ from the pattern's."""
+    try:
+        import re._parser as sre_parse          # Python >= 3.11
+    except ImportError:                         # pragma: no cover - Python 3.10
+        import sre_parse                        # type: ignore[no-redef]
+    try:
+        parsed = sre_parse.parse(pattern)
+    except Exception:
+        return                                  # interegular reports the syntax error itself
+
+    def walk(node) -> bool:
+        if isinstance(node, (list, tuple)) or hasattr(node, "data"):
+            items = node.data if hasattr(node, "data") else node
+            return any(str(item) in ("ASSERT", "ASSERT_NOT") or walk(item) for item in items)
+        return False
+
+    if walk(parsed):
+        raise InputError(f"invalid {description}: lookaheads and lookbehinds ((?=...), (?!...), (?<=...), "
+                         f"(?<!...)) are not supported in constraints; write the format without them")
+
+
 def _interegular():
     try:
         import interegular
@@ -270,6 +294,7 @@ class _CharAutomaton:
     @classmethod
     def parse(cls, pattern: str, description: str) -> "_CharAutomaton":
         interegular = _interegular()
+        _refuse_lookarounds(pattern, description)
         try:
             fsm = interegular.parse_pattern(pattern).to_fsm()
         except Exception as exc:       # interegular's InvalidSyntax / Unsupported and parser errors
