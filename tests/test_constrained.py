@@ -154,6 +154,7 @@ def test_string_top_k_is_a_prefix_of_the_full_order(seed, k):
     (lambda: Regex("(7", vocabulary=VOCAB), "invalid regex"),
     (lambda: Regex("7(?!8)", vocabulary=VOCAB), "lookaheads and lookbehinds"),   # read otherwise than re
     (lambda: Regex("(?<=7)8", vocabulary=VOCAB), "lookaheads and lookbehinds"),
+    (lambda: Regex("^7$", vocabulary=VOCAB), "anchors"),
     (lambda: Regex("7+", vocabulary=VOCAB), "proper prefix .*eos=True"),
     (lambda: Regex("z", vocabulary=VOCAB), "no token sequence"),
     (lambda: Regex("7[^\\s\\S]", vocabulary=VOCAB), "matches no string"),

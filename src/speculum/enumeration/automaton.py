@@ -24,8 +24,9 @@ from ..validation import InputError
 
 __all__ = ["TokenAutomaton"]
 
-def _refuse_lookarounds(pattern: str, description: str) -> None:
-    """Lookaheads and lookbehinds are refused: interegular reads a lookahead that reaches past the end of
+def _refuse_unsupported(pattern: str, description: str) -> None:
+    """Anchors are refused (a constraint always matches the whole continuation); so are lookaheads and
+    lookbehinds: interegular reads a lookahead that reaches past the end of
     the match as a condition on text after it (``a(?!b)`` then accepts ``"ax"``), not as ``re.fullmatch``
     does, so the language would silently differ from the pattern's."""
     try:
@@ -37,13 +38,17 @@ def _refuse_lookarounds(pattern: str, description: str) -> None:
     except Exception:
         return                                  # interegular reports the syntax error itself
 
-    def walk(node) -> bool:
-        if isinstance(node, (list, tuple)) or hasattr(node, "data"):
-            items = node.data if hasattr(node, "data") else node
-            return any(str(item) in ("ASSERT", "ASSERT_NOT") or walk(item) for item in items)
+    def walk(node, opcodes: tuple[str, ...]) -> bool:
+        if isinstance(node, sre_parse.SubPattern):
+            node = node.data
+        if isinstance(node, (list, tuple)):
+            return any(str(item) in opcodes or walk(item, opcodes) for item in node)
         return False
 
-    if walk(parsed):
+    if walk(parsed, ("AT",)):
+        raise InputError(f"invalid {description}: anchors (^, $, \\A, \\Z, \\b) are not supported: the pattern "
+                         f"always matches the whole continuation, so none is needed")
+    if walk(parsed, ("ASSERT", "ASSERT_NOT")):
         raise InputError(f"invalid {description}: lookaheads and lookbehinds ((?=...), (?!...), (?<=...), "
                          f"(?<!...)) are not supported in constraints; write the format without them")
 
@@ -294,7 +299,7 @@ class _CharAutomaton:
     @classmethod
     def parse(cls, pattern: str, description: str) -> "_CharAutomaton":
         interegular = _interegular()
-        _refuse_lookarounds(pattern, description)
+        _refuse_unsupported(pattern, description)
         try:
             fsm = interegular.parse_pattern(pattern).to_fsm()
         except Exception as exc:       # interegular's InvalidSyntax / Unsupported and parser errors
