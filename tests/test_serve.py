@@ -364,3 +364,16 @@ def test_speculum_serve_process_answers_and_stops_cleanly_on_sigterm():
         code = process.wait(30)
     assert code in (0, -signal.SIGTERM)
     assert "Application shutdown complete" in process.stderr.read().decode()
+
+
+def test_a_prompt_the_encoder_refuses_is_a_400():
+    def refuse(messages):
+        raise RuntimeError("Conversation roles must alternate user/assistant")
+
+    engine = Engine(make_target(), decode=decode)
+    app = create_app(engine, NAME, encode_text=encode, encode_chat=refuse)
+    from fastapi.testclient import TestClient
+
+    with TestClient(app) as client:
+        reply = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}]})
+    assert reply.status_code == 400 and "roles must alternate" in reply.json()["error"]["message"]

@@ -118,8 +118,13 @@ def create_app(engine: Engine, model_name: str, *, encode_text: Callable[[str], 
     async def run(body: _Body, encode: Callable[[], list[int]], render: Callable[..., dict],
                   render_chunk: Callable[..., dict]) -> Any:
         try:
-            with engine.tokenizer_lock:
-                prompt_ids = encode()
+            try:
+                with engine.tokenizer_lock:
+                    prompt_ids = encode()
+            except InputError:
+                raise
+            except Exception as exc:   # e.g. a chat template that refuses this order of roles
+                raise InputError(f"the prompt could not be encoded: {type(exc).__name__}: {exc}") from None
             request = request_from(body, prompt_ids)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
