@@ -155,3 +155,18 @@ def test_a_target_with_one_shared_state_runs_one_generation_at_a_time():
     results = speculum.generate_batch(target, [[1], [2], [3]], max_new_tokens=5, temperature=0, max_batch=8)
     assert [r.tokens for r in results] == [speculum.generate(base, [p], max_new_tokens=5, temperature=0).tokens
                                            for p in (1, 2, 3)]
+
+
+def test_packed_cost_charges_each_block_what_it_adds():
+    from speculum.decoding.batch import PackedCost
+
+    cost = PackedCost()
+    cost.observe(10, 0.5)
+    assert cost.fit() is None and cost.split([2, 8], 1.0) == [0.5, 0.5]       # one batch size: even split
+    rng = np.random.default_rng(0)
+    for tokens in rng.integers(2, 64, size=200):
+        cost.observe(int(tokens), 0.02 + 0.003 * tokens * (1 + 0.01 * rng.normal()))
+    fixed, per_token = cost.fit()
+    assert abs(fixed - 0.02) < 0.005 and abs(per_token - 0.003) < 0.0003
+    parts = cost.split([1, 1, 30], 0.2)
+    assert abs(sum(parts) - 0.2) < 1e-12 and parts[0] == parts[1] < parts[2]

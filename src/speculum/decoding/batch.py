@@ -32,7 +32,52 @@ from .events import Chunk, DecodingStats
 from .plan import MODEL_EOS, plan_generation
 from .speculative import _Decoder
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "PackedCost"]
+
+
+class PackedCost:
+    """The cost of a packed forward, ``seconds ≈ fixed + per_token · tokens`` (decayed least squares over
+    the steps seen), used to charge each generation its part: ``fixed / B + per_token · its tokens``,
+    scaled so the parts add up to the measured time. A generation's extra draft tokens are then charged
+    what they add to the shared forward, so ``gamma="auto"`` stops drafting when, at this batch size,
+    verifying them costs more than the tokens they bring. Until two batch sizes have been seen the time
+    is split evenly.
+
+    Example:
+        >>> cost = PackedCost()
+        >>> for tokens in (4, 8, 16):
+        ...     cost.observe(tokens, 0.01 + 0.001 * tokens)
+        >>> [round(s, 4) for s in cost.split([1, 7], 0.018)]
+        [0.006, 0.012]
+    """
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self._n = self._t = self._tt = self._s = self._ts = 0.0     # decayed sums: 1, T, T², s, T·s
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self._n, self._t, self._tt = d * self._n + 1, d * self._t + tokens, d * self._tt + tokens * tokens
+        self._s, self._ts = d * self._s + seconds, d * self._ts + tokens * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed, per_token) seconds, both >= 0; None while the token counts seen do not vary."""
+        spread = self._n * self._tt - self._t * self._t
+        if self._n < 2 or spread <= 1e-9 * max(1.0, self._tt * self._n):
+            return None
+        per_token = max(0.0, (self._n * self._ts - self._t * self._s) / spread)
+        fixed = max(0.0, (self._s - per_token * self._t) / self._n)
+        return fixed, per_token
+
+    def split(self, fed: list[int], seconds: float) -> list[float]:
+        """The seconds each block of a packed forward that fed ``fed`` tokens is charged (sum: ``seconds``)."""
+        fitted = self.fit()
+        if fitted is None:
+            return [seconds / len(fed)] * len(fed)
+        fixed, per_token = fitted
+        parts = [fixed / len(fed) + per_token * n for n in fed]
+        total = sum(parts)
+        return [seconds * part / total for part in parts] if total > 0 else [seconds / len(fed)] * len(fed)
 
 
 class Scheduler:
@@ -52,6 +97,7 @@ class Scheduler:
         self.batched = declared.batched_extend and not batch_invariant
         # How many generations may run together (a target whose sessions share one state: one at a time).
         self.capacity: int | None = None if declared.independent_sessions else 1
+        self.packed_cost = PackedCost()
 
     @property
     def active(self) -> int:
@@ -108,8 +154,8 @@ class Scheduler:
         return out
 
     def _target_rows(self, decoders: list[_Decoder], proposals: list[Any]) -> tuple[list[Any], list[float]]:
-        """Every block's target rows, and the seconds each block is charged (a batched call is shared
-        evenly: ``gamma="auto"`` then sees the cost per generation)."""
+        """Every block's target rows, and the seconds each block is charged: a batched call is split by
+        :class:`PackedCost`, so ``gamma="auto"`` sees what its block adds to the shared forward."""
         batchable = [i for i, decoder in enumerate(decoders) if decoder.pending]
         rows: list[Any] = [None] * len(decoders)
         seconds = [0.0] * len(decoders)
@@ -117,9 +163,11 @@ class Scheduler:
             started = time.perf_counter()
             batch = self.target.extend_sessions([decoders[i].target for i in batchable],
                                                 [decoders[i].target_input(proposals[i]) for i in batchable])
-            share = (time.perf_counter() - started) / len(batchable)
-            for i, block_rows in zip(batchable, batch):
-                rows[i], seconds[i] = block_rows, share
+            elapsed = time.perf_counter() - started
+            fed = [len(decoders[i].target_input(proposals[i])) for i in batchable]
+            self.packed_cost.observe(sum(fed), elapsed)
+            for i, block_rows, charge in zip(batchable, batch, self.packed_cost.split(fed, elapsed)):
+                rows[i], seconds[i] = block_rows, charge
         for i, (decoder, proposal) in enumerate(zip(decoders, proposals)):
             if rows[i] is None:
                 started = time.perf_counter()
