@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from ..models.base import capabilities_of
 from .events import Chunk, DecodingStats
-from .plan import MODEL_EOS, plan_generation
+from .plan import MODEL_EOS, Plan, plan_generation
 from .speculative import _Decoder
 
 __all__ = ["Scheduler", "PackedCost"]
@@ -109,9 +109,13 @@ class Scheduler:
             top_p: float | None = None, eos_token_id: Any = MODEL_EOS, seed: Any = None) -> int:
         """Start a generation (the arguments of :func:`speculum.stream`, checked here); returns its id.
         It prefills now and emits from the next :meth:`step` on."""
-        plan = plan_generation(self.target, prompt_ids, draft=draft, max_new_tokens=max_new_tokens, gamma=gamma,
-                               temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-                               seed=seed)
+        return self.add_plan(plan_generation(self.target, prompt_ids, draft=draft, max_new_tokens=max_new_tokens,
+                                             gamma=gamma, temperature=temperature, top_k=top_k, top_p=top_p,
+                                             eos_token_id=eos_token_id, seed=seed))
+
+    def add_plan(self, plan: Plan) -> int:
+        """Start a generation from checked arguments (:func:`~speculum.decoding.plan.plan_generation` for
+        this target); returns its id."""
         request, self._next_id = self._next_id, self._next_id + 1
         decoder = _Decoder(plan)
         if decoder.begin():
@@ -160,11 +164,11 @@ class Scheduler:
         rows: list[Any] = [None] * len(decoders)
         seconds = [0.0] * len(decoders)
         if self.batched and len(batchable) > 1:
+            inputs = [decoders[i].target_input(proposals[i]) for i in batchable]
             started = time.perf_counter()
-            batch = self.target.extend_sessions([decoders[i].target for i in batchable],
-                                                [decoders[i].target_input(proposals[i]) for i in batchable])
+            batch = self.target.extend_sessions([decoders[i].target for i in batchable], inputs)
             elapsed = time.perf_counter() - started
-            fed = [len(decoders[i].target_input(proposals[i])) for i in batchable]
+            fed = [len(tokens) for tokens in inputs]
             self.packed_cost.observe(sum(fed), elapsed)
             for i, block_rows, charge in zip(batchable, batch, self.packed_cost.split(fed, elapsed)):
                 rows[i], seconds[i] = block_rows, charge

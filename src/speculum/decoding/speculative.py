@@ -92,7 +92,12 @@ class _Decoder:
         return self.pending + proposal.tokens
 
     def target_rows(self, proposal: Proposal) -> np.ndarray:
-        return self._target_rows(self.target, self.pending, proposal.tokens)
+        """The γ + 1 target rows (checked by :meth:`verify`): after ``pending`` and after each proposal."""
+        if self.pending:
+            return self.target.extend(self.pending + proposal.tokens)
+        # empty prompt on a model with an initial distribution: the first row needs no token
+        first = self.target.next_logprobs()[None, :]
+        return np.vstack([first, self.target.extend(proposal.tokens)]) if proposal.tokens else first
 
     def verify(self, proposal: Proposal, rows: np.ndarray, target_seconds: float) -> Chunk:
         """The block's verdict on the target's ``rows`` (γ + 1 of them), the rollbacks, and its chunk."""
@@ -114,14 +119,6 @@ class _Decoder:
 
     def close(self) -> None:
         self.drafter.finish()
-
-    def _target_rows(self, target: Any, pending: list[int], tokens: list[int]) -> np.ndarray:
-        """The γ + 1 target rows (checked by :meth:`verify`): after ``pending`` and after each proposal."""
-        if pending:
-            return target.extend(pending + tokens)
-        # empty prompt on a model with an initial distribution: the first row needs no token
-        first = target.next_logprobs()[None, :]
-        return np.vstack([first, target.extend(tokens)]) if tokens else first
 
     def _verify(self, proposal: Proposal, target_rows: np.ndarray) -> Verdict:
         if self.greedy:
@@ -255,10 +252,10 @@ def generate_batch(target: Any, prompts: Sequence[Sequence[int]], *, draft: Any 
         make_rngs(seed)                                      # the same check and message as generate's
         sequence = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
         seeds = list(sequence.spawn(len(prompts)))
-    arguments = dict(draft=draft, max_new_tokens=max_new_tokens, gamma=gamma, temperature=temperature,
-                     top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
-    for prompt in prompts:          # every prompt checked before any model work (seed=None: spawning from a
-        plan_generation(target, prompt, seed=None, **arguments)   # SeedSequence would change its children)
+    plans = [plan_generation(target, prompt, draft=draft, max_new_tokens=max_new_tokens, gamma=gamma,
+                             temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                             seed=prompt_seed)
+             for prompt, prompt_seed in zip(prompts, seeds)]      # every prompt checked before any model work
     scheduler = Scheduler(target, batch_invariant=batch_invariant)
     max_batch = min(max_batch, scheduler.capacity or max_batch)
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -268,7 +265,7 @@ def generate_batch(target: Any, prompts: Sequence[Sequence[int]], *, draft: Any 
     try:
         while waiting < len(prompts) or scheduler.active:
             while waiting < len(prompts) and scheduler.active < max_batch:
-                position[scheduler.add(prompts[waiting], seed=seeds[waiting], **arguments)] = waiting
+                position[scheduler.add_plan(plans[waiting])] = waiting
                 waiting += 1
             for request, chunk in scheduler.step():
                 tokens[position[request]].extend(chunk.tokens)

@@ -21,11 +21,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from ..decoding.batch import Scheduler
-from ..decoding.plan import plan_generation
+from ..decoding.plan import Plan, plan_generation
 from ..decoding.text import StopMatcher, TextStream
 from ..validation import check_int
 
@@ -81,7 +81,6 @@ class EngineMetrics:
     target_forwards: int = 0
     busy_seconds: float = 0.0
     prefill_seconds: float = 0.0       # prompts' forwards (when a job joins), part of busy_seconds
-    started: float = field(default_factory=time.monotonic)
 
     @property
     def acceptance_rate(self) -> float:
@@ -98,9 +97,10 @@ _DONE = object()
 class Job:
     """One submitted request: iterate it for its :class:`Delta` events (blocking), or ``cancel()`` it."""
 
-    def __init__(self, request: GenerationRequest, decode: Callable[[Sequence[int]], str],
+    def __init__(self, request: GenerationRequest, plan: Plan, decode: Callable[[Sequence[int]], str],
                  on_event: Callable[[Delta | None], None] | None = None) -> None:
         self.request = request
+        self.plan = plan
         self.events: queue.Queue = queue.Queue()
         self._on_event = on_event
         self._cancelled = threading.Event()
@@ -176,18 +176,15 @@ class Engine:
         self._worker = threading.Thread(target=self._work, name="speculum-engine", daemon=True)
         self._worker.start()
 
-    def _arguments(self, request: GenerationRequest) -> dict:
-        return dict(draft=self.draft, max_new_tokens=request.max_tokens, gamma=self.gamma,
-                    temperature=request.temperature, top_k=None, top_p=request.top_p, eos_token_id=self.eos_token_id,
-                    seed=request.seed)
-
     def submit(self, request: GenerationRequest, on_event: Callable[[Delta | None], None] | None = None) -> Job:
         """Queue ``request``. Its arguments are checked here, before it waits (``InputError``); a full
         queue raises :class:`EngineBusy`, a closed engine :class:`EngineClosed`. Events go to
         ``on_event`` (called from the worker thread; None marks the end) or, without it, to the job's
         blocking iterator."""
-        plan_generation(self.target, list(request.prompt_ids), **self._arguments(request))   # checks only
-        job = Job(request, self._locked_decode, on_event)
+        plan = plan_generation(self.target, list(request.prompt_ids), draft=self.draft,
+                               max_new_tokens=request.max_tokens, gamma=self.gamma, temperature=request.temperature,
+                               top_k=None, top_p=request.top_p, eos_token_id=self.eos_token_id, seed=request.seed)
+        job = Job(request, plan, self._locked_decode, on_event)
         with self._lock:
             if self._closed:
                 raise EngineClosed("the server is shutting down")
@@ -235,8 +232,7 @@ class Engine:
             self._admitting = 1
             started = time.perf_counter()
             try:
-                request = job.request
-                ident = self._scheduler.add(list(request.prompt_ids), **self._arguments(request))
+                ident = self._scheduler.add_plan(job.plan)
             except Exception as exc:  # checked at submit; a model failing at prefill fails this job only
                 job.put(Delta("", "error", error=f"{type(exc).__name__}: {exc}"))
                 self._end(job)
