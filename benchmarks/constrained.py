@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -32,6 +31,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from counting import CountingModel  # noqa: E402  (benchmarks/counting.py)
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 
 from speculum.enumeration import AutoregressiveEnumerable, Regex, estimate_rank, score_choices  # noqa: E402
 from speculum.enumeration.constraint import compile_for  # noqa: E402
@@ -43,17 +43,6 @@ ADJECTIVES = ("red green blue black white dark light small large old new hot col
               "bright happy sad rich poor long short deep wide thin thick sweet bitter fresh clean dirty wild calm "
               "strong weak early late tall round flat heavy golden silver pink grey brown tiny").split()
 NOUNS = "car house tree river cat dog book road city song bird stone door chair table window garden ship lamp cup".split()
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def brute_force(model, prompt: list[int], space: int, digits: list[int], n_digits: int, batch: int) -> dict:

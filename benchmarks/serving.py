@@ -35,6 +35,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import openai  # noqa: E402
 import uvicorn  # noqa: E402
 
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
+
 import speculum  # noqa: E402
 from speculum.cli.demo import PASSAGE  # noqa: E402
 from speculum.models.select import make_draft  # noqa: E402
@@ -46,17 +48,6 @@ PROMPTS = [
     f"List the facts stated in the following text, one per line.\n\n{PASSAGE}",
     f"Translate the key sentence of the following text into plain English.\n\n{PASSAGE}",
 ]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def serve(target, draft_spec: str, max_batch: int, batch_invariant: bool):
