@@ -15,16 +15,14 @@ from speculum.cli.checks import CLIError, check_draft, check_sampling, read_stdi
 from speculum.cli.progress import loading_progress
 from speculum.decoding.text import TextStream
 
-__all__ = ["register", "run", "format_stats", "parse_gamma", "TextStream"]
+__all__ = ["register", "run", "format_stats", "parse_gamma", "TextStream", "add_draft_argument",
+           "add_gamma_argument", "drafts_help"]
 
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_DRAFT = "lookup"
 
 
 def register(subparsers: Any) -> None:
-    from speculum.models.select import DRAFT_KINDS
-
-    drafts = "\n".join(f"  {name:<10} {text}" for name, text in DRAFT_KINDS.items())
     parser = subparsers.add_parser(
         "generate",
         help="generate text with speculative decoding (exactly the target's output distribution)",
@@ -34,13 +32,12 @@ def register(subparsers: Any) -> None:
             "--temperature 0 it is identical to plain greedy decoding. Text streams as it is accepted; "
             "statistics follow on stderr."
         ),
-        epilog=f"drafts (--draft):\n{drafts}\n\nexample:\n  speculum generate 'Summarise: ...' --draft lookup --gamma auto",
+        epilog=f"{drafts_help()}\n\nexample:\n  speculum generate 'Summarise: ...' --draft lookup --gamma auto",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("prompt", metavar="PROMPT", help="the prompt text ('-' reads it from stdin)")
     add_model_arguments(parser)
-    parser.add_argument("--draft", default=DEFAULT_DRAFT, metavar="DRAFT",
-                        help=f"none | lookup | ngram | int8 | bf16 | layers:K | PATH (default: {DEFAULT_DRAFT})")
+    add_draft_argument(parser)
     add_decoding_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, statistics)")
     parser.set_defaults(handler=run)
@@ -65,10 +62,28 @@ def add_cache_argument(parser: argparse.ArgumentParser) -> None:
                              "loading (sizes and file stamps are always checked; a damaged cache is rebuilt)")
 
 
-def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
-    """Sampling and speculation options (shared with ``speculum demo``)."""
+def drafts_help() -> str:
+    """The epilog's list of draft kinds (``generate`` and ``serve``)."""
+    from speculum.models.select import DRAFT_KINDS
+
+    return "drafts (--draft):\n" + "\n".join(f"  {name:<10} {text}" for name, text in DRAFT_KINDS.items())
+
+
+def add_draft_argument(parser: argparse.ArgumentParser) -> None:
+    """``--draft`` (``generate`` and ``serve``)."""
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, metavar="DRAFT",
+                        help=f"none | lookup | ngram | int8 | bf16 | layers:K | PATH (default: {DEFAULT_DRAFT})")
+
+
+def add_gamma_argument(parser: argparse.ArgumentParser) -> None:
+    """``--gamma`` (``generate``, ``demo`` and ``serve``)."""
     parser.add_argument("--gamma", default="auto", metavar="N|auto", type=parse_gamma,
                         help="draft tokens per target forward, or 'auto' to adapt it (default: auto)")
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """Sampling and speculation options (shared with ``speculum demo``)."""
+    add_gamma_argument(parser)
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
                         help=f"most tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS})")
     parser.add_argument("--temperature", type=float, default=0.0,

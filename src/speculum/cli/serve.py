@@ -12,17 +12,13 @@ import argparse
 from typing import Any
 
 from speculum.cli.checks import CLIError, check_at_least, check_draft
-from speculum.cli.generate import add_model_arguments, load_target, parse_gamma
+from speculum.cli.generate import (add_draft_argument, add_gamma_argument, add_model_arguments, drafts_help,
+                                   load_target)
 
 __all__ = ["register", "run"]
 
-DEFAULT_DRAFT = "lookup"
-
 
 def register(subparsers: Any) -> None:
-    from speculum.models.select import DRAFT_KINDS
-
-    drafts = "\n".join(f"  {name:<10} {text}" for name, text in DRAFT_KINDS.items())
     parser = subparsers.add_parser(
         "serve",
         help="serve the target over an OpenAI-compatible HTTP API, with speculative decoding",
@@ -32,16 +28,14 @@ def register(subparsers: Any) -> None:
             "output distribution; temperature 0 gives the tokens of plain greedy decoding. Up to "
             "--max-batch requests are generated together; more than --max-waiting waiting get HTTP 429."
         ),
-        epilog=(f"drafts (--draft):\n{drafts}\n\nexample:\n  speculum serve --port 8000 &\n"
+        epilog=(f"{drafts_help()}\n\nexample:\n  speculum serve --port 8000 &\n"
                 "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
                 "       -d '{\"prompt\": \"The capital of France is\", \"max_tokens\": 16, \"temperature\": 0}'"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_arguments(parser)
-    parser.add_argument("--draft", default=DEFAULT_DRAFT, metavar="DRAFT",
-                        help=f"none | lookup | ngram | int8 | bf16 | layers:K | PATH (default: {DEFAULT_DRAFT})")
-    parser.add_argument("--gamma", default="auto", metavar="N|auto", type=parse_gamma,
-                        help="draft tokens per target forward, or 'auto' to adapt it (default: auto)")
+    add_draft_argument(parser)
+    add_gamma_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
