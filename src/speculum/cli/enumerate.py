@@ -10,6 +10,7 @@ Formatting only: the work is in :mod:`speculum.enumeration`.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import sys
@@ -88,6 +89,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--raw", dest="chat", action="store_false", help="use the prompt text as is")
     parser.add_argument("--seed", type=int, default=0, help="seed of every sampler (default: 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="run the target's forwards on N Ray actors, each holding the model (a local Ray "
+                             "cluster on this machine unless --ray-address); answers are unchanged")
+    parser.add_argument("--ray-address", default=None, metavar="ADDR",
+                        help="join the Ray cluster at ADDR (HOST:PORT, ray://HOST:PORT or auto) instead of "
+                             "starting one; --workers defaults to 1 there")
     add_cache_argument(parser)
 
 
@@ -97,6 +104,41 @@ def _load_target(spec: str, *, verify: bool = False) -> Any:
     from speculum.models import load_model
 
     return load_model(spec, progress=loading_progress(), verify=verify)
+
+
+def _worker_spec(args: argparse.Namespace) -> Any:
+    """What each Ray actor loads for ``--target`` (tests replace this function with a reference model's
+    factory, as they replace ``_load_target``)."""
+    from speculum.models.ray_pool import ModelSpec
+
+    return ModelSpec(args.target)
+
+
+def _check_workers(args: argparse.Namespace) -> None:
+    check_at_least(args.workers, 1, "--workers")
+    if args.workers is None and args.ray_address is None:
+        return
+    try:
+        import ray  # noqa: F401  (only to say how to install it before any model loads)
+    except ImportError:
+        from speculum.models.ray_pool import ray_install_hint
+
+        raise CLIError(f"--workers needs Ray. {ray_install_hint()}") from None
+
+
+def _on_workers(args: argparse.Namespace, target: Any) -> Any:
+    """The target itself, or with ``--workers`` / ``--ray-address`` a :class:`RayPool` of it (the loaded
+    target stays the pool's local copy: tokenizer, sessions)."""
+    if args.workers is None and args.ray_address is None:
+        return target
+    from speculum.models.ray_pool import ClusterUnreachableError, RayPool
+
+    try:
+        pool = RayPool(_worker_spec(args), args.workers or 1, address=args.ray_address, local=target)
+    except ClusterUnreachableError as exc:
+        raise CLIError(str(exc)) from None
+    atexit.register(pool.close)
+    return pool
 
 
 def _encode(model: Any, text: str, *, chat: bool | None, prompt: bool) -> list[int]:
@@ -153,8 +195,9 @@ def run_enumerate(args: argparse.Namespace) -> int:
     constraint = constrained.check_enumerate(args)
     if args.max_len is not None and not args.eos and args.regex is None:
         raise CLIError("--max-len goes with --eos or --regex (use --length for fixed-length continuations)")
+    _check_workers(args)
     prompt_text = utf8_text(args.prompt, "prompt", "enumerate")
-    target = _load_target(args.target, verify=args.verify_cache)
+    target = _on_workers(args, _load_target(args.target, verify=args.verify_cache))
     prompt = _encode(target, prompt_text, chat=args.chat, prompt=True)
     eos = constrained.eos_id(target) if args.eos else None
     if args.regex is not None:
@@ -209,7 +252,8 @@ def run_rank(args: argparse.Namespace) -> int:
         texts = [utf8_text(args.text, "--text", "rank")]
     else:
         texts = constrained.read_lines(args.file, "--file", "rank")
-    target = _load_target(args.target, verify=args.verify_cache)
+    _check_workers(args)
+    target = _on_workers(args, _load_target(args.target, verify=args.verify_cache))
     prompt = _encode(target, prompt_text, chat=args.chat, prompt=True)
     if regex is not None:
         return constrained.rank_format(args, target, prompt, texts, regex,

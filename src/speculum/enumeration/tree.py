@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..models.base import capabilities_of
+from ..models.base import capabilities_of, map_calls
 from ..validation import InputError
 from .support import Support
 
@@ -231,12 +231,19 @@ class PrefixTree:
                 raise InputError(f"the prefix tree passed depth {_MAX_UNBOUNDED_DEPTH} without terminating; "
                                  "pass max_len to cap the length of a terminating model")
             todo = np.flatnonzero(self._pending(depth, budget))
-            for start in range(0, len(todo), self.batch_size):
-                self._expand(depth, todo[start:start + self.batch_size], floor)
-                if self.progress is not None:
-                    self.progress(BuildProgress(level=depth, expanded=min(self.batch_size, len(todo) - start),
-                                                pending=max(0, len(todo) - start - self.batch_size),
-                                                forwards=self.forwards, budget_bits=-budget / _LN2))
+            chunks = [todo[start:start + self.batch_size] for start in range(0, len(todo), self.batch_size)]
+            # A model serving several batched calls at once (a pool of replicas) gets a window of this level's
+            # chunks together; children are still stored chunk by chunk in order, so the tree is the same.
+            window = max(1, capabilities_of(self.model).parallel_calls)
+            done = 0
+            for first in range(0, len(chunks), window):
+                group = chunks[first:first + window]
+                for nodes, rows in zip(group, self._rows(depth, group, floor)):
+                    self._expand(depth, nodes, floor, rows)
+                    done += len(nodes)
+                    if self.progress is not None:
+                        self.progress(BuildProgress(level=depth, expanded=len(nodes), pending=len(todo) - done,
+                                                    forwards=self.forwards, budget_bits=-budget / _LN2))
             depth += 1
         for level in self.levels:
             level.compact()
@@ -253,16 +260,31 @@ class PrefixTree:
         prompt = list(self.prompt)
         return [prompt + row for row in columns.tolist()]
 
-    def _expand(self, depth: int, nodes: np.ndarray, floor: float) -> None:
-        """Forward ``nodes`` (prefixes of length ``depth``) in one batch; store their new children."""
+    def _sparse_level(self, depth: int) -> bool:
+        """Whether this level is expanded through ``next_logprobs_above`` (no dense rows needed)."""
+        capped = self.branch_cap is not None and self.branch_cap < self.vocab_size
+        return self.sparse_rows and not capped and not self.support.forces_eos(depth) and not self.constrained
+
+    def _rows(self, depth: int, chunks: list[np.ndarray], floor: float) -> list:
+        """The model's rows for each chunk of prefixes of length ``depth``: dense ``next_logprobs`` rows, or
+        ``next_logprobs_above``'s sparse entries down to the loose step floor (one batched call per chunk)."""
+        prefixes = [self._prefixes(depth, nodes) for nodes in chunks]
+        if self._sparse_level(depth):
+            logprob = self.levels[depth].logprob
+            calls = [(p, _loose_step_floor(logprob[nodes], floor)) for p, nodes in zip(prefixes, chunks)]
+            return map_calls(self.model, "next_logprobs_above", calls)
+        return map_calls(self.model, "next_logprobs", [(p,) for p in prefixes])
+
+    def _expand(self, depth: int, nodes: np.ndarray, floor: float, rows) -> None:
+        """Store the new children of ``nodes`` (prefixes of length ``depth``) from their ``rows``."""
         level = self.levels[depth]
         parent_lp = level.logprob[nodes]                   # (c,)
         capped = self.branch_cap is not None and self.branch_cap < self.vocab_size
         last_eos = self.support.forces_eos(depth)
-        if self.sparse_rows and not capped and not last_eos and not self.constrained:
-            self._expand_sparse(depth, nodes, parent_lp, floor)
+        if self._sparse_level(depth):
+            self._expand_sparse(depth, nodes, floor, rows)
             return
-        rows = np.asarray(self.model.next_logprobs(self._prefixes(depth, nodes)), dtype=np.float64)
+        rows = np.asarray(rows, dtype=np.float64)
         if rows.shape != (len(nodes), self.vocab_size):
             raise InputError(f"next_logprobs returned shape {rows.shape}, expected ({len(nodes)}, {self.vocab_size})")
         if np.isnan(rows).any() or (rows > 1e-6).any():
@@ -320,15 +342,14 @@ class PrefixTree:
         tok, child_lp = allowed[r, c], full_lp[r, c]
         self._append_children(depth, nodes, first, floor, truncated, r, tok.astype(np.int64), child_lp)
 
-    def _expand_sparse(self, depth: int, nodes: np.ndarray, parent_lp: np.ndarray, floor: float) -> None:
-        """``_expand`` through the model's ``next_logprobs_above``: no ``(c, V)`` rows are built.
+    def _expand_sparse(self, depth: int, nodes: np.ndarray, floor: float, sparse) -> None:
+        """``_expand`` from the model's ``next_logprobs_above`` entries: no ``(c, V)`` rows are built.
 
         The hook returns every entry of ``next_logprobs`` at or above the loose per-row step floor (with the
         same values) and each row's count of finite entries, so the exact tests below store the same
         children and the same ``truncated`` flags as the dense path."""
         level = self.levels[depth]
-        r, tok, step, finite = self.model.next_logprobs_above(self._prefixes(depth, nodes),
-                                                              _loose_step_floor(parent_lp, floor))
+        r, tok, step, finite = sparse
         r, tok = np.asarray(r, dtype=np.int64), np.asarray(tok, dtype=np.int64)
         step, finite = np.asarray(step, dtype=np.float64), np.asarray(finite, dtype=np.int64)
         if np.isnan(step).any() or (step > 1e-6).any():

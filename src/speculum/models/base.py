@@ -34,6 +34,7 @@ from ..validation import InputError
 __all__ = [
     "Capabilities",
     "capabilities_of",
+    "map_calls",
     "as_model",
     "AutoregressiveModel",
     "Session",
@@ -256,6 +257,10 @@ class Capabilities:
     ``independent_sessions`` (default True): each session keeps its own state, so several can advance in
     turn. False (llama.cpp's single resident KV cache: switching sessions re-evaluates the context): the
     serving engine and ``generate_batch`` run one generation at a time.
+    ``parallel_calls`` (default 1): how many batched calls the model runs at once. Above 1 (a pool of
+    replicas, :class:`~speculum.models.ray_pool.RayPool`) it offers ``map_calls(method, calls) -> results``,
+    which runs ``getattr(model, method)(*args)`` for every ``args`` in ``calls`` concurrently, results in
+    order; callers with independent batches (a level of the enumeration tree) submit that many together.
     """
 
     sparse_rows: bool = False
@@ -263,12 +268,21 @@ class Capabilities:
     shares_prefix_cache: bool = False
     batched_extend: bool = False
     independent_sessions: bool = True
+    parallel_calls: int = 1
 
 
 def capabilities_of(model: Any) -> Capabilities:
     """The model's declared :class:`Capabilities` (none for an object that declares nothing)."""
     declared = getattr(model, "capabilities", None)
     return declared if isinstance(declared, Capabilities) else Capabilities()
+
+
+def map_calls(model: Any, method: str, calls: Sequence[tuple]) -> list[Any]:
+    """``[getattr(model, method)(*args) for args in calls]``, run concurrently by a model that declares
+    ``parallel_calls > 1`` (each result is the same call's result either way)."""
+    if capabilities_of(model).parallel_calls > 1:
+        return model.map_calls(method, calls)
+    return [getattr(model, method)(*args) for args in calls]
 
 
 def as_model(obj: Any, *, name: str = "model") -> "AutoregressiveModel":

@@ -53,6 +53,9 @@ __all__ = ["HFModel", "HFSession", "parse_dtype"]
 # Bytes of KV cache and of float32 logits one batched chunk may hold; bounds memory for huge batches.
 KV_BUDGET_BYTES = 256 * 2**20
 LOGITS_BUDGET_BYTES = 256 * 2**20
+# Shared-prefix caches kept between batched calls: enumeration alternates between the prompt and the prompt
+# plus one first token, so a few cover it.
+_SHARED_CACHES = 4
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -118,10 +121,8 @@ class HFModel(BaseModel):
         self.max_context = getattr(self.config, "max_position_embeddings", None)
         self.eos_token_id = _first_id(getattr(tokenizer, "eos_token_id", None), self.config.eos_token_id)
         self.bos_token_id = _first_id(getattr(tokenizer, "bos_token_id", None), self.config.bos_token_id)
-        # Single-entry cache of the last shared prefix's KV (batch 1): repeated batched calls over one prompt
-        # (enumeration) encode the prompt once.
-        self._shared_tokens: tuple[int, ...] = ()
-        self._shared_cache: Any = None
+        # Prefix caches shared by the rows of a batched call (the prompt, a common first token), by tokens.
+        self._shared_caches: dict[tuple[int, ...], Any] = {}
         layers, kv_heads, head_dim = _kv_geometry(self.config)
         self._kv_bytes_per_token = 2 * layers * kv_heads * head_dim * torch.finfo(self.dtype).bits // 8
 
@@ -368,19 +369,20 @@ class HFModel(BaseModel):
         return DynamicCache(config=self.config)
 
     def _cache_for(self, tokens: Sequence[int]) -> Any:
-        """A batch-1 cache holding ``tokens`` (do not mutate it), reusing the previous call's shared prefix."""
+        """A batch-1 cache holding ``tokens`` (do not mutate it), kept for the next calls that share it.
+
+        Always built in one fresh forward of ``tokens``, never by extending another call's cache, so that
+        every row is a function of the call alone (not of which calls came before): a pool of replicas
+        (:class:`~speculum.models.ray_pool.RayPool`) then returns bitwise what this model returns."""
         tokens = tuple(tokens)
-        if self._shared_cache is not None and tokens == self._shared_tokens:
-            return self._shared_cache
-        keep = 0
-        if self._shared_cache is not None:
-            keep = common_prefix_length(self._shared_tokens, tokens)
-        cache = self._shared_cache if keep else self._new_cache()
-        if keep:
-            cache.crop(keep - len(self._shared_tokens))
-        if len(tokens) > keep:
-            self._forward(torch.tensor([tokens[keep:]]), cache, keep=1)
-        self._shared_tokens, self._shared_cache = tokens, cache
+        cache = self._shared_caches.pop(tokens, None)
+        if cache is None:
+            cache = self._new_cache()
+            if tokens:
+                self._forward(torch.tensor([tokens]), cache, keep=1)
+        self._shared_caches[tokens] = cache                     # most recently used last
+        while len(self._shared_caches) > _SHARED_CACHES:
+            del self._shared_caches[next(iter(self._shared_caches))]
         return cache
 
     def _chunk_rows(self, kv_length: int, logit_positions: int) -> int:
