@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -32,11 +32,12 @@ from .seek import (DEFAULT_BATCH_SIZE, DEFAULT_BEAM_FORWARDS, DEFAULT_MAX_BAND, 
                    DEFAULT_RESERVE_BITS, BandTooLargeError, IndexBudgetError, SeekIndex)
 from .constraint import compile_for
 from .strings import DEFAULT_MAX_TOKENIZATIONS, StringIndex
+from .stream import DEFAULT_STREAM_ITEMS, StreamProgress, ranked_stream
 from .support import Support, SupportAttributes
 from .tree import BuildProgress
 
 __all__ = ["AutoregressiveEnumerable", "SeekIndex", "BandTooLargeError", "IndexBudgetError", "BuildProgress",
-           "DEFAULT_MAX_BAND", "DEFAULT_MAX_NODES"]
+           "StreamProgress", "DEFAULT_MAX_BAND", "DEFAULT_MAX_NODES"]
 
 
 def _eos_token_of(model) -> int:
@@ -154,6 +155,38 @@ class AutoregressiveEnumerable(SupportAttributes):
     def unrank(self, i: int) -> tuple[tuple[int, ...], float]:
         """The ``i``-th most probable continuation (0-based) and its exact log-prob. Exact."""
         return self._queries.unrank(i)
+
+    def iter_ranked(self, start: int = 0, *, max_items: int = DEFAULT_STREAM_ITEMS,
+                    progress: Callable[[StreamProgress], None] | None = None
+                    ) -> Iterator[tuple[tuple[int, ...], float]]:
+        """Stream ``(tokens, log_prob)`` for ranks ``start, start + 1, ...`` to the end of the support, in
+        memory bounded by ``max_items`` instead of the whole index. Exact.
+
+        Guarantee: the items and log-probs of ``unrank(start)``, ``unrank(start + 1)``, ... in that order
+        (bitwise, for a model whose rows do not depend on which prefixes share a batch; see
+        :mod:`speculum.enumeration.stream`). Memory: about ``1.5 * max_items`` items as arrays plus the
+        depth-first stack of one pass; the index is neither built nor used. Cost in forwards: passes that
+        each re-walk every prefix above their floor, about one pass per ``max_items`` items streamed; the
+        items before ``start`` are walked, only not yielded. A support that is infinite (``eos`` without
+        ``max_len``) streams without end. Under ``branch_cap`` it streams the same capped sub-support.
+        ``progress``: a callable receiving a ``StreamProgress`` after each pass. Not offered with
+        ``strings=True`` (``InputError``). Arguments are checked on the call.
+
+        Example:
+            >>> from speculum.models import MarkovModel
+            >>> ar = AutoregressiveEnumerable(MarkovModel.random(4, seed=0), max_len=3)
+            >>> stream = ar.iter_ranked(max_items=10)
+            >>> [next(stream) for _ in range(3)] == ar.top_k(3)
+            True
+        """
+        start = check_int(start, "start", minimum=0)
+        max_items = check_int(max_items, "max_items", minimum=1)
+        if self.strings:
+            raise InputError("iter_ranked streams token sequences; with strings=True use top_k / slice")
+        index = self._index
+        return ranked_stream(self.model, support=self.support, prompt=self.prompt, start=start,
+                             max_items=max_items, batch_size=index.tree.batch_size, branch_cap=index.branch_cap,
+                             progress=progress)
 
     def slice(self, start: int, k: int) -> list[tuple[tuple[int, ...], float]]:
         """Ranks ``start .. start+k-1``. Exact."""
