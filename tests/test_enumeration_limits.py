@@ -155,3 +155,15 @@ def test_beam_finds_real_sequences_no_better_than_the_true_top(seed, eos):
     assert 0 < len(found) <= 5 and forwards <= 5 * 4
     assert np.all(np.diff(found) <= 0)
     assert all(lp <= best + 1e-12 for lp, best in zip(found, truth))
+
+
+def test_whole_support_built_to_minus_infinity_is_complete():
+    """After count(-inf) every prefix is expanded down to -inf: the tree knows it holds the whole support
+    (zero-probability sequences excluded), so a rank past its end is an IndexError, not a search."""
+    logits = np.zeros((3, 3))
+    logits[0, 1] = -np.inf                      # the sequence (0, 1) has probability 0
+    ar = AutoregressiveEnumerable(MarkovModel(logits, np.zeros(3)), max_len=2)
+    assert ar.count(-math.inf) == 8
+    assert ar.seek_index().support_size == 8
+    with pytest.raises(IndexError, match="beyond the support"):
+        ar.unrank(8)

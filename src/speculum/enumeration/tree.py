@@ -188,9 +188,9 @@ class PrefixTree:
             if not level.expandable or not self.support.expandable(depth):
                 continue
             open_ = ~level.leaf & np.isfinite(level.logprob)
-            unexpanded = open_ & np.isinf(level.floor)
+            unexpanded = open_ & np.isposinf(level.floor)
             total += math.fsum(np.exp(level.logprob[unexpanded]).tolist())
-            expanded = np.flatnonzero(open_ & ~np.isinf(level.floor))
+            expanded = np.flatnonzero(open_ & ~np.isposinf(level.floor))
             if len(expanded) and depth + 1 < len(self.levels):
                 children = self.levels[depth + 1]
                 stored = np.bincount(children.parent, weights=np.exp(children.logprob), minlength=len(level))
@@ -205,7 +205,7 @@ class PrefixTree:
         if not self.support.expandable(depth):
             return np.zeros(len(level), dtype=bool)
         needs = ~level.leaf & (level.logprob >= budget) & np.isfinite(level.logprob)
-        return needs & (np.isinf(level.floor) | (level.truncated & (level.floor > budget)))
+        return needs & (np.isposinf(level.floor) | (level.truncated & (level.floor > budget)))
 
     # ---------------------------------------------------------------------------------------- building
     def extend(self, budget: float, *, expected: float | None = None) -> None:
@@ -296,7 +296,7 @@ class PrefixTree:
             # Tokens the constraint forbids are not children: -inf, exactly as zero-probability tokens.
             rows, allowed_log_mass = self.support.allowed_with_mass(rows, level.state[nodes])
         self.forwards += len(nodes)
-        first = np.isinf(level.floor[nodes])
+        first = np.isposinf(level.floor[nodes])
         self.reforwards += int((~first).sum())
 
         if capped:
@@ -355,7 +355,7 @@ class PrefixTree:
         if np.isnan(step).any() or (step > 1e-6).any():
             raise InputError("next_logprobs_above returned NaN or positive log-probabilities")
         self.forwards += len(nodes)
-        first = np.isinf(level.floor[nodes])
+        first = np.isposinf(level.floor[nodes])
         self.reforwards += int((~first).sum())
         self._store_children(depth, nodes, first, floor, r, tok, step, finite)
 
