@@ -4,7 +4,9 @@ from __future__ import annotations
 import gc
 import itertools
 import math
+import os
 import tracemalloc
+from functools import partial
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from speculum.enumeration import AutoregressiveEnumerable, Regex
-from speculum.enumeration.stream import StreamProgress
+from speculum.enumeration.stream import DEFAULT_STREAM_WINDOW, StreamProgress
 from speculum.models import MarkovModel, TinyTransformer
 from speculum.models.base import Capabilities
 from speculum.validation import InputError
@@ -68,11 +70,12 @@ class SparseRows(CountingModel):
 
 
 # ----------------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("window", [1, 3, DEFAULT_STREAM_WINDOW])
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), vocab=st.integers(2, 5), max_len=st.integers(1, 4),
        kind=st.sampled_from(["markov", "order2", "tied", "uniform", "transformer"]),
        eos=st.booleans(), max_items=st.sampled_from([1, 2, 3, 7, 1000]))
-def test_the_stream_is_the_brute_force_order(seed, vocab, max_len, kind, eos, max_items):
+def test_the_stream_is_the_brute_force_order(window, seed, vocab, max_len, kind, eos, max_items):
     # One item a pass re-walks the tree once per item: keep those cases small (each call is one prefix).
     assume(max_items >= 3 or vocab ** max_len <= 128)
     eos_id = vocab - 1 if eos else None
@@ -88,10 +91,10 @@ def test_the_stream_is_the_brute_force_order(seed, vocab, max_len, kind, eos, ma
     # differ in the last bits with the batch's composition).
     ar = AutoregressiveEnumerable(model, max_len=max_len, eos=eos_id, prompt=prompt, batch_size=1)
     expected = brute_force(model, max_len=max_len, eos=eos_id, prompt=prompt)
-    assert list(ar.iter_ranked(max_items=max_items)) == expected
+    assert list(ar.iter_ranked(max_items=max_items, window=window)) == expected
     assert ar.top_k(len(expected) + 1) == expected
     middle = len(expected) // 2
-    head = itertools.islice(ar.iter_ranked(middle, max_items=max_items), 3)
+    head = itertools.islice(ar.iter_ranked(middle, max_items=max_items, window=window), 3)
     assert list(head) == [ar.unrank(j) for j in range(middle, min(middle + 3, len(expected)))]
 
 
@@ -172,6 +175,34 @@ def test_progress_reports_each_pass():
     assert all(a.forwards < b.forwards for a, b in zip(events, events[1:]))
 
 
+# ----------------------------------------------------------------------------------------- Ray pool
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray instance for the module; its 8 logical CPUs hold a pool's actors (1 CPU each)."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def test_stream_on_a_ray_pool_equals_the_local_stream_bitwise(cluster):
+    """The window does not depend on the model: the same batches go to the pool, each call runs whole on
+    one actor, so every row, hence every item, is bitwise the local model's (batched float matmuls
+    included); a step's batches spread over both actors."""
+    from speculum.models.ray_pool import RayPool
+
+    tiny = partial(TinyTransformer, 12, d_model=16, n_layers=1, seed=3)
+    streams = []
+    with RayPool(tiny, workers=2) as pool:
+        for model in (pool, tiny()):
+            ar = AutoregressiveEnumerable(model, max_len=3, prompt=[1], batch_size=8)
+            streams.append(list(ar.iter_ranked(max_items=400, window=4)))
+        assert min(worker.calls for worker in pool.stats.workers) > 0, "both workers took part"
+    assert len(streams[0]) == 12**3
+    assert streams[0] == streams[1]
+
+
 # -------------------------------------------------------------------------------------------- memory
 def _peak(work) -> int:
     gc.collect()
@@ -223,6 +254,9 @@ def test_streaming_holds_far_less_than_the_whole_index():
     (lambda ar: ar.iter_ranked(max_items=0), "max_items must be an integer >= 1"),
     (lambda ar: ar.iter_ranked(max_items=None), "max_items must be an integer"),
     (lambda ar: ar.iter_ranked(progress=3), "progress must be a callable"),
+    (lambda ar: ar.iter_ranked(window=0), "window must be an integer >= 1"),
+    (lambda ar: ar.iter_ranked(window=2.0), "window must be an integer"),
+    (lambda ar: ar.iter_ranked(window=None), "window must be an integer"),
 ])
 def test_bad_arguments_are_refused_on_the_call(call, match):
     model = CountingModel(MarkovModel.random(4, seed=0))

@@ -32,7 +32,7 @@ from .seek import (DEFAULT_BATCH_SIZE, DEFAULT_BEAM_FORWARDS, DEFAULT_MAX_BAND, 
                    DEFAULT_RESERVE_BITS, BandTooLargeError, IndexBudgetError, SeekIndex)
 from .constraint import compile_for
 from .strings import DEFAULT_MAX_TOKENIZATIONS, StringIndex
-from .stream import DEFAULT_STREAM_ITEMS, StreamProgress, ranked_stream
+from .stream import DEFAULT_STREAM_ITEMS, DEFAULT_STREAM_WINDOW, StreamProgress, ranked_stream
 from .support import Support, SupportAttributes
 from .tree import BuildProgress
 
@@ -157,7 +157,7 @@ class AutoregressiveEnumerable(SupportAttributes):
         return self._queries.unrank(i)
 
     def iter_ranked(self, start: int = 0, *, max_items: int = DEFAULT_STREAM_ITEMS,
-                    progress: Callable[[StreamProgress], None] | None = None
+                    window: int = DEFAULT_STREAM_WINDOW, progress: Callable[[StreamProgress], None] | None = None
                     ) -> Iterator[tuple[tuple[int, ...], float]]:
         """Stream ``(tokens, log_prob)`` for ranks ``start, start + 1, ...`` to the end of the support, in
         memory bounded by ``max_items`` instead of the whole index. Exact.
@@ -169,8 +169,12 @@ class AutoregressiveEnumerable(SupportAttributes):
         each re-walk every prefix above their floor, about one pass per ``max_items`` items streamed; the
         items before ``start`` are walked, only not yielded. A support that is infinite (``eos`` without
         ``max_len``) streams without end. Under ``branch_cap`` it streams the same capped sub-support.
-        ``progress``: a callable receiving a ``StreamProgress`` after each pass. Not offered with
-        ``strings=True`` (``InputError``). Arguments are checked on the call.
+        ``window``: batches forwarded a step through one ``map_calls``, so that a model serving calls in
+        parallel computes them at once (a ``RayPool`` of ``N`` workers: choose ``window >= 2 * N``); one
+        step's rows grow with it, and batches formed before the pruning bound rises may walk a few prefixes
+        more. It does not depend on the model: the batches, hence the rows and items, are the same on a
+        pool as on the local model. ``progress``: a callable receiving a ``StreamProgress`` after each
+        pass. Not offered with ``strings=True`` (``InputError``). Arguments are checked on the call.
 
         Example:
             >>> from speculum.models import MarkovModel
@@ -181,12 +185,13 @@ class AutoregressiveEnumerable(SupportAttributes):
         """
         start = check_int(start, "start", minimum=0)
         max_items = check_int(max_items, "max_items", minimum=1)
+        window = check_int(window, "window", minimum=1)
         if self.strings:
             raise InputError("iter_ranked streams token sequences; with strings=True use top_k / slice")
         index = self._index
         return ranked_stream(self.model, support=self.support, prompt=self.prompt, start=start,
                              max_items=max_items, batch_size=index.tree.batch_size, branch_cap=index.branch_cap,
-                             progress=progress)
+                             window=window, progress=progress)
 
     def slice(self, start: int, k: int) -> list[tuple[tuple[int, ...], float]]:
         """Ranks ``start .. start+k-1``. Exact."""

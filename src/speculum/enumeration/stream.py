@@ -3,8 +3,9 @@
 :func:`ranked_stream` yields the support's sequences in the exact order of
 :class:`~speculum.enumeration.AutoregressiveEnumerable` (log-prob descending, ties by token ids), with the
 same log-probs, by *cursor passes*. The cursor is the last item emitted; each pass walks the prefix tree
-depth first from the root (batches of ``batch_size`` prefixes, one model call each) and keeps the best
-``max_items`` complete sequences strictly after the cursor. A prefix is pruned when its log-prob is below
+depth first from the root (batches of ``batch_size`` prefixes, one model call each; ``window`` batches a
+step, sent together through ``map_calls`` so that a pool of replicas computes them at once) and keeps the
+best ``max_items`` complete sequences strictly after the cursor. A prefix is pruned when its log-prob is below
 the pass's floor or, once ``max_items`` candidates are held, below the worst of them (equal: when its tokens
 come after the worst's): a step's log-prob is clipped to ``<= 0``, so no completion is more probable than
 its prefix. A pass that ends holding ``max_items`` candidates emits exactly the next ``max_items`` items;
@@ -33,14 +34,16 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..models.base import capabilities_of
+from ..models.base import capabilities_of, map_calls
 from ..validation import InputError, check_int, check_optional_int
 from .support import Support
 from .tree import _MAX_UNBOUNDED_DEPTH, _loose_step_floor
 
-__all__ = ["ranked_stream", "StreamProgress", "DEFAULT_STREAM_ITEMS"]
+__all__ = ["ranked_stream", "StreamProgress", "DEFAULT_STREAM_ITEMS", "DEFAULT_STREAM_WINDOW"]
 
 DEFAULT_STREAM_ITEMS = 100_000
+# Batches forwarded a step: enough to keep a pool of up to four replicas busy (two calls queued on each).
+DEFAULT_STREAM_WINDOW = 8
 _LN2 = math.log(2.0)
 # A bounded support's floor past this many bits (p < 2^-2000, below any float's reach) becomes -inf, so
 # that the last pass walks the rest of the support however improbable (a finite masking logit, -1e9).
@@ -175,14 +178,14 @@ class _Walker:
     """One model and support: expands batches of prefixes as the prefix tree does, counting forwards."""
 
     def __init__(self, model, support: Support, prompt: Sequence[int], branch_cap: int | None,
-                 batch_size: int) -> None:
+                 batch_size: int, window: int) -> None:
         self.model, self.support, self.prompt = model, support, list(prompt)
         self.vocab_size = int(model.vocab_size)
         self.branch_cap = branch_cap if branch_cap is not None and branch_cap < self.vocab_size else None
         self.constrained = support.constraint is not None
         # The tree's choice of rows: sparse where declared, except under a cap, a constraint or forced eos.
         self.sparse = capabilities_of(model).sparse_rows and self.branch_cap is None and not self.constrained
-        self.batch_size = batch_size
+        self.batch_size, self.window = batch_size, window
         self.forwards = 0
 
     def walk(self, best: _Best) -> bool:
@@ -191,10 +194,21 @@ class _Walker:
         cut = False
         frames: list[_Frame] = []
         root = np.zeros(1, dtype=np.int32) if self.constrained else None
-        batch = (np.zeros((1, 0), dtype=np.int32), np.zeros(1, dtype=np.int64), np.zeros(1), root)
-        while batch is not None:
-            cut |= self._expand(*batch, best, frames)
-            batch = self._pop(frames, best)
+        batches = [(np.zeros((1, 0), dtype=np.int32), np.zeros(1, dtype=np.int64), np.zeros(1), root)]
+        while batches:
+            cut |= self._step(batches, best, frames)
+            # Up to ``window`` batches are popped before any of them is expanded, so that one step's model
+            # calls can run at once. This changes only the order in which the tree is walked: ``best``
+            # keeps the best items of all those offered whatever the order, and its bound only rises, so
+            # a prefix popped under a lower bound than the one it is expanded under is expanded or pruned
+            # soundly (its children are tested against the bound of their expansion), at worst a few
+            # forwards more.
+            batches = []
+            while len(batches) < self.window:
+                batch = self._pop(frames, best)
+                if batch is None:
+                    break
+                batches.append(batch)
         return cut
 
     def _pop(self, frames: list[_Frame], best: _Best):
@@ -223,29 +237,54 @@ class _Walker:
         return (np.concatenate([_pad(p[0], width) for p in parts]), np.concatenate([p[1] for p in parts]),
                 np.concatenate([p[2] for p in parts]), state)
 
-    def _rows(self, prefixes: list[list[int]]) -> np.ndarray:
-        rows = np.asarray(self.model.next_logprobs(prefixes), dtype=np.float64)
-        if rows.shape != (len(prefixes), self.vocab_size):
-            raise InputError(f"next_logprobs returned shape {rows.shape}, "
-                             f"expected ({len(prefixes)}, {self.vocab_size})")
+    def _step(self, batches: list, best: _Best, frames: list[_Frame]) -> bool:
+        """Forward ``batches`` (one ``map_calls`` per kind of row, so that a model serving calls in parallel
+        runs them at once), then expand them in pop order. Returns whether a child fell below the bound."""
+        plans = [self._plan(tokens, length, parent_lp, best.bound) for tokens, length, parent_lp, _ in batches]
+        sparse_calls = [([prefixes[i] for i in np.flatnonzero(sparse)], step_floor[sparse])
+                        for prefixes, _, step_floor, sparse in plans if sparse.any()]
+        dense_calls = [([prefixes[i] for i in np.flatnonzero(~sparse)],)
+                       for prefixes, _, _, sparse in plans if not sparse.all()]
+        sparse_out = iter(map_calls(self.model, "next_logprobs_above", sparse_calls) if sparse_calls else ())
+        dense_out = iter(map_calls(self.model, "next_logprobs", dense_calls) if dense_calls else ())
+        cut = False
+        for batch, plan in zip(batches, plans):
+            sparse = plan[3]
+            sparse_rows = next(sparse_out) if sparse.any() else None
+            dense_rows = next(dense_out) if not sparse.all() else None
+            cut |= self._expand(*batch, plan, sparse_rows, dense_rows, best, frames)
+        return cut
+
+    def _plan(self, tokens: np.ndarray, length: np.ndarray, parent_lp: np.ndarray, bound: float):
+        """``(prefixes, forces_eos, step_floor, sparse)`` of one batch: its prompted prefixes, the rows
+        where only eos may follow, the step floor of the sparse call (loose for ``bound``: a superset of
+        the children a higher bound keeps) and which rows are read sparse, as the tree reads them."""
+        prefixes = [self.prompt + row[:n] for row, n in zip(tokens.tolist(), length.tolist())]
+        forces_eos = np.array([self.support.forces_eos(d) for d in length.tolist()], dtype=bool)
+        step_floor = _loose_step_floor(parent_lp, bound)
+        sparse = ~forces_eos if self.sparse else np.zeros(len(prefixes), dtype=bool)
+        return prefixes, forces_eos, step_floor, sparse
+
+    def _dense(self, rows, n: int) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.float64)
+        if rows.shape != (n, self.vocab_size):
+            raise InputError(f"next_logprobs returned shape {rows.shape}, expected ({n}, {self.vocab_size})")
         if np.isnan(rows).any() or (rows > 1e-6).any():
             raise InputError("next_logprobs returned NaN or positive log-probabilities")
         # float32 backends can round a near-certain token to a tiny positive log-prob: clipped as the tree does.
         return np.minimum(rows, 0.0)
 
-    def _children(self, prefixes: list[list[int]], length: np.ndarray, parent_lp: np.ndarray,
-                  states: np.ndarray | None, bound: float):
+    def _children(self, plan, sparse_rows, dense_rows, parent_lp: np.ndarray, states: np.ndarray | None):
         """``(r, tok, lp, finite)``: candidate children (row, token, exact log-prob; a superset of those with
-        ``lp >= bound``) and each row's count of positive-probability children, read as the tree reads them."""
+        ``lp >= bound`` for the plan's bound) and each row's count of positive-probability children, read
+        from the model's answers to the plan's calls as the tree reads them."""
+        prefixes, forces_eos, step_floor, sparse = plan
         n = len(prefixes)
-        forces_eos = np.array([self.support.forces_eos(d) for d in length.tolist()], dtype=bool)
-        step_floor = _loose_step_floor(parent_lp, bound)
-        sparse = ~forces_eos if self.sparse else np.zeros(n, dtype=bool)
         parts = []
         finite = np.zeros(n, dtype=np.int64)
         if sparse.any():
             at = np.flatnonzero(sparse)
-            r, tok, step, count = self.model.next_logprobs_above([prefixes[i] for i in at], step_floor[at])
+            r, tok, step, count = sparse_rows
             r, tok = np.asarray(r, dtype=np.int64), np.asarray(tok, dtype=np.int64)
             step = np.asarray(step, dtype=np.float64)
             if np.isnan(step).any() or (step > 1e-6).any():
@@ -254,7 +293,7 @@ class _Walker:
             finite[at] = np.asarray(count, dtype=np.int64)
         if not sparse.all():
             at = np.flatnonzero(~sparse)
-            rows = self._rows([prefixes[i] for i in at])
+            rows = self._dense(dense_rows, len(at))
             if self.constrained:
                 # Tokens the constraint forbids are not children: -inf, exactly as zero-probability tokens.
                 rows = self.support.allowed_with_mass(rows, states[at])[0]
@@ -279,13 +318,13 @@ class _Walker:
         return r, tok, parent_lp[r] + step, finite
 
     def _expand(self, tokens: np.ndarray, length: np.ndarray, parent_lp: np.ndarray,
-                states: np.ndarray | None, best: _Best, frames: list[_Frame]) -> bool:
-        """Forward one batch of prefixes (padded rows); offer its complete children to ``best`` and push the
-        others. Returns whether a positive-probability child fell below the bound."""
-        prefixes = [self.prompt + row[:n] for row, n in zip(tokens.tolist(), length.tolist())]
-        r, tok, lp, finite = self._children(prefixes, length, parent_lp, states, best.bound)
+                states: np.ndarray | None, plan, sparse_rows, dense_rows, best: _Best,
+                frames: list[_Frame]) -> bool:
+        """Read one forwarded batch of prefixes (padded rows); offer its complete children to ``best`` and
+        push the others. Returns whether a positive-probability child fell below the bound."""
+        r, tok, lp, finite = self._children(plan, sparse_rows, dense_rows, parent_lp, states)
         keep = (lp >= best.bound) & np.isfinite(lp)
-        cut = bool((finite > np.bincount(r[keep], minlength=len(prefixes))).any())
+        cut = bool((finite > np.bincount(r[keep], minlength=len(tokens))).any())
         r, tok, lp = r[keep], tok[keep], lp[keep]
         depth = length[r] + 1
         child_states = self.support.advance(states[r], tok) if self.constrained else None
@@ -311,27 +350,34 @@ class _Walker:
 
 def ranked_stream(model, *, support: Support, prompt: Sequence[int] = (), start: int = 0,
                   max_items: int = DEFAULT_STREAM_ITEMS, batch_size: int = 512, branch_cap: int | None = None,
+                  window: int = DEFAULT_STREAM_WINDOW,
                   progress: Callable[[StreamProgress], None] | None = None) -> Iterator[Item]:
     """Yield ``(tokens, log_prob)`` for ranks ``start, start + 1, ...`` of ``support``'s sequences after
     ``prompt``: the exact order and log-probs of the index over the same model (see the module doc).
 
     Memory: at most ``1.5 * max_items`` candidate items (or ``max_items + 1024``) as arrays, plus the
-    depth-first stack (each stacked batch's children: at most ``batch_size * vocab_size`` entries a level),
-    never the tree. Forwards: each pass re-walks every prefix above its floor, and about ``n / max_items``
+    depth-first stack (each stacked batch's children: at most ``batch_size * vocab_size`` entries a level,
+    ``window`` batches a step) and one step's rows (``window * batch_size * vocab_size`` dense), never the
+    tree. Forwards: each pass re-walks every prefix above its floor, and about ``n / max_items``
     passes stream ``n`` items; items before ``start`` are walked as any others, only not yielded (skipping
     costs their passes). The stream ends when a pass walks the whole positive-probability support above
     its floor without dropping a child; an infinite support (``eos`` without ``max_len``) streams without
     end, each pass deeper and costlier. ``branch_cap``: the index's capped sub-support (the same top tokens
-    of each row). ``progress``: a callable receiving a :class:`StreamProgress` after each pass. Arguments
-    are checked here, the model is first called on the first ``next``.
+    of each row). ``window``: batches forwarded a step, in one ``map_calls``: a model serving calls in
+    parallel (a pool of ``N`` replicas: choose ``window >= 2 * N``) computes them at once; one step's rows
+    grow with it, and batches formed before the bound rises may walk a few prefixes more. It does not
+    depend on the model, so the batches, hence the rows, are the same on a pool as on the local model.
+    ``progress``: a callable receiving a :class:`StreamProgress` after each pass. Arguments are checked
+    here, the model is first called on the first ``next``.
     """
     start = check_int(start, "start", minimum=0)
     max_items = check_int(max_items, "max_items", minimum=1)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
+    window = check_int(window, "window", minimum=1)
     branch_cap = check_optional_int(branch_cap, "branch_cap", minimum=1)
     if progress is not None and not callable(progress):
         raise InputError("progress must be a callable receiving StreamProgress events, or None")
-    return _passes(_Walker(model, support, prompt, branch_cap, batch_size), start, max_items, progress)
+    return _passes(_Walker(model, support, prompt, branch_cap, batch_size, window), start, max_items, progress)
 
 
 def _passes(walker: _Walker, start: int, max_items: int, progress) -> Iterator[Item]:

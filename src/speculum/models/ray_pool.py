@@ -309,8 +309,10 @@ class RayPool:
             pending[self._actors[slot].call.remote(method, *calls[k])] = (k, slot)
             queued[slot] += 1
 
+        # The least busy actors first: a call alone (a small level) goes to the one that has worked least.
+        by_load = sorted(range(self.workers), key=lambda w: (self.stats.workers[w].seconds, w))
         for _ in range(_QUEUED_PER_ACTOR):
-            for slot in range(self.workers):
+            for slot in by_load:
                 if queue:
                     submit(slot)
         while pending:
