@@ -167,3 +167,17 @@ def test_whole_support_built_to_minus_infinity_is_complete():
     assert ar.seek_index().support_size == 8
     with pytest.raises(IndexError, match="beyond the support"):
         ar.unrank(8)
+
+
+def test_a_deepening_keeps_children_at_most_one_more_step_deep():
+    """From a pilot that found a single leaf, the leaf-growth rate is a poor guess: the children kept for the
+    next deepening stay within one more capped step, so a top-250 query stores a few times more nodes than
+    it forwards, not a vocabulary per prefix."""
+    rng = np.random.default_rng(0)
+    vocab = 3000
+    model = MarkovModel(rng.normal(scale=3.0, size=(vocab, vocab)), rng.normal(scale=3.0, size=vocab))
+    ar = AutoregressiveEnumerable(model, max_len=3, batch_size=512, max_beam_forwards=0)
+    threshold = ar.threshold(250)
+    index = ar.seek_index()
+    assert ar.count(threshold) >= 250
+    assert sum(len(level) for level in index.tree.levels) < 100 * index.forwards

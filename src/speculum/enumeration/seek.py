@@ -193,7 +193,9 @@ class SeekIndex(SupportAttributes):
             if bits < built + step and expected is None:
                 # Without any leaf the extrapolation knows nothing: keep children one more capped step deep.
                 reach = math.log2(1.5 * needed / have) / rate if have else 2.0 * cap
-                expected = -(built + reach) * _LN2
+                # At most one more capped step past this one: from a few leaves the rate is a poor guess,
+                # and every child kept that deep is a stored node (a whole vocabulary per prefix, at worst).
+                expected = -min(built + reach, bits + cap) * _LN2
             self._deepen(bits, expected=expected)
 
     def _work_step_bits(self, built: float) -> float:
