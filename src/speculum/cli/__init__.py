@@ -61,6 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: a COMMAND is required (see '{parser.prog} --help')", file=sys.stderr)
         return 2
+    from speculum.models.allocator import keep_freed_memory
+
+    keep_freed_memory()   # large logits buffers reused instead of faulted in again on every forward
     try:
         code = int(args.handler(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit

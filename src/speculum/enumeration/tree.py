@@ -234,7 +234,10 @@ class PrefixTree:
             chunks = [todo[start:start + self.batch_size] for start in range(0, len(todo), self.batch_size)]
             # A model serving several batched calls at once (a pool of replicas) gets a window of this level's
             # chunks together; children are still stored chunk by chunk in order, so the tree is the same.
-            window = max(1, capabilities_of(self.model).parallel_calls)
+            # Sparse entries are small, so a sparse level goes out whole (no wait between windows); dense rows
+            # are (batch, vocab) float64 each, so at most ``parallel_calls`` of them are in flight.
+            parallel = capabilities_of(self.model).parallel_calls
+            window = max(1, len(chunks) if parallel > 1 and self._sparse_level(depth) else parallel)
             done = 0
             for first in range(0, len(chunks), window):
                 group = chunks[first:first + window]

@@ -112,6 +112,9 @@ class _Worker:
     """The body of one Ray actor: one model replica answering timed protocol calls."""
 
     def __init__(self, factory: Callable[[], Any], threads: int | None) -> None:
+        from .allocator import keep_freed_memory
+
+        self.allocator_tuned = keep_freed_memory()     # before the model's first large buffers
         if threads:
             os.environ["OMP_NUM_THREADS"] = str(threads)
         self.model = factory()
@@ -121,7 +124,7 @@ class _Worker:
 
     def describe(self) -> dict[str, Any]:
         model = self.model
-        return {"vocab_size": int(model.vocab_size), "pid": os.getpid(),
+        return {"vocab_size": int(model.vocab_size), "pid": os.getpid(), "allocator_tuned": self.allocator_tuned,
                 **{name: getattr(model, name, None) for name in
                    ("bos_token_id", "eos_token_id", "max_context", "name", "capabilities")},
                 "accepts_empty_prompt": bool(getattr(model, "accepts_empty_prompt", False))}
@@ -210,6 +213,9 @@ class RayPool:
     def _connect(self, address: str | None) -> None:
         ray = self._ray
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # nothing leaves the machine
+        # Ray runs workers at nice 15 by default; here they do the work and the caller mostly waits, and a
+        # multithreaded forward at low priority stalls whenever any daemon wakes (read by a cluster we start).
+        os.environ.setdefault("RAY_worker_niceness", "0")
         if address is None and ray.is_initialized():
             return
         if address is not None:
