@@ -10,14 +10,16 @@ in one process, one after another, on a local Ray cluster of this machine's CPUs
 * ``local 1 thread``: the model in this process on one thread;
 * ``pool x2``: two actors of one thread each (the split of the work: goal within 10 % of even).
 
-Each pool run's answers (the three thresholds) must equal bitwise the local run with the same threads.
+An untimed warm-up (the same query) runs first in the process and in each pool, so that both sides are
+compared in their steady state; the pool's start and warm-up are reported
+apart. Each pool run's answers (the three thresholds) must equal bitwise the local run with the same threads.
 From the runs it projects — a projection, not a measurement — the wall time of ``threshold(10**7)`` on 8
 and 64 workers: forwards at 10^7 extrapolated from the three measured ranks (a power law through them), each
 worker's measured rate (prefix forwards per second of model time, 1 thread), and the coordinator's measured
 cost per forward (the wall time of the 1-worker pool not spent in the model: tree work and shipping),
 assumed not to overlap the workers.
 
-    .venv/bin/python benchmarks/ray_scaling.py              # ~6 min on 2 cores
+    .venv/bin/python benchmarks/ray_scaling.py              # ~8 min on 2 cores
     .venv/bin/python benchmarks/ray_scaling.py --rank 4000  # a quick check
 """
 from __future__ import annotations
@@ -53,16 +55,26 @@ def run(model, prompt: list[int], rank: int, batch: int) -> dict:
     return {"seconds": time.perf_counter() - started, "ranks": ranks, "answers": answers, "forwards": forwards}
 
 
-def pooled(spec, local, prompt, rank, batch, *, workers: int, threads: int) -> dict:
+def pooled(pool, prompt, rank, batch) -> dict:
+    """``run`` on a pool, with each worker's share of this run (the pool's statistics are cumulative)."""
+    before = [(w.seconds, w.rows, w.calls) for w in pool.stats.workers]
+    result = run(pool, prompt, rank, batch)
+    busy = [w.seconds - b[0] for w, b in zip(pool.stats.workers, before)]
+    mean = sum(busy) / len(busy)
+    result.update(busy=busy, rows=[w.rows - b[1] for w, b in zip(pool.stats.workers, before)],
+                  calls=[w.calls - b[2] for w, b in zip(pool.stats.workers, before)],
+                  imbalance=max(abs(s - mean) for s in busy) / mean)
+    return result
+
+
+def started_pool(spec, local, prompt, rank, batch, *, workers: int, threads: int):
+    """A pool that has run the query once (the warm-up, as the local model has), and the seconds that took."""
     from speculum.models.ray_pool import RayPool
 
-    with RayPool(spec, workers=workers, threads=threads, cpus_per_worker=threads, local=local) as pool:
-        result = run(pool, prompt, rank, batch)
-        stats = pool.stats
-        result.update(busy=[w.seconds for w in stats.workers], rows=[w.rows for w in stats.workers],
-                      calls=[w.calls for w in stats.workers], pool_wall=stats.wall_seconds,
-                      imbalance=stats.imbalance())
-    return result
+    started = time.perf_counter()
+    pool = RayPool(spec, workers=workers, threads=threads, cpus_per_worker=threads, local=local)
+    run(pool, prompt, rank, batch)
+    return pool, time.perf_counter() - started
 
 
 def project(runs: dict, workers: int) -> dict:
@@ -108,22 +120,28 @@ def main() -> None:
     prompt = local.encode(PROMPT, chat=False)
     spec = ModelSpec()
     runs = {}
-    # Interleaved repeats, the fastest of each kept: this machine's run-to-run noise (page faults of the
-    # large logits temporaries, other tenants) is of the size of the overhead measured.
+    # Warm-ups first (untimed): the same query grows each process's heap to its peak and initialises the
+    # kernels, so that the timed runs compare steady states on both sides.
+    run(local, prompt, args.rank, args.batch)
+    pool, start_seconds = started_pool(spec, local, prompt, args.rank, args.batch, workers=1, threads=threads)
+    # Interleaved repeats, the fastest of each kept: this machine's run-to-run noise (other tenants, page
+    # faults) is of the size of the overhead measured.
     for _ in range(args.repeat):
         for name, measure in (("local", lambda: run(local, prompt, args.rank, args.batch)),
-                              ("pool x1", lambda: pooled(spec, local, prompt, args.rank, args.batch, workers=1,
-                                                         threads=threads))):
+                              ("pool x1", lambda: pooled(pool, prompt, args.rank, args.batch))):
             result = measure()
             result["all_seconds"] = runs.get(name, {}).get("all_seconds", []) + [result["seconds"]]
             if name not in runs or result["seconds"] < runs[name]["seconds"]:
                 runs[name] = result
             else:
                 runs[name]["all_seconds"] = result["all_seconds"]
+    pool.close()
     torch.set_num_threads(1)
     runs["local 1 thread"] = run(local, prompt, args.rank, args.batch)
     torch.set_num_threads(threads)
-    runs["pool x2"] = pooled(spec, local, prompt, args.rank, args.batch, workers=2, threads=1)
+    pool, _ = started_pool(spec, local, prompt, args.rank, args.batch, workers=2, threads=1)
+    runs["pool x2"] = pooled(pool, prompt, args.rank, args.batch)
+    pool.close()
     ray.shutdown()
 
     print(f"\nquery: threshold({', '.join(map(str, runs['local']['ranks']))}) of 3-token continuations of "
@@ -140,6 +158,7 @@ def main() -> None:
                       for name in ("local", "pool x1"))
     print(f"\npool overhead at 1 worker: {100 * overhead:+.1f} % of the local wall time, fastest of "
           f"{args.repeat} each (goal <= 10 %); every run (s): {every}")
+    print(f"pool x1 start and warm-up (not in the times above): {start_seconds:.1f} s")
     print(f"work split at 2 workers: largest deviation from even {100 * runs['pool x2']['imbalance']:.1f} % of "
           f"model time (goal <= 10 %); rows {runs['pool x2']['rows']}")
     print(f"2 workers x 1 thread vs 1 process x 1 thread: "
@@ -152,6 +171,7 @@ def main() -> None:
     for p in projections:
         print(f"  {p['workers']:>3} workers: {p['seconds'] / 3600:.2f} h")
     print(json.dumps({"cpu": cpu_name(), "cores": cores, "threads": threads, "rank": args.rank, "batch": args.batch,
+                      "pool_start_seconds": start_seconds,
                       "runs": runs, "overhead": overhead, "projections": projections}))
 
 
