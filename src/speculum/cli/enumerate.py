@@ -118,8 +118,10 @@ def _check_workers(args: argparse.Namespace) -> None:
     check_at_least(args.workers, 1, "--workers")
     if args.workers is None and args.ray_address is None:
         return
+    import importlib
+
     try:
-        import ray  # noqa: F401  (only to say how to install it before any model loads)
+        importlib.import_module("ray")              # said before any model loads
     except ImportError:
         from speculum.models.ray_pool import ray_install_hint
 

@@ -2,20 +2,21 @@
 
 Each of ``workers`` Ray actors (one model replica per actor, the shape vLLM and SGLang use on Ray) loads the
 same model: a :class:`ModelSpec` (the embedded default, a Hugging Face directory or a GGUF file) or any
-zero-argument factory Ray can pickle. The pool is itself a protocol model. ``next_logprobs``,
-``next_logprobs_above`` (when the model declares sparse rows) and ``score_sequences`` sort each batch by
-token ids and cut it into contiguous shards, so that prefixes sharing a prompt and first tokens stay on one
-actor (the backend encodes the shared part once); the shards run in parallel and their rows come back in
-the caller's order. Every row is computed by the same model code on the same prefix, so exact, constrained
-and speculative enumeration run on the pool unchanged and return what they return locally (bitwise for
-backends whose rows do not depend on the batch they are computed in: the reference models, and the HF
-backend's float32 forwards on CPU, checked by the tests).
+zero-argument factory Ray can pickle. The pool is itself a protocol model (``next_logprobs``,
+``next_logprobs_above`` when the model declares sparse rows, ``score_sequences``) and declares
+``Capabilities(parallel_calls=2 * workers)``: a caller with many independent batches (a level of the
+enumeration tree, cut into batches of sibling prefixes that share the prompt and first tokens) hands them
+over together through :meth:`RayPool.map_calls`, and each batch runs whole on whichever actor is free. A
+batch is never re-cut, so each result is computed by the same code on the same batch as locally: bitwise
+the local model's result with the same thread count (the default), and exact, constrained and speculative
+enumeration run on the pool unchanged and answer exactly as they do locally.
 
 Sessions (``start``, incremental decoding) and the rest of a model's surface (``tokenizer``, ``encode``,
 ``decode``) come from a local copy of the model, loaded on first use.
 
 Faults: an actor that dies during a call (its process killed, its node lost) is replaced by a fresh actor
-that loads the same model, and its shard runs again; which actor computed a shard never changes a row.
+that loads the same model, and every batch queued on it runs again there; which actor computed a batch
+never changes a result.
 
 Example:
     >>> from functools import partial
@@ -28,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
@@ -39,7 +41,7 @@ from .base import Capabilities, check_token_ids
 
 __all__ = ["RayPool", "ModelSpec", "PoolStats", "ClusterUnreachableError", "WorkerLostError", "ray_install_hint"]
 
-# Replacements of one shard's actor within one call before the call fails.
+# Replacements of a dead actor within one call before the call fails.
 DEFAULT_MAX_RETRIES = 3
 
 
@@ -52,7 +54,7 @@ class ClusterUnreachableError(ConnectionError):
 
 
 class WorkerLostError(RuntimeError):
-    """A shard's actors kept dying: the call gave up after ``max_retries`` replacements."""
+    """An actor slot kept dying: the call gave up after ``max_retries`` replacements."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class WorkerStats:
     """One actor slot's share of the work (a replaced actor's slot keeps its counts)."""
 
     rows: int = 0            # prefixes / sequences computed
-    calls: int = 0           # shards run
+    calls: int = 0           # batched calls run
     seconds: float = 0.0     # time inside the model, measured in the actor
 
 
@@ -95,7 +97,7 @@ class PoolStats:
     calls: int = 0               # batched protocol calls served
     wall_seconds: float = 0.0    # wall time of those calls, as the caller saw it
     replaced: int = 0            # actors replaced after dying
-    retries: int = 0             # shards run again on a replacement
+    retries: int = 0             # calls run again on a replacement
 
     @property
     def busy_seconds(self) -> float:
@@ -116,9 +118,9 @@ class _Worker:
 
         self.allocator_tuned = keep_freed_memory()     # before the model's first large buffers
         if threads:
-            os.environ["OMP_NUM_THREADS"] = str(threads)
+            os.environ["OMP_NUM_THREADS"] = str(threads)     # for a backend that reads it when it loads
         self.model = factory()
-        torch = __import__("sys").modules.get("torch")
+        torch = sys.modules.get("torch")                      # the hf backend's, if the model loaded it
         if threads and torch is not None:
             torch.set_num_threads(threads)
 
@@ -153,8 +155,8 @@ class RayPool:
         max_retries: replacements of a dead actor within one call before ``WorkerLostError``.
         local: the model already loaded in this process from the same spec (else loaded on first use).
 
-    Guarantee (exact): every row, sparse entry and score equals what the model computes for that prefix in
-    a batch of the shard's shape; enumeration on the pool answers as it does on the local model.
+    Guarantee (exact): every call's result is what the model computes for that same call in this process
+    (bitwise with the same thread count); enumeration on the pool answers as it does on the local model.
     Raises ``ImportError`` (Ray missing, with the install command) and :class:`ClusterUnreachableError`
     (one line, when ``address`` does not answer).
     """
@@ -308,12 +310,10 @@ class RayPool:
         attempts = [0] * len(calls)
         queue = list(range(len(calls)))[::-1]                 # next call to submit at the end
         pending: dict[Any, tuple[int, int]] = {}              # ref -> (call, actor slot)
-        queued = [0] * self.workers
 
         def submit(slot: int) -> None:
             k = queue.pop()
             pending[self._actors[slot].call.remote(method, *calls[k])] = (k, slot)
-            queued[slot] += 1
 
         # The least busy actors first: a call alone (a small level) goes to the one that has worked least.
         by_load = sorted(range(self.workers), key=lambda w: (self.stats.workers[w].seconds, w))
@@ -324,7 +324,6 @@ class RayPool:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             k, slot = pending.pop(ready[0])
-            queued[slot] -= 1
             try:
                 result, seconds = ray.get(ready[0])
             except ray.exceptions.RayTaskError as exc:       # the model refused the call: the caller's error
@@ -340,7 +339,6 @@ class RayPool:
                 for ref in [ref for ref, (_, where) in pending.items() if where == slot]:
                     del pending[ref]
                 queue.extend(sorted(lost, reverse=True))
-                queued[slot] = 0
                 self._actors[slot] = self._new_actor()
                 self.stats.replaced += 1
                 self.stats.retries += len(lost)
