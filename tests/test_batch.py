@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import speculum
 from speculum.decoding.batch import Scheduler
 from speculum.models import MarkovModel, PromptLookup
 from speculum.models.base import Capabilities
+from speculum.validation import InputError
 from test_distribution import DRAFT, LEVEL, RESET, TARGET, block_law_pvalue, exact_block_law, required_blocks
 
 VOCAB = 12
@@ -170,3 +172,70 @@ def test_packed_cost_charges_each_block_what_it_adds():
     assert abs(fixed - 0.02) < 0.005 and abs(per_token - 0.003) < 0.0003
     parts = cost.split([1, 1, 30], 0.2)
     assert abs(sum(parts) - 0.2) < 1e-12 and parts[0] == parts[1] < parts[2]
+
+
+# ---------------------------------------------------------------------- a reference model's batched extend
+def tiny(seed: int = 4):
+    from speculum.models import TinyTransformer
+
+    return TinyTransformer(VOCAB, d_model=32, n_layers=2, seed=seed)
+
+
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 5)), min_size=1, max_size=5), st.integers(0, 10**6))
+@settings(max_examples=25, deadline=None)
+def test_tiny_transformer_extend_sessions_equals_each_sessions_own_extend(shapes, seed):
+    """Ragged prompts and blocks (empty ones too), twice in a row: every row equals the session's own extend
+    to float64 rounding, and the sessions end where their own extends leave them."""
+    model = tiny()
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB, size=p).tolist() for p, _ in shapes]
+    solo, batched = [model.start(p) for p in prompts], [model.start(p) for p in prompts]
+    for _ in range(2):
+        blocks = [rng.integers(0, VOCAB, size=b).tolist() for _, b in shapes]
+        want = [session.extend(block) for session, block in zip(solo, blocks)]
+        got = model.extend_sessions(batched, blocks)
+        for w, g in zip(want, got):
+            assert w.shape == g.shape and np.allclose(w, g, rtol=0, atol=1e-12)
+        assert [s.length for s in batched] == [s.length for s in solo]
+        assert all(np.allclose(a.next_logprobs(), b.next_logprobs(), rtol=0, atol=1e-12)
+                   for a, b in zip(solo, batched) if a.length)
+
+
+def test_tiny_transformer_target_batched_greedy_equals_solo():
+    """The scheduler verifies a TinyTransformer target's blocks in one forward; greedy output per request is
+    plain greedy decoding's, with a draft model, prompt lookup and no draft side by side."""
+    target = tiny()
+    assert target.capabilities.batched_extend
+    requests = [([1, 2], dict(max_new_tokens=12, temperature=0, draft=tiny(9), gamma=3)),
+                ([3], dict(max_new_tokens=9, temperature=0, draft=PromptLookup())),
+                ([4, 5, 6], dict(max_new_tokens=7, temperature=0))]
+    out = run(Scheduler(target), {0: requests})
+    for got, (prompt, _) in zip(out.values(), requests):
+        assert got == speculum.generate(target, prompt, max_new_tokens=len(got), temperature=0).tokens
+
+
+def test_tiny_transformer_extend_sessions_checks_its_input():
+    model = tiny()
+    session = model.start([1])
+    with pytest.raises(InputError, match="token_lists"):
+        model.extend_sessions([session], [[VOCAB]])
+    with pytest.raises(InputError, match="not a session of this model"):
+        model.extend_sessions([tiny(5).start([1])], [[2]])
+    with pytest.raises(InputError, match="sessions"):
+        model.extend_sessions([session], [[1], [2]])
+
+
+@pytest.mark.parametrize("bos", [None, 0])
+def test_one_token_prompt_is_conditioned_on_that_token_alone(bos):
+    """Greedy decoding from a one-token prompt follows the model's own rows after exactly that token (never
+    after BOS + token), alone and in the scheduler, on a model that needs a context."""
+    from speculum.models import TinyTransformer
+
+    model = TinyTransformer(VOCAB, d_model=32, n_layers=2, seed=6, bos_token_id=bos)
+    for first in (3, 5, 9):
+        context = [first]
+        for _ in range(6):
+            context.append(int(np.argmax(model.next_logprobs([context])[0])))
+        assert speculum.generate(model, [first], max_new_tokens=6, temperature=0).tokens == context[1:]
+        assert speculum.generate_batch(model, [[first], [first, 2]], max_new_tokens=6, temperature=0)[0].tokens \
+            == context[1:]

@@ -208,8 +208,12 @@ def test_one_target_extend_per_chunk_and_no_refeeding():
 
 def test_plain_decoding_is_one_token_per_extend():
     target = Counting(TARGET)
-    result = generate(target, [1], max_new_tokens=25, seed=0)
-    assert target.extends == 25 - 0 and target.fed == 25 and result.stats.proposed == 0
+    result = generate(target, [1, 2], max_new_tokens=25, seed=0)
+    assert target.extends == 25 and target.fed == 25 and result.stats.proposed == 0
+    # A one-token prompt is prefilled whole: the first row comes from the session, no extend.
+    target = Counting(TARGET)
+    generate(target, [1], max_new_tokens=25, seed=0)
+    assert target.extends == 24 and target.fed == 24
 
 
 def test_seed_reproducible_and_generator_accepted():

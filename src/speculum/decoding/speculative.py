@@ -74,9 +74,14 @@ class _Decoder:
         if plan.budget == 0:
             return False
         # Prefill all but the last prompt token: it becomes the first `pending` token, so every block is
-        # exactly one target extend([pending] + proposals) returning the γ + 1 rows it needs.
-        self.target = plan.target.start(self.context[:-1])
-        self.pending = self.context[-1:]
+        # exactly one target extend([pending] + proposals) returning the γ + 1 rows it needs. A one-token
+        # prompt is prefilled whole: an empty session starts from the model's BOS, another context.
+        if len(self.context) == 1:
+            self.target = plan.target.start(self.context)
+            self.pending = []
+        else:
+            self.target = plan.target.start(self.context[:-1])
+            self.pending = self.context[-1:]
         self.stats.target_seconds += time.perf_counter() - self.started
         self.drafter.start(self.context, self.target)
         return True
@@ -95,7 +100,8 @@ class _Decoder:
         """The γ + 1 target rows (checked by :meth:`verify`): after ``pending`` and after each proposal."""
         if self.pending:
             return self.target.extend(self.pending + proposal.tokens)
-        # empty prompt on a model with an initial distribution: the first row needs no token
+        # a one-token prompt, or an empty one on a model with an initial distribution: the first row
+        # needs no token
         first = self.target.next_logprobs()[None, :]
         return np.vstack([first, self.target.extend(proposal.tokens)]) if proposal.tokens else first
 

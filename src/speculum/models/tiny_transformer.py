@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..validation import InputError, check_int, check_number
-from .base import BaseModel, check_prompt, check_token_ids, log_softmax
+from .base import BaseModel, Capabilities, check_prompt, check_token_ids, log_softmax
 
 __all__ = ["TinyTransformer", "TransformerWeights", "LayerWeights", "TransformerSession"]
 
@@ -103,6 +103,9 @@ class TinyTransformer(BaseModel):
         >>> model.next_logprobs([[1], [1, 2]]).shape
         (2, 8)
     """
+
+    # Several sessions' blocks in one forward (``extend_sessions``): the decoding scheduler verifies them so.
+    capabilities = Capabilities(batched_extend=True)
 
     def __init__(
         self,
@@ -228,6 +231,38 @@ class TinyTransformer(BaseModel):
             x = x + _gelu(h @ layer.w_mlp_in + layer.b_mlp_in) @ layer.w_mlp_out + layer.b_mlp_out
         return _layer_norm(x, w.lnf_gain, w.lnf_bias)
 
+    def _forward_ragged(self, tokens: np.ndarray, offsets: np.ndarray, keys: list[np.ndarray],
+                        values: list[np.ndarray]) -> np.ndarray:
+        """``_forward`` with a different offset per row: row b's tokens (batch, n; padding after its own
+        count) sit at positions ``offsets[b]..``; query i of row b sees keys ``j <= offsets[b] + i``, so the
+        padding never reaches a real position. Caches: (batch, heads, capacity, d_head), written in place."""
+        w = self.weights
+        batch, n = tokens.shape
+        H, dh = self.n_heads, self.d_model // self.n_heads
+        end = int(offsets.max()) + n
+        positions = offsets[:, None] + np.arange(n)[None, :]                       # (batch, n)
+        x = w.token_embedding[tokens] + w.position_embedding[np.minimum(positions, self.max_len - 1)]
+        visible = np.arange(end)[None, None, :] <= positions[:, :, None]          # (batch, n, end)
+        rows = np.arange(batch)[:, None]
+        for layer, layer_keys, layer_values in zip(w.layers, keys, values):
+            h = _layer_norm(x, layer.ln1_gain, layer.ln1_bias)
+
+            def heads(proj: np.ndarray) -> np.ndarray:  # (batch, n, d) -> (batch, n, H, dh)
+                return (h @ proj).reshape(batch, n, H, dh)
+
+            layer_keys.transpose(0, 2, 1, 3)[rows, positions] = heads(layer.w_key)
+            layer_values.transpose(0, 2, 1, 3)[rows, positions] = heads(layer.w_value)
+            query = heads(layer.w_query).transpose(0, 2, 1, 3)
+            scores = query @ layer_keys[:, :, :end].transpose(0, 1, 3, 2) / np.sqrt(dh)
+            scores = np.where(visible[:, None], scores, -np.inf)                   # (batch, H, n, end)
+            attn = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            attn /= attn.sum(axis=-1, keepdims=True)
+            mixed = (attn @ layer_values[:, :, :end]).transpose(0, 2, 1, 3).reshape(batch, n, self.d_model)
+            x = x + mixed @ layer.w_attn_out
+            h = _layer_norm(x, layer.ln2_gain, layer.ln2_bias)
+            x = x + _gelu(h @ layer.w_mlp_in + layer.b_mlp_in) @ layer.w_mlp_out + layer.b_mlp_out
+        return _layer_norm(x, w.lnf_gain, w.lnf_bias)
+
     def _logprobs(self, hidden: np.ndarray) -> np.ndarray:
         """(..., d) final hidden -> (..., V) normalised log-probs."""
         return log_softmax(self.logit_scale * (hidden @ self.weights.head))
@@ -249,6 +284,55 @@ class TinyTransformer(BaseModel):
     def start(self, prompt: Sequence[int]) -> "TransformerSession":
         """A KV-cached session after ``prompt`` (``[]`` means ``[bos]``; without a BOS it is an error)."""
         return TransformerSession(self, prompt)
+
+    def extend_sessions(self, sessions: Sequence["TransformerSession"], token_lists: Sequence[Sequence[int]]
+                        ) -> list[np.ndarray]:
+        """``[session.extend(tokens) ...]`` for several of this model's sessions in one ragged forward (each
+        session's own cache and positions; padding masked). Exact: each result equals that session's own
+        ``extend`` to float64 rounding (the batched products may round the last bits differently).
+
+        Example:
+            >>> m = TinyTransformer(8, seed=0)
+            >>> a, b = m.start([1]), m.start([2, 3])
+            >>> [rows.shape for rows in m.extend_sessions([a, b], [[4, 5], [6]])]
+            [(2, 8), (1, 8)]
+        """
+        if len(sessions) != len(token_lists):
+            raise InputError(f"extend_sessions got {len(sessions)} sessions and {len(token_lists)} token lists")
+        checked = [check_token_ids(tokens, self.vocab_size, name=f"token_lists[{i}]")
+                   for i, tokens in enumerate(token_lists)]
+        for i, (session, tokens) in enumerate(zip(sessions, checked)):
+            if not isinstance(session, TransformerSession) or session.model is not self:
+                raise InputError(f"sessions[{i}] is not a session of this model")
+            self._check_length(session.length + len(tokens), "tokens")
+        out = [np.zeros((0, self.vocab_size)) for _ in sessions]
+        live = [i for i, tokens in enumerate(checked) if tokens]
+        if not live:
+            return out
+        n = max(len(checked[i]) for i in live)
+        offsets = np.array([sessions[i].length for i in live], dtype=np.int64)
+        tokens = np.zeros((len(live), n), dtype=np.int64)
+        for b, i in enumerate(live):
+            tokens[b, : len(checked[i])] = checked[i]
+        capacity = int(offsets.max()) + n
+        # Zeros, not empty: a row's masked positions get attention weight 0, and 0 x garbage can be NaN.
+        shape = (len(live), self.n_heads, capacity, self.d_model // self.n_heads)
+        keys = [np.zeros(shape) for _ in self.weights.layers]
+        values = [np.zeros(shape) for _ in self.weights.layers]
+        for b, i in enumerate(live):
+            for layer in range(len(keys)):
+                keys[layer][b, :, : offsets[b]] = sessions[i]._keys[layer][0, :, : offsets[b]]
+                values[layer][b, :, : offsets[b]] = sessions[i]._values[layer][0, :, : offsets[b]]
+        hidden = self._forward_ragged(tokens, offsets, keys, values)                # (batch, n, d)
+        for b, i in enumerate(live):
+            session, count, start = sessions[i], len(checked[i]), int(offsets[b])
+            for layer in range(len(keys)):
+                session._keys[layer][0, :, start: start + count] = keys[layer][b, :, start: start + count]
+                session._values[layer][0, :, start: start + count] = values[layer][b, :, start: start + count]
+            session._hidden[start: start + count] = hidden[b, :count]
+            session.tokens.extend(checked[i])
+            out[i] = self._logprobs(hidden[b, :count])
+        return out
 
     def next_logprobs(self, prefixes: Sequence[Sequence[int]]) -> np.ndarray:
         """``(batch, vocab)`` exact next-token log-probs; equal-length prefixes share one batched forward.
