@@ -37,7 +37,7 @@ import numpy as np
 from ..models.base import capabilities_of, map_calls
 from ..validation import InputError, check_int, check_optional_int
 from .support import Support
-from .tree import _MAX_UNBOUNDED_DEPTH, _loose_step_floor
+from .tree import _MAX_UNBOUNDED_DEPTH, _loose_step_floor, checked_dense_rows, checked_sparse_rows
 
 __all__ = ["ranked_stream", "StreamProgress", "DEFAULT_STREAM_ITEMS", "DEFAULT_STREAM_WINDOW"]
 
@@ -265,15 +265,6 @@ class _Walker:
         sparse = ~forces_eos if self.sparse else np.zeros(len(prefixes), dtype=bool)
         return prefixes, forces_eos, step_floor, sparse
 
-    def _dense(self, rows, n: int) -> np.ndarray:
-        rows = np.asarray(rows, dtype=np.float64)
-        if rows.shape != (n, self.vocab_size):
-            raise InputError(f"next_logprobs returned shape {rows.shape}, expected ({n}, {self.vocab_size})")
-        if np.isnan(rows).any() or (rows > 1e-6).any():
-            raise InputError("next_logprobs returned NaN or positive log-probabilities")
-        # float32 backends can round a near-certain token to a tiny positive log-prob: clipped as the tree does.
-        return np.minimum(rows, 0.0)
-
     def _children(self, plan, sparse_rows, dense_rows, parent_lp: np.ndarray, states: np.ndarray | None):
         """``(r, tok, lp, finite)``: candidate children (row, token, exact log-prob; a superset of those with
         ``lp >= bound`` for the plan's bound) and each row's count of positive-probability children, read
@@ -284,16 +275,11 @@ class _Walker:
         finite = np.zeros(n, dtype=np.int64)
         if sparse.any():
             at = np.flatnonzero(sparse)
-            r, tok, step, count = sparse_rows
-            r, tok = np.asarray(r, dtype=np.int64), np.asarray(tok, dtype=np.int64)
-            step = np.asarray(step, dtype=np.float64)
-            if np.isnan(step).any() or (step > 1e-6).any():
-                raise InputError("next_logprobs_above returned NaN or positive log-probabilities")
+            r, tok, step, finite[at] = checked_sparse_rows(sparse_rows)
             parts.append((at[r], tok, np.minimum(step, 0.0)))
-            finite[at] = np.asarray(count, dtype=np.int64)
         if not sparse.all():
             at = np.flatnonzero(~sparse)
-            rows = self._dense(dense_rows, len(at))
+            rows = checked_dense_rows(dense_rows, len(at), self.vocab_size)
             if self.constrained:
                 # Tokens the constraint forbids are not children: -inf, exactly as zero-probability tokens.
                 rows = self.support.allowed_with_mass(rows, states[at])[0]

@@ -287,14 +287,7 @@ class PrefixTree:
         if self._sparse_level(depth):
             self._expand_sparse(depth, nodes, floor, rows)
             return
-        rows = np.asarray(rows, dtype=np.float64)
-        if rows.shape != (len(nodes), self.vocab_size):
-            raise InputError(f"next_logprobs returned shape {rows.shape}, expected ({len(nodes)}, {self.vocab_size})")
-        if np.isnan(rows).any() or (rows > 1e-6).any():
-            raise InputError("next_logprobs returned NaN or positive log-probabilities")
-        # float32 backends can round a near-certain token to a tiny positive log-prob; a step must not
-        # raise a prefix's probability (the budget pruning relies on it), so clip those to 0.
-        rows = np.minimum(rows, 0.0)
+        rows = checked_dense_rows(rows, len(nodes), self.vocab_size)
         if self.constrained:
             # Tokens the constraint forbids are not children: -inf, exactly as zero-probability tokens.
             rows, allowed_log_mass = self.support.allowed_with_mass(rows, level.state[nodes])
@@ -352,11 +345,7 @@ class PrefixTree:
         same values) and each row's count of finite entries, so the exact tests below store the same
         children and the same ``truncated`` flags as the dense path."""
         level = self.levels[depth]
-        r, tok, step, finite = sparse
-        r, tok = np.asarray(r, dtype=np.int64), np.asarray(tok, dtype=np.int64)
-        step, finite = np.asarray(step, dtype=np.float64), np.asarray(finite, dtype=np.int64)
-        if np.isnan(step).any() or (step > 1e-6).any():
-            raise InputError("next_logprobs_above returned NaN or positive log-probabilities")
+        r, tok, step, finite = checked_sparse_rows(sparse)
         self.forwards += len(nodes)
         first = np.isposinf(level.floor[nodes])
         self.reforwards += int((~first).sum())
@@ -406,6 +395,29 @@ class PrefixTree:
         states = self.support.advance(level.state[nodes[r]], child_tokens) if self.constrained else None
         leaf = self.support.is_complete(depth + 1, child_tokens, states)
         self.levels[depth + 1].append(nodes[r], child_tokens, child_lp, leaf, states)
+
+
+def checked_dense_rows(rows, n: int, vocab_size: int) -> np.ndarray:
+    """A model's ``next_logprobs`` answer for ``n`` prefixes as checked float64 rows, each entry ``<= 0``."""
+    rows = np.asarray(rows, dtype=np.float64)
+    if rows.shape != (n, vocab_size):
+        raise InputError(f"next_logprobs returned shape {rows.shape}, expected ({n}, {vocab_size})")
+    if np.isnan(rows).any() or (rows > 1e-6).any():
+        raise InputError("next_logprobs returned NaN or positive log-probabilities")
+    # float32 backends can round a near-certain token to a tiny positive log-prob; a step must not raise a
+    # prefix's probability (the budget pruning relies on it), so clip those to 0.
+    return np.minimum(rows, 0.0)
+
+
+def checked_sparse_rows(sparse) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A model's ``next_logprobs_above`` answer ``(row, token, logprob, finite)`` as checked arrays (the
+    log-probs not yet clipped: ``_store_children`` clips them as the dense rows are)."""
+    r, tok, step, finite = sparse
+    r, tok = np.asarray(r, dtype=np.int64), np.asarray(tok, dtype=np.int64)
+    step, finite = np.asarray(step, dtype=np.float64), np.asarray(finite, dtype=np.int64)
+    if np.isnan(step).any() or (step > 1e-6).any():
+        raise InputError("next_logprobs_above returned NaN or positive log-probabilities")
+    return r, tok, step, finite
 
 
 def _logsumexp_rows(rows: np.ndarray) -> np.ndarray:

@@ -206,30 +206,7 @@ class TinyTransformer(BaseModel):
         ``keys[l]`` / ``values[l]`` are (batch, heads, capacity, d_head) caches already holding positions
         ``< offset``; the new positions are written in place. Returns the final-LN hidden (batch, n, d).
         """
-        w = self.weights
-        batch, n = tokens.shape
-        H, dh = self.n_heads, self.d_model // self.n_heads
-        end = offset + n
-        x = w.token_embedding[tokens] + w.position_embedding[offset:end]  # (batch, n, d)
-        # Query i (absolute offset + i) may attend to key j iff j <= offset + i.
-        visible = np.arange(end)[None, :] <= (offset + np.arange(n))[:, None]  # (n, end)
-        for layer, layer_keys, layer_values in zip(w.layers, keys, values):
-            h = _layer_norm(x, layer.ln1_gain, layer.ln1_bias)
-
-            def heads(proj: np.ndarray) -> np.ndarray:  # (batch, n, d) -> (batch, H, n, dh)
-                return (h @ proj).reshape(batch, n, H, dh).transpose(0, 2, 1, 3)
-
-            layer_keys[:, :, offset:end] = heads(layer.w_key)
-            layer_values[:, :, offset:end] = heads(layer.w_value)
-            scores = heads(layer.w_query) @ layer_keys[:, :, :end].transpose(0, 1, 3, 2) / np.sqrt(dh)
-            scores = np.where(visible, scores, -np.inf)  # (batch, H, n, end)
-            attn = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            attn /= attn.sum(axis=-1, keepdims=True)
-            mixed = (attn @ layer_values[:, :, :end]).transpose(0, 2, 1, 3).reshape(batch, n, self.d_model)
-            x = x + mixed @ layer.w_attn_out
-            h = _layer_norm(x, layer.ln2_gain, layer.ln2_bias)
-            x = x + _gelu(h @ layer.w_mlp_in + layer.b_mlp_in) @ layer.w_mlp_out + layer.b_mlp_out
-        return _layer_norm(x, w.lnf_gain, w.lnf_bias)
+        return self._forward_ragged(tokens, np.full(len(tokens), offset, dtype=np.int64), keys, values)
 
     def _forward_ragged(self, tokens: np.ndarray, offsets: np.ndarray, keys: list[np.ndarray],
                         values: list[np.ndarray]) -> np.ndarray:
