@@ -28,6 +28,7 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Passive OpenMP waiting, the setting of this script's figures in RESULTS.md (docs/backends.md: OpenMP waiting).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from counting import CountingModel  # noqa: E402  (benchmarks/counting.py)

@@ -34,8 +34,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_worker_niceness", "0")        # as RayPool sets it for a cluster it starts
-# The policy the PyTorch backend sets on import (so in every worker); this script imports torch itself
-# first, so it sets it too: the local runs and the workers then wait at OpenMP barriers the same way.
+# The policy RayPool gives its workers (read when torch loads); this script imports torch itself, so it sets
+# it too: the local runs and the workers then wait at OpenMP barriers the same way.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)

@@ -1,8 +1,8 @@
 """Serving benchmark: `speculum serve` on SmolLM2-135M-Instruct (PyTorch, float32) under concurrent load.
 
-The server runs in this process (uvicorn on a localhost port, the same app as `speculum serve`); clients
-are threads sending greedy `/v1/completions` requests over HTTP with the real `openai` client, grounded
-prompts (summarise / rewrite a given text, where prompt lookup pays). For each concurrency level and each
+The server runs in this process as `speculum serve` runs it (the same app on uvicorn on a localhost port,
+the engine on the main thread, HTTP on another, glibc's freed memory kept); clients are threads sending
+greedy `/v1/completions` requests over HTTP with the real `openai` client, grounded prompts (summarise / rewrite a given text, where prompt lookup pays). For each concurrency level and each
 draft (`none` = plain decoding, `lookup` = prompt lookup with `gamma="auto"`) it reports aggregate tokens/s
 and p50 / p95 request latency, side by side in one run, and checks every response against the solo greedy
 output (end-of-sequence disabled, so each request emits exactly `--max-tokens` tokens).
@@ -39,8 +39,9 @@ from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 
 import speculum  # noqa: E402
 from speculum.cli.demo import PASSAGE  # noqa: E402
+from speculum.models.allocator import keep_freed_memory  # noqa: E402
 from speculum.models.select import make_draft  # noqa: E402
-from speculum.serving import Engine, create_app  # noqa: E402
+from speculum.serving import Engine, create_app, serve_on_this_thread  # noqa: E402
 
 PROMPTS = [
     f"Summarise the following text in three sentences.\n\n{PASSAGE}",
@@ -50,17 +51,37 @@ PROMPTS = [
 ]
 
 
-def serve(target, draft_spec: str, max_batch: int, batch_invariant: bool):
+def run_levels(target, draft_spec: str, args: argparse.Namespace, expected: list[str]) -> list[dict]:
+    """Every concurrency level against `speculum serve`'s app with ``draft_spec``: the engine on this (the
+    main) thread, HTTP on another, as the command runs them; the clients drive from a third."""
     engine = Engine(target, draft=make_draft(draft_spec, target), gamma="auto", eos_token_id=None,
-                    max_batch=max_batch, max_waiting=1024, batch_invariant=batch_invariant)
+                    max_batch=max(args.concurrency), max_waiting=1024, batch_invariant=args.batch_invariant,
+                    background=False)
     app = create_app(engine, "smollm2-135m", encode_text=lambda text: target.encode(text, chat=True))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    return server, thread, f"http://127.0.0.1:{port}/v1", engine
+    results: list[dict] = []
+
+    def drive() -> None:
+        try:
+            deadline = time.monotonic() + 60
+            while not server.started:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the server did not start")
+                time.sleep(0.05)
+            url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+            load(url, 1, 1, 4, expected=[""] * len(PROMPTS))            # warm-up
+            results.extend(load(url, c, max(args.requests, c), args.max_tokens, expected, engine=engine)
+                           for c in args.concurrency)
+        finally:
+            server.should_exit = True
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    serve_on_this_thread(server, engine)
+    driver.join()
+    if len(results) != len(args.concurrency):
+        raise RuntimeError("the load did not finish (see the error above)")
+    return results
 
 
 def start_peer(gguf: str):
@@ -124,17 +145,13 @@ def main() -> None:
     args = parser.parse_args()
     from speculum.models.default import load_model
 
+    keep_freed_memory()
     target = load_model()
     expected = [target.decode(speculum.generate(target, target.encode(p, chat=True), max_new_tokens=args.max_tokens,
                                                 temperature=0, eos_token_id=None).tokens) for p in PROMPTS]
     report = {"cpu": cpu_name(), "max_tokens": args.max_tokens, "batch_invariant": args.batch_invariant, "runs": {}}
     for draft in ("none", "lookup"):
-        server, thread, url, engine = serve(target, draft, max(args.concurrency), args.batch_invariant)
-        load(url, 1, 1, 4, expected=[""] * len(PROMPTS))            # warm-up
-        report["runs"][draft] = [load(url, c, max(args.requests, c), args.max_tokens, expected, engine=engine)
-                                 for c in args.concurrency]
-        server.should_exit = True
-        thread.join(30)
+        report["runs"][draft] = run_levels(target, draft, args, expected)
     if args.peer:
         from speculum.models.default import embedded_gguf_path
 

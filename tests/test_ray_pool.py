@@ -208,3 +208,12 @@ def test_cli_unreachable_cluster_and_missing_ray(reference_target, monkeypatch, 
     code, _, err = run_cli(capsys, "enumerate", "1 2", "--length", "2", "--top-k", "3", "--target", reference_target,
                            "--workers", "2")
     assert code == 2 and "pip install 'speculum[ray]'" in err
+
+
+def test_workers_wait_passively_at_openmp_barriers(tiny_pool):
+    """Workers share cores with each other and the caller: their OpenMP threads must not spin (the policy
+    travels in each actor's environment, read when torch loads there)."""
+    import os
+
+    expected = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    assert [info["omp_wait_policy"] for info in tiny_pool.worker_info()] == [expected, expected]

@@ -27,12 +27,13 @@ import uvicorn  # noqa: E402
 import speculum  # noqa: E402
 from speculum.decoding.text import StopMatcher  # noqa: E402
 from speculum.models import MarkovModel, PromptLookup  # noqa: E402
-from speculum.serving import Engine, EngineBusy, GenerationRequest, create_app  # noqa: E402
+from speculum.serving import Engine, EngineBusy, EngineClosed, GenerationRequest, create_app  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 
 ALPHABET = "abcdefgh"
 EOS = 7                      # "h" ends a generation
 NAME = "markov-test"
+PROMPTS = ["ab", "bca", "dd", "fea"]
 
 
 def encode(text: str) -> list[int]:
@@ -377,3 +378,59 @@ def test_a_prompt_the_encoder_refuses_is_a_400():
     with TestClient(app) as client:
         reply = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}]})
     assert reply.status_code == 400 and "roles must alternate" in reply.json()["error"]["message"]
+
+
+def test_the_engine_on_the_callers_thread_serves_http_from_another_until_the_server_stops():
+    """``serve_on_this_thread``: the caller's thread generates (``background=False``), uvicorn answers on its
+    own; every reply is the solo greedy text, and stopping the server ends the engine's loop."""
+    from speculum.serving import serve_on_this_thread
+
+    engine = Engine(make_target(), draft=PromptLookup(), gamma=3, decode=decode, background=False)
+    app = create_app(engine, NAME, encode_text=encode, encode_chat=encode_chat, default_max_tokens=12)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    replies: dict[str, str] = {}
+
+    def drive() -> None:
+        try:
+            while not server.started:
+                time.sleep(0.02)
+            port = server.servers[0].sockets[0].getsockname()[1]
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+            with ThreadPoolExecutor(4) as pool:
+                texts = pool.map(lambda p: client.completions.create(model=NAME, prompt=p, temperature=0).choices[0].text,
+                                 PROMPTS)
+            replies.update(zip(PROMPTS, texts))
+        finally:
+            server.should_exit = True
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    assert serve_on_this_thread(server, engine) is True
+    driver.join(5)
+    assert replies == {prompt: solo(prompt) for prompt in PROMPTS}
+    with pytest.raises(EngineClosed):
+        engine.submit(GenerationRequest(prompt_ids=[0], max_tokens=2))
+
+
+def test_serving_on_a_port_in_use_returns_false_and_ends_the_engine():
+    import socket
+
+    from speculum.serving import serve_on_this_thread
+
+    engine = Engine(make_target(), decode=decode, background=False)
+    app = create_app(engine, NAME, encode_text=encode)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+        assert serve_on_this_thread(server, engine) is False
+
+
+def test_a_background_engine_refuses_to_run_on_the_callers_thread():
+    engine = Engine(make_target(), decode=decode)
+    try:
+        with pytest.raises(RuntimeError, match="its own thread"):
+            engine.run()
+    finally:
+        engine.close()

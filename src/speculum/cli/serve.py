@@ -68,19 +68,22 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise ImportError("speculum serve needs FastAPI and uvicorn: pip install 'speculum[serve]'") from None
     from speculum.models.select import make_draft
-    from speculum.serving import Engine, create_app
+    from speculum.serving import Engine, create_app, serve_on_this_thread
 
     target = load_target(args)
     draft = make_draft(args.draft, target)
+    # The engine runs on this thread, which loaded the model (see Engine's `background`); HTTP on another.
     engine = Engine(target, draft=draft, gamma=args.gamma, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                    batch_invariant=args.batch_invariant)
+                    batch_invariant=args.batch_invariant, background=False)
     name = args.served_model_name or args.target
     encode_chat = chat_encoder(target)
     app = create_app(engine, name, encode_text=lambda text: target.encode(text, chat=False),
                      encode_chat=encode_chat, default_max_tokens=args.default_max_tokens)
-    # uvicorn handles SIGINT / SIGTERM: it stops accepting, lets open responses end (at most 5 s), then
-    # the app's shutdown closes the engine.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    # SIGINT / SIGTERM: stop accepting, let open responses end (at most 5 s), then close the engine.
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+    if not serve_on_this_thread(server, engine):
+        raise CLIError(f"could not serve on {args.host}:{args.port} (see the error above)")
     return 0
 
 

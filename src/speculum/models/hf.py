@@ -33,14 +33,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-
-# On a machine whose cores are shared (more runnable threads than cores), OpenMP's default spin-then-wait
-# barrier makes every torch op of a batched forward cost milliseconds instead of microseconds; passive
-# waiting costs a few microseconds per op. OpenMP reads the policy when torch loads, so it is set ahead of
-# the import, and only when the user has not chosen one.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: E402
+import torch
 
 from ..validation import InputError
 from .base import BaseModel, Capabilities, check_prompt, check_token_ids, common_prefix_length

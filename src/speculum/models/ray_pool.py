@@ -127,6 +127,7 @@ class _Worker:
     def describe(self) -> dict[str, Any]:
         model = self.model
         return {"vocab_size": int(model.vocab_size), "pid": os.getpid(), "allocator_tuned": self.allocator_tuned,
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                 **{name: getattr(model, name, None) for name in
                    ("bos_token_id", "eos_token_id", "max_context", "name", "capabilities")},
                 "accepts_empty_prompt": bool(getattr(model, "accepts_empty_prompt", False))}
@@ -231,7 +232,12 @@ class RayPool:
         self._owns_cluster = address is None
 
     def _new_actor(self) -> Any:
-        remote = self._ray.remote(_Worker).options(num_cpus=self.cpus_per_worker, max_restarts=0)
+        # Workers share the machine's cores with each other and the caller: OpenMP threads that spin while
+        # they wait would take cores from the threads doing work, so they wait passively (unless the caller
+        # chose a policy); the variable is read when torch loads, so it is set in the actor's environment.
+        policy = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        remote = self._ray.remote(_Worker).options(num_cpus=self.cpus_per_worker, max_restarts=0,
+                                                   runtime_env={"env_vars": policy})
         return remote.remote(self.spec, self.threads)
 
     def close(self) -> None:
@@ -257,7 +263,12 @@ class RayPool:
 
     def worker_pids(self) -> list[int]:
         """The process id of each live actor (what a fault test kills)."""
-        return [info["pid"] for info in self._ray.get([a.describe.remote() for a in self._actors])]
+        return [info["pid"] for info in self.worker_info()]
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        """What each live actor reports of itself: ``pid``, ``allocator_tuned``, ``omp_wait_policy``, and
+        its model's ``vocab_size``, ``name``, ``capabilities`` and special tokens."""
+        return self._ray.get([a.describe.remote() for a in self._actors])
 
     # -------------------------------------------------------------------------------- local surface
     @property

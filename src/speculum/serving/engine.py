@@ -148,6 +148,11 @@ class Engine:
         batch_invariant: verify each job in its own target call (no batched forward), so that its output is
             identical to its solo run; otherwise a target with ``batched_extend`` verifies a step's blocks
             in one forward (faster; rows equal up to float rounding).
+        background: run the jobs on a thread of the engine's own; False: the caller runs them by calling
+            :meth:`run` (blocking until :meth:`close`). On CPU, PyTorch's OpenMP runtime throttles its
+            spin-waiting as soon as a second thread runs parallel work, which makes every small operation
+            wait for a wake-up (a decode step of a small model up to 2x slower): a server whose main thread
+            loaded the model calls :meth:`run` from the main thread and serves HTTP from another.
 
     Guarantee: exact — every job's tokens have the law of plain sampling from the target, whatever else
     runs or waits; with ``batch_invariant=True`` greedy tokens are those of ``speculum.generate`` alone.
@@ -155,7 +160,8 @@ class Engine:
 
     def __init__(self, target: Any, *, draft: Any = None, gamma: int | str = "auto",
                  decode: Callable[[Sequence[int]], str] | None = None, eos_token_id: Any = ...,
-                 max_batch: int = 8, max_waiting: int = 64, batch_invariant: bool = False) -> None:
+                 max_batch: int = 8, max_waiting: int = 64, batch_invariant: bool = False,
+                 background: bool = True) -> None:
         self.target = target
         self.draft = draft
         self.gamma = gamma
@@ -173,8 +179,10 @@ class Engine:
         self._closed = False
         self._running: dict[int, Job] = {}     # scheduler id -> job (the worker's alone)
         self._admitting = 0                     # 1 while a job is being prefilled into the scheduler
-        self._worker = threading.Thread(target=self._work, name="speculum-engine", daemon=True)
-        self._worker.start()
+        self._worker: threading.Thread | None = None
+        if background:
+            self._worker = threading.Thread(target=self.run, name="speculum-engine", daemon=True)
+            self._worker.start()
 
     def submit(self, request: GenerationRequest, on_event: Callable[[Delta | None], None] | None = None) -> Job:
         """Queue ``request``. Its arguments are checked here, before it waits (``InputError``); a full
@@ -197,24 +205,30 @@ class Engine:
         return job
 
     def close(self, timeout: float = 10.0) -> None:
-        """Refuse new requests, cancel the running and waiting ones, and stop the worker."""
+        """Refuse new requests, cancel the running and waiting ones, and stop the worker (waiting for it up to
+        ``timeout`` seconds when it is the engine's own thread)."""
         with self._lock:
             self._closed = True
         self._waiting.put(None)
-        self._worker.join(timeout)
+        if self._worker is not None and self._worker is not threading.current_thread():
+            self._worker.join(timeout)
 
-    def _locked_decode(self, ids: Sequence[int]) -> str:
-        with self.tokenizer_lock:
-            return self.decode(ids)
-
-    # ------------------------------------------------------------------------------------ worker
-    def _work(self) -> None:
+    def run(self) -> None:
+        """Run the jobs in the calling thread until :meth:`close` (an engine built with ``background=False``;
+        the engine's own thread runs this otherwise)."""
+        if self._worker is not None and self._worker is not threading.current_thread():
+            raise RuntimeError("this engine runs its jobs on its own thread (built with background=True)")
         try:
             while self._admit():
                 self._step()
         finally:
             self._shut_down()
 
+    def _locked_decode(self, ids: Sequence[int]) -> str:
+        with self.tokenizer_lock:
+            return self.decode(ids)
+
+    # ------------------------------------------------------------------------------------ worker
     def _admit(self) -> bool:
         """Move waiting jobs into the scheduler (blocking while nothing runs); False once closed."""
         while len(self._running) < self.max_batch:

@@ -23,6 +23,8 @@ Example:
 # their annotations at run time, and those models are local to create_app.
 import asyncio
 import json
+import signal
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -31,7 +33,7 @@ from typing import Any, AsyncIterator, Callable, Literal, Sequence
 from ..validation import InputError
 from .engine import Delta, Engine, EngineBusy, EngineClosed, GenerationRequest
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "serve_on_this_thread"]
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -255,3 +257,40 @@ def prometheus_text(engine: Engine) -> str:
     for name, kind, text, value in rows:
         out += [f"# HELP speculum_{name} {text}", f"# TYPE speculum_{name} {kind}", f"speculum_{name} {value}"]
     return "\n".join(out) + "\n"
+
+
+def serve_on_this_thread(server: Any, engine: Engine) -> bool:
+    """Run ``server`` (a ``uvicorn.Server`` over :func:`create_app`'s app) on a thread of its own and
+    ``engine``'s jobs on the calling thread (an engine built with ``background=False``: see its docstring for
+    why), until the server stops. From the main thread, SIGINT / SIGTERM stop the server as uvicorn does:
+    it stops accepting, lets open responses finish (its graceful-shutdown timeout) while the engine still
+    generates them, then the app's shutdown closes the engine. Returns whether the server started (False:
+    it could not listen; uvicorn has logged why).
+
+    Example:
+        >>> server = uvicorn.Server(uvicorn.Config(app, port=8000))          # doctest: +SKIP
+        >>> serve_on_this_thread(server, engine)                             # doctest: +SKIP
+    """
+
+    def http() -> None:
+        try:
+            server.run()
+        except SystemExit:               # uvicorn exits when it cannot listen, after logging why
+            pass
+        finally:
+            engine.close(timeout=0)      # the server stopped (or never started): end engine.run()
+
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, server.handle_exit) for sig in handled}
+    thread = threading.Thread(target=http, name="speculum-http", daemon=True)
+    thread.start()
+    try:
+        engine.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.should_exit = True
+        thread.join()
+    return bool(server.started)
