@@ -225,6 +225,38 @@ def test_tiny_transformer_extend_sessions_checks_its_input():
         model.extend_sessions([session], [[1], [2]])
 
 
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 5)), min_size=1, max_size=5),
+       st.sampled_from([1, 2]), st.integers(0, 10**6))
+@settings(max_examples=25, deadline=None)
+def test_markov_extend_sessions_equals_each_sessions_own_extend(shapes, order, seed):
+    """The chain's batched extend (one gather over every block) gives bitwise the rows of each session's own
+    extend, for both orders, ragged and empty prompts and blocks, twice in a row."""
+    model = MarkovModel.random(VOCAB, order=order, seed=seed % 97)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB, size=p).tolist() for p, _ in shapes]
+    solo, batched = [model.start(p) for p in prompts], [model.start(p) for p in prompts]
+    for _ in range(2):
+        blocks = [rng.integers(0, VOCAB, size=b).tolist() for _, b in shapes]
+        want = [session.extend(block) for session, block in zip(solo, blocks)]
+        got = model.extend_sessions(batched, blocks)
+        assert all(w.shape == g.shape and np.array_equal(w, g) for w, g in zip(want, got))
+        assert [s.tokens for s in batched] == [s.tokens for s in solo]
+
+
+def test_markov_extend_sessions_checks_its_input():
+    model = MarkovModel.random(VOCAB, seed=1)
+    session = model.start([1])
+    assert model.capabilities.batched_extend
+    with pytest.raises(InputError, match="token_lists"):
+        model.extend_sessions([session], [[VOCAB]])
+    with pytest.raises(InputError, match="not a session of this model"):
+        model.extend_sessions([MarkovModel.random(VOCAB, seed=2).start([1])], [[2]])
+    with pytest.raises(InputError, match="twice"):
+        model.extend_sessions([session, session], [[1], [2]])
+    with pytest.raises(InputError, match="sessions"):
+        model.extend_sessions([session], [[1], [2]])
+
+
 @pytest.mark.parametrize("bos", [None, 0])
 def test_one_token_prompt_is_conditioned_on_that_token_alone(bos):
     """Greedy decoding from a one-token prompt follows the model's own rows after exactly that token (never
@@ -239,3 +271,54 @@ def test_one_token_prompt_is_conditioned_on_that_token_alone(bos):
         assert speculum.generate(model, [first], max_new_tokens=6, temperature=0).tokens == context[1:]
         assert speculum.generate_batch(model, [[first], [first, 2]], max_new_tokens=6, temperature=0)[0].tokens \
             == context[1:]
+
+
+class _TimedTarget:
+    """A reference target whose forwards take ``fixed + per_token · tokens`` seconds (sleeps): a batched
+    forward whose cost is the weights' read (fixed) or the tokens' arithmetic (per token)."""
+
+    @staticmethod
+    def make(fixed: float, per_token: float):
+        import time
+
+        from speculum.models import TinyTransformer
+
+        class Timed(TinyTransformer):
+            def start(self, prompt):
+                session = super().start(prompt)
+                extend = session.extend
+
+                def timed_extend(tokens):
+                    time.sleep(fixed + per_token * len(tokens))
+                    return extend(tokens)
+
+                session.extend = timed_extend
+                return session
+
+            def extend_sessions(self, sessions, token_lists):
+                time.sleep(fixed + per_token * sum(len(tokens) for tokens in token_lists))
+                return super().extend_sessions(sessions, token_lists)
+
+        return Timed(VOCAB, d_model=32, n_layers=2, seed=4)
+
+
+@pytest.mark.parametrize("fixed, per_token, drafts", [(0.03, 0.0001, True), (0.0, 0.002, False)],
+                         ids=["fixed-cost forward: drafting pays", "per-token cost: drafting cannot pay"])
+def test_auto_gamma_drafts_only_while_a_batched_forward_makes_draft_tokens_cheap(fixed, per_token, drafts):
+    """``gamma="auto"`` with a draft model whose proposals are always accepted (the target's own weights),
+    four generations per step: it keeps drafting while a packed forward costs the same whatever its tokens
+    (a small batch on a memory-bound machine), and turns drafting off when every token fed costs as much
+    (a large batch on a compute-bound one), where verifying proposals would cost more than plain steps."""
+    from speculum.models import TinyTransformer
+
+    target = _TimedTarget.make(fixed, per_token)
+    draft = TinyTransformer(VOCAB, d_model=32, n_layers=2, seed=4)
+    scheduler = Scheduler(target)
+    for i in range(4):
+        scheduler.add([1 + i, 2, 3, 4], draft=draft, gamma="auto", temperature=0, max_new_tokens=80)
+    proposed = []
+    while scheduler.active:
+        chunks = [chunk for _, chunk in scheduler.step()]
+        proposed.append(sum(chunk.proposed for chunk in chunks) / len(chunks))
+    later = float(np.mean(proposed[len(proposed) // 2:]))
+    assert (later > 1.5) if drafts else (later < 0.5), proposed

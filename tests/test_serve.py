@@ -329,8 +329,9 @@ def test_docstring_examples_run(module):
 @pytest.mark.slow
 @pytest.mark.llm
 def test_speculum_serve_process_answers_and_stops_cleanly_on_sigterm():
-    """The real command: loads the embedded model, answers a completion, and on SIGTERM shuts the app down
-    (uvicorn then re-raises the signal, so the process ends as terminated by SIGTERM, as a shell expects)."""
+    """The real command: loads the embedded model, answers a completion, and on SIGTERM lets an open stream
+    finish, shuts the app down, then re-raises the signal (the process ends as terminated by SIGTERM, as a
+    shell expects)."""
     import importlib.util
     import os
     import signal
@@ -360,10 +361,20 @@ def test_speculum_serve_process_answers_and_stops_cleanly_on_sigterm():
         reply = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=4,
                                           temperature=0)
         assert reply.usage.completion_tokens == 4 and reply.choices[0].text
-    finally:
+        # SIGTERM while a response streams: it still ends normally (the engine keeps generating while
+        # uvicorn lets open responses finish).
+        stream = client.completions.create(model="smollm2-135m", prompt="Count from one to twenty:", max_tokens=40,
+                                           temperature=0, stream=True)
+        pieces = iter(stream)
+        next(pieces)
         process.send_signal(signal.SIGTERM)
+        finish = [chunk.choices[0].finish_reason for chunk in pieces]
+        assert finish[-1] in ("length", "stop")
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
         code = process.wait(30)
-    assert code in (0, -signal.SIGTERM)
+    assert code == -signal.SIGTERM
     assert "Application shutdown complete" in process.stderr.read().decode()
 
 

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from ..validation import InputError
-from .base import BaseModel, check_logits, check_token_ids, log_softmax
+from .base import BaseModel, Capabilities, check_logits, check_token_ids, log_softmax
 
 __all__ = ["MarkovModel", "NGramModel", "TinyTransformer"]
 
@@ -66,6 +66,8 @@ class MarkovModel(BaseModel):
     """
 
     accepts_empty_prompt = True
+    # Several sessions' blocks in one call (``extend_sessions``): the decoding scheduler verifies them so.
+    capabilities = Capabilities(batched_extend=True)
 
     def __init__(
         self,
@@ -114,6 +116,44 @@ class MarkovModel(BaseModel):
 
     def start(self, prompt: Sequence[int]) -> MarkovSession:
         return MarkovSession(self, prompt)
+
+    def extend_sessions(self, sessions: Sequence[MarkovSession], token_lists: Sequence[Sequence[int]]
+                        ) -> list[np.ndarray]:
+        """``[session.extend(tokens) ...]`` for several of this chain's sessions in one gather: every row of
+        every block is a row of the transition table, looked up together. Exact: the same rows.
+
+        Example:
+            >>> m = MarkovModel.random(4, seed=0)
+            >>> a, b = m.start([1]), m.start([2, 3])
+            >>> [rows.shape for rows in m.extend_sessions([a, b], [[0, 2], [1]])]
+            [(2, 4), (1, 4)]
+        """
+        if len(sessions) != len(token_lists):
+            raise InputError(f"extend_sessions got {len(sessions)} sessions and {len(token_lists)} token lists")
+        if len({id(session) for session in sessions}) != len(sessions):
+            raise InputError("a session appears twice in one extend_sessions call")
+        checked = [check_token_ids(tokens, self.vocab_size, name=f"token_lists[{i}]")
+                   for i, tokens in enumerate(token_lists)]
+        contexts = []
+        for i, session in enumerate(sessions):
+            if not isinstance(session, MarkovSession) or session.model is not self:
+                raise InputError(f"sessions[{i}] is not a session of this model")
+            contexts.append(session.tokens + checked[i])
+        # Row j of a block follows its context up to the block's j-th token: (previous, last) table indices.
+        last = np.array([t for tokens in checked for t in tokens], dtype=np.int64)
+        if self.order == 1:
+            rows = self.transition_logprobs[last]
+        else:
+            previous = np.array([ctx[max(len(ctx) - len(tokens) + j - 1, 0)]
+                                 for ctx, tokens in zip(contexts, checked) for j in range(len(tokens))],
+                                dtype=np.int64)
+            rows = self.transition_logprobs[previous, last]
+        out, at = [], 0
+        for session, tokens in zip(sessions, checked):
+            session.tokens.extend(tokens)
+            out.append(rows[at: at + len(tokens)])
+            at += len(tokens)
+        return out
 
     def next_logprobs(self, prefixes: Sequence[Sequence[int]]) -> np.ndarray:
         rows = [self._row(check_token_ids(p, self.vocab_size, name="prefix")) for p in prefixes]

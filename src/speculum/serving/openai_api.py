@@ -264,8 +264,9 @@ def serve_on_this_thread(server: Any, engine: Engine) -> bool:
     ``engine``'s jobs on the calling thread (an engine built with ``background=False``: see its docstring for
     why), until the server stops. From the main thread, SIGINT / SIGTERM stop the server as uvicorn does:
     it stops accepting, lets open responses finish (its graceful-shutdown timeout) while the engine still
-    generates them, then the app's shutdown closes the engine. Returns whether the server started (False:
-    it could not listen; uvicorn has logged why).
+    generates them, then the app's shutdown closes the engine, and the signal is raised again with its
+    previous handler. Returns whether the server started (False: it could not listen; uvicorn has logged
+    why).
 
     Example:
         >>> server = uvicorn.Server(uvicorn.Config(app, port=8000))          # doctest: +SKIP
@@ -280,10 +281,15 @@ def serve_on_this_thread(server: Any, engine: Engine) -> bool:
         finally:
             engine.close(timeout=0)      # the server stopped (or never started): end engine.run()
 
-    handled = (signal.SIGINT, signal.SIGTERM)
+    received: list[int] = []
+
+    def on_signal(sig: int, frame: Any) -> None:
+        received.append(sig)
+        server.handle_exit(sig, frame)
+
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, server.handle_exit) for sig in handled}
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=http, name="speculum-http", daemon=True)
     thread.start()
     try:
@@ -293,4 +299,7 @@ def serve_on_this_thread(server: Any, engine: Engine) -> bool:
             signal.signal(sig, handler)
         server.should_exit = True
         thread.join()
+    # As uvicorn does: once shut down, the signal takes its usual course (exit status 130 / 143 in a shell).
+    for sig in reversed(received):
+        signal.raise_signal(sig)
     return bool(server.started)
