@@ -15,6 +15,7 @@ request at a time. Its tokens/s count the tokens it returned (it may stop at end
     .venv/bin/python benchmarks/serving.py                          # concurrency 1 4 8 16 (~10 min, 2 cores)
     .venv/bin/python benchmarks/serving.py --concurrency 1 4 --requests 8
     .venv/bin/python benchmarks/serving.py --batch-invariant        # each request in its own forward
+    .venv/bin/python benchmarks/serving.py --drafts int8 --no-peer  # a draft model (the int8 twin) under load
 """
 from __future__ import annotations
 
@@ -119,19 +120,27 @@ def load(url: str, concurrency: int, requests: int, max_tokens: int, expected: l
         return (time.perf_counter() - started, reply.usage.completion_tokens,
                 reply.choices[0].text == expected[i % len(PROMPTS)])
 
-    prefill_before = engine.metrics.prefill_seconds if engine is not None else 0.0
+    before = (engine.metrics.prefill_seconds, engine.metrics.draft_proposed, engine.metrics.target_forwards,
+              engine.metrics.draft_accepted) if engine is not None else (0.0, 0, 0, 0)
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(one, range(requests)))
     wall = time.perf_counter() - started
     latencies = sorted(r[0] for r in results)
     # The worker is busy throughout (the clients keep it fed): wall - prefill is the decoding phase.
-    prefill = engine.metrics.prefill_seconds - prefill_before if engine is not None else 0.0
+    prefill = engine.metrics.prefill_seconds - before[0] if engine is not None else 0.0
+    proposed = engine.metrics.draft_proposed - before[1] if engine is not None else 0
+    forwards = engine.metrics.target_forwards - before[2] if engine is not None else 0
+    accepted = engine.metrics.draft_accepted - before[3] if engine is not None else 0
     tokens = sum(r[1] for r in results)
     return {"concurrency": concurrency, "requests": requests, "tokens_per_second": tokens / wall,
             "prefill_seconds": prefill, "decode_tokens_per_second": tokens / max(wall - prefill, 1e-9),
             "p50": statistics.median(latencies), "p95": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
-            "all_identical": all(r[2] for r in results)}
+            "all_identical": all(r[2] for r in results),
+            # Draft tokens verified per block (a block is one request's part of a forward): gamma="auto"
+            # drafts less where verifying proposals costs more than the tokens they bring.
+            "proposed_per_block": proposed / forwards if forwards else 0.0,
+            "acceptance": accepted / proposed if proposed else 0.0}
 
 
 def main() -> None:
@@ -140,6 +149,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--batch-invariant", action="store_true", help="each request in its own forward")
+    parser.add_argument("--drafts", nargs="+", default=["none", "lookup"],
+                        help="drafts to serve with, each beside plain decoding (`none`, first) (default: none lookup)")
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip llama-cpp-python's server")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -150,7 +161,8 @@ def main() -> None:
     expected = [target.decode(speculum.generate(target, target.encode(p, chat=True), max_new_tokens=args.max_tokens,
                                                 temperature=0, eos_token_id=None).tokens) for p in PROMPTS]
     report = {"cpu": cpu_name(), "max_tokens": args.max_tokens, "batch_invariant": args.batch_invariant, "runs": {}}
-    for draft in ("none", "lookup"):
+    drafts = ["none"] + [d for d in args.drafts if d != "none"]
+    for draft in drafts:
         report["runs"][draft] = run_levels(target, draft, args, expected)
     if args.peer:
         from speculum.models.default import embedded_gguf_path
@@ -169,20 +181,17 @@ def main() -> None:
         return
     mode = "batch-invariant (one forward per request)" if args.batch_invariant else "packed batched forward"
     print(f"CPU: {report['cpu']}; greedy, {args.max_tokens} tokens per request, PyTorch float32, {mode}")
-    print(f"{'concurrency':>11} | {'plain tok/s':>11} {'p50 s':>6} {'p95 s':>6} | {'lookup tok/s':>12} {'p50 s':>6} "
-          f"{'p95 s':>6} | lookup/plain | vs c=1 (plain, lookup) | identical")
-    plain1, lookup1 = report["runs"]["none"][0], report["runs"]["lookup"][0]
-    for plain, lookup in zip(report["runs"]["none"], report["runs"]["lookup"]):
-        print(f"{plain['concurrency']:>11} | {plain['tokens_per_second']:>11.1f} {plain['p50']:>6.2f} {plain['p95']:>6.2f} | "
-              f"{lookup['tokens_per_second']:>12.1f} {lookup['p50']:>6.2f} {lookup['p95']:>6.2f} | "
-              f"{lookup['tokens_per_second'] / plain['tokens_per_second']:>12.2f} | "
-              f"{plain['tokens_per_second'] / plain1['tokens_per_second']:>10.2f}, "
-              f"{lookup['tokens_per_second'] / lookup1['tokens_per_second']:.2f} | "
-              f"{plain['all_identical'] and lookup['all_identical']}")
-    for plain, lookup in zip(report["runs"]["none"], report["runs"]["lookup"]):
-        print(f"concurrency {plain['concurrency']}: prefill {plain['prefill_seconds']:.1f} s / {lookup['prefill_seconds']:.1f} s; "
-              f"decoding phase {plain['decode_tokens_per_second']:.1f} / {lookup['decode_tokens_per_second']:.1f} tok/s "
-              f"(plain / lookup)")
+    plain = report["runs"]["none"]
+    for draft in drafts:
+        runs = report["runs"][draft]
+        print(f"draft {draft}: concurrency | tok/s | p50 s | p95 s | vs plain | vs c=1 | prefill s | decoding phase "
+              f"tok/s | draft tokens per block | acceptance | identical")
+        for run, base in zip(runs, plain):
+            print(f"{run['concurrency']:>11} | {run['tokens_per_second']:>6.1f} | {run['p50']:>5.2f} | {run['p95']:>5.2f} | "
+                  f"{run['tokens_per_second'] / base['tokens_per_second']:>6.2f}x | "
+                  f"{run['tokens_per_second'] / runs[0]['tokens_per_second']:>5.2f}x | {run['prefill_seconds']:>5.1f} | "
+                  f"{run['decode_tokens_per_second']:>6.1f} | {run['proposed_per_block']:>5.2f} | "
+                  f"{run['acceptance']:.2f} | {run['all_identical']}")
     for peer in report["runs"].get("llama.cpp server", []):
         print(f"llama.cpp server, concurrency {peer['concurrency']}: {peer['tokens_per_second']:.1f} tok/s, "
               f"p50 {peer['p50']:.2f} s, p95 {peer['p95']:.2f} s")
