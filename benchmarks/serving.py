@@ -2,8 +2,9 @@
 
 The server runs in this process as `speculum serve` runs it (the same app on uvicorn on a localhost port,
 the engine on the main thread, HTTP on another, glibc's freed memory kept); clients are threads sending
-greedy `/v1/completions` requests over HTTP with the real `openai` client, grounded prompts (summarise / rewrite a given text, where prompt lookup pays). For each concurrency level and each
-draft (`none` = plain decoding, `lookup` = prompt lookup with `gamma="auto"`) it reports aggregate tokens/s
+greedy `/v1/completions` requests over HTTP with the real `openai` client, grounded prompts (summarise /
+rewrite a given text, where prompt lookup pays). For each concurrency level and each draft (`none` = plain
+decoding, `lookup` = prompt lookup with `gamma="auto"`, or `--drafts`) it reports aggregate tokens/s
 and p50 / p95 request latency, side by side in one run, and checks every response against the solo greedy
 output (end-of-sequence disabled, so each request emits exactly `--max-tokens` tokens).
 
@@ -187,9 +188,10 @@ def main() -> None:
         print(f"draft {draft}: concurrency | tok/s | p50 s | p95 s | vs plain | vs c=1 | prefill s | decoding phase "
               f"tok/s | draft tokens per block | acceptance | identical")
         for run, base in zip(runs, plain):
-            print(f"{run['concurrency']:>11} | {run['tokens_per_second']:>6.1f} | {run['p50']:>5.2f} | {run['p95']:>5.2f} | "
-                  f"{run['tokens_per_second'] / base['tokens_per_second']:>6.2f}x | "
-                  f"{run['tokens_per_second'] / runs[0]['tokens_per_second']:>5.2f}x | {run['prefill_seconds']:>5.1f} | "
+            print(f"{run['concurrency']:>11} | {run['tokens_per_second']:>6.1f} | {run['p50']:>5.2f} | "
+                  f"{run['p95']:>5.2f} | {run['tokens_per_second'] / base['tokens_per_second']:>6.2f}x | "
+                  f"{run['tokens_per_second'] / runs[0]['tokens_per_second']:>5.2f}x | "
+                  f"{run['prefill_seconds']:>5.1f} | "
                   f"{run['decode_tokens_per_second']:>6.1f} | {run['proposed_per_block']:>5.2f} | "
                   f"{run['acceptance']:.2f} | {run['all_identical']}")
     for peer in report["runs"].get("llama.cpp server", []):

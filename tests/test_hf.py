@@ -420,3 +420,18 @@ def test_smollm_greedy_under_batching_equals_solo(smollm, batch_invariant):
             out[request].extend(chunk.tokens)
     for request, prompt in enumerate(prompts):
         assert out[request] == speculum.generate(smollm, prompt, max_new_tokens=20, temperature=0).tokens
+
+
+def test_importing_the_backend_leaves_openmp_settings_alone():
+    """The backend does not choose OpenMP's wait policy (PyTorch's default decodes fastest on idle cores;
+    a shared machine sets PASSIVE itself): importing it, and speculum's command-line entry, changes no
+    OpenMP variable."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    probe = ("import os, speculum.models.hf, speculum.cli; "
+             "print(sorted(k for k in os.environ if k.startswith(('OMP_', 'GOMP_'))))")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

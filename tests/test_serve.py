@@ -407,9 +407,11 @@ def test_the_engine_on_the_callers_thread_serves_http_from_another_until_the_ser
                 time.sleep(0.02)
             port = server.servers[0].sockets[0].getsockname()[1]
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+            def complete(prompt: str) -> str:
+                return client.completions.create(model=NAME, prompt=prompt, temperature=0).choices[0].text
+
             with ThreadPoolExecutor(4) as pool:
-                texts = pool.map(lambda p: client.completions.create(model=NAME, prompt=p, temperature=0).choices[0].text,
-                                 PROMPTS)
+                texts = pool.map(complete, PROMPTS)
             replies.update(zip(PROMPTS, texts))
         finally:
             server.should_exit = True

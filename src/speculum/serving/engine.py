@@ -1,6 +1,6 @@
-"""The serving engine: a bounded queue of generation jobs, run by one worker thread through a
-:class:`~speculum.decoding.batch.Scheduler` (continuous batching: up to ``max_batch`` jobs advance together,
-one block each per step; jobs join and leave between steps).
+"""The serving engine: a bounded queue of generation jobs, run by one thread (its own, or the caller's)
+through a :class:`~speculum.decoding.batch.Scheduler` (continuous batching: up to ``max_batch`` jobs advance
+together, one block each per step; jobs join and leave between steps).
 
 Each job has its own session, drafter and seed, so a seeded request's output does not depend on what
 else runs, and a greedy request's output is identical to ``speculum.generate`` alone. A job yields
@@ -134,7 +134,8 @@ class Job:
 
 
 class Engine:
-    """Runs generation jobs on a worker thread, up to ``max_batch`` at a time, admitted in arrival order.
+    """Runs generation jobs on one thread (its own, or the caller's: ``background``), up to ``max_batch`` at a
+    time, admitted in arrival order.
 
     Args:
         target: the protocol model that verifies (and has the last word).
