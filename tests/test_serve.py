@@ -168,6 +168,9 @@ def test_bad_requests_get_openai_shaped_errors(server):
         (json.dumps({"prompt": [0, 99]}).encode(), 400),             # a token id outside the vocabulary
         (json.dumps({"prompt": "ab", "model": "gpt-4"}).encode(), 404),
         (json.dumps({"max_tokens": 3}).encode(), 400),               # no prompt
+        (json.dumps({"prompt": "ab", "logprobs": 21}).encode(), 400),
+        (json.dumps({"prompt": "ab", "logprobs": -1}).encode(), 400),
+        (json.dumps({"prompt": "ab", "echo": True}).encode(), 400),
     ]
     for body, status in cases:
         reply = httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=10)
@@ -178,6 +181,9 @@ def test_bad_requests_get_openai_shaped_errors(server):
         server.client.completions.create(model=NAME, prompt="a" * 100)
     with pytest.raises(openai.BadRequestError, match="messages"):
         server.client.chat.completions.create(model=NAME, messages=[])
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        server.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "ab"}],
+                                              top_logprobs=2)
 
 
 def test_models_health_and_metrics(server):
@@ -447,3 +453,85 @@ def test_a_background_engine_refuses_to_run_on_the_callers_thread():
             engine.run()
     finally:
         engine.close()
+
+
+
+# ------------------------------------------------------------------------------------------- logprobs
+def expected_logprobs(prompt: str, tokens: list[int], k: int) -> list[tuple[float, list[int]]]:
+    """The target's exact log-prob of each generated token after its context, and the ids of the k most
+    probable tokens there (a first-order chain: the row of the previous token)."""
+    table = make_target(eos=None).transition_logprobs
+    context, out = encode(prompt), []
+    for token in tokens:
+        row = table[context[-1]]
+        out.append((float(row[token]), [int(t) for t in np.argsort(-row, kind="stable")[:k]]))
+        context.append(token)
+    return out
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=5)], ids=["greedy", "seeded"])
+def test_engine_logprobs_are_the_targets_exact_log_probs_of_each_generated_token(sampling):
+    """Every generated token (speculative blocks with prompt lookup) comes with the target's own log-prob of
+    it and the k likeliest tokens at its position, exactly; texts and offsets spell the completion."""
+    engine = Engine(make_target(eos=None), draft=PromptLookup(), gamma=3, decode=decode)
+    try:
+        deltas = list(engine.submit(GenerationRequest(prompt_ids=encode("abcab"), max_tokens=20, logprobs=3,
+                                                      **sampling)))
+    finally:
+        engine.close()
+    text = "".join(d.text for d in deltas)
+    scored = [entry for d in deltas for entry in d.logprobs]
+    assert len(scored) == deltas[-1].completion_tokens == 20
+    for entry, (logprob, top) in zip(scored, expected_logprobs("abcab", [e.token_id for e in scored], 3)):
+        assert entry.logprob == logprob and [t for t, _, _ in entry.top] == top
+        assert [text for _, text, _ in entry.top] == [decode([t]) for t in top]
+        if sampling["temperature"] == 0.0:
+            assert entry.token_id == top[0]
+    assert "".join(e.text for e in scored) == text
+    assert [e.offset for e in scored] == list(range(len(text)))       # one character per token here
+
+
+def test_engine_logprobs_stop_where_a_stop_string_cuts_the_text():
+    engine = Engine(make_target(eos=None), decode=decode)
+    try:
+        free = "".join(d.text for d in engine.submit(GenerationRequest(prompt_ids=[0], max_tokens=20,
+                                                                          temperature=0)))
+        stop = free[5:7]
+        deltas = list(engine.submit(GenerationRequest(prompt_ids=[0], max_tokens=20, temperature=0, stop=(stop,),
+                                                      logprobs=0)))
+    finally:
+        engine.close()
+    text = "".join(d.text for d in deltas)
+    scored = [entry for d in deltas for entry in d.logprobs]
+    assert text == free[: free.index(stop)]
+    assert "".join(e.text for e in scored) == text and all(e.top == () for e in scored)
+
+
+def test_served_logprobs_completions_and_chat_streamed_and_not(server):
+    whole = server.client.completions.create(model=NAME, prompt="abcab", max_tokens=10, temperature=0, logprobs=2)
+    lp = whole.choices[0].logprobs
+    ids = encode("".join(lp.tokens))
+    assert len(lp.token_logprobs) == whole.usage.completion_tokens == 10
+    for got, top, (logprob, top_ids) in zip(lp.token_logprobs, lp.top_logprobs, expected_logprobs("abcab", ids, 2)):
+        assert got == pytest.approx(logprob, abs=1e-12)
+        assert list(top) == [decode([t]) for t in top_ids]
+    streamed = server.client.completions.create(model=NAME, prompt="abcab", max_tokens=10, temperature=0,
+                                                logprobs=2, stream=True)
+    pieces = [chunk.choices[0].logprobs for chunk in streamed if chunk.choices[0].logprobs is not None]
+    assert [x for piece in pieces for x in piece.token_logprobs] == lp.token_logprobs
+    assert [x for piece in pieces for x in piece.text_offset] == lp.text_offset == list(range(10))
+
+    messages = [{"role": "user", "content": "abcab"}]
+    chat = server.client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    streamed_chat = server.client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0,
+                                                          logprobs=True, top_logprobs=2, stream=True)
+    parts = [c for chunk in streamed_chat if chunk.choices and chunk.choices[0].logprobs
+             for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in parts] == [(c.token, c.logprob) for c in content]
+    plain = server.client.completions.create(model=NAME, prompt="abcab", max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None

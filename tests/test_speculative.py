@@ -588,3 +588,21 @@ def test_auto_gamma_remembers_a_disagreeing_draft_across_generations():
     first, second = ([i for i, g in enumerate(run.stats.gamma_history) if g > 0] for run in runs)
     assert first and first[0] <= 2 and len(first) >= 2
     assert not [i for i in second if i < 16] and len(second) < len(first)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_each_chunk_carries_the_targets_rows_of_its_tokens(temperature):
+    """``Chunk.target_logprobs[j]`` is the target's own distribution at ``tokens[j]``'s position (the rows the
+    verification used, before any warp): equal to a fresh query of the target after that token's context."""
+    from speculum.models import TinyTransformer
+
+    target = TinyTransformer(12, d_model=32, n_layers=2, seed=4)
+    draft = TinyTransformer(12, d_model=32, n_layers=2, seed=7)
+    prompt, context = [1, 2, 3], [1, 2, 3]
+    for chunk in speculum.stream(target, prompt, draft=draft, gamma=3, max_new_tokens=25, temperature=temperature,
+                                 seed=0):
+        assert chunk.target_logprobs.shape == (len(chunk.tokens), 12)
+        for token, row in zip(chunk.tokens, chunk.target_logprobs):
+            assert np.allclose(row, target.next_logprobs([context])[0], rtol=0, atol=1e-12)
+            context.append(token)
+    assert len(context) == len(prompt) + 25

@@ -78,13 +78,25 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.target
     encode_chat = chat_encoder(target)
     app = create_app(engine, name, encode_text=lambda text: target.encode(text, chat=False),
-                     encode_chat=encode_chat, default_max_tokens=args.default_max_tokens)
+                     encode_chat=encode_chat, default_max_tokens=args.default_max_tokens,
+                     token_bytes=_token_bytes(target))
     # SIGINT / SIGTERM: stop accepting, let open responses end (at most 5 s), then close the engine.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=5))
     if not serve_on_this_thread(server, engine):
         raise CLIError(f"could not serve on {args.host}:{args.port} (see the error above)")
     return 0
+
+
+def _token_bytes(target: Any) -> Any:
+    """Each token's bytes (the ``bytes`` of chat log-probs), or None where the tokenizer cannot tell them."""
+    from speculum.models.vocabulary import token_bytes
+    from speculum.validation import InputError
+
+    try:
+        return token_bytes(target)
+    except InputError:      # no tokenizer it can read: log-probs then give the UTF-8 of each token's text
+        return None
 
 
 def chat_encoder(target: Any) -> Any:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 __all__ = ["Chunk", "DecodingStats", "GenerationResult"]
 
 
@@ -81,6 +83,9 @@ class Chunk:
     one is ``recovered`` or ``bonus`` unless eos / the budget cut the chunk short). ``proposed``: how many
     draft tokens were verified. ``finished``: the last chunk; ``stop_reason`` is then "eos",
     "max_new_tokens" or "max_context". ``stats``: the running totals (the same object, updated in place).
+    ``target_logprobs``: ``(len(tokens), vocab)``, row j the target's own log-probs at ``tokens[j]``'s
+    position (the distribution it was drawn from, before temperature / top-k / top-p): exact, and free (the
+    verification computed them); None where no rows were computed (a chunk that emits nothing).
     """
 
     tokens: list[int]
@@ -91,6 +96,7 @@ class Chunk:
     finished: bool
     stop_reason: str | None
     stats: DecodingStats
+    target_logprobs: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ class _Decoder:
                                     accepted=verdict.accepted, key=proposal.key)
         self.target.rollback(proposed - verdict.accepted)   # the target consumed every proposal
         self.drafter.verified(verdict.accepted)
-        chunk = self._emit(self.context, verdict, proposed)
+        chunk = self._emit(self.context, verdict, proposed, rows)
         stats.total_seconds = time.perf_counter() - self.started
         self.pending = chunk.tokens[-1:]
         return chunk
@@ -136,8 +136,9 @@ class _Decoder:
         # Fixed tokens, or no proposal at all (a plain step: the bonus token is a plain sample).
         return verify_point_mass(proposal.tokens, warped, self.acceptance_rng, self.resampling_rng)
 
-    def _emit(self, context: list[int], verdict: Verdict, proposed: int) -> Chunk:
-        """The block's chunk: its tokens cut at the budget and after eos, appended to ``context``."""
+    def _emit(self, context: list[int], verdict: Verdict, proposed: int, rows: np.ndarray) -> Chunk:
+        """The block's chunk: its tokens cut at the budget and after eos, appended to ``context``; ``rows``:
+        the block's target rows (row j is the law of emitted token j)."""
         plan, stats = self.plan, self.stats
         emitted = verdict.emitted[: plan.budget - stats.emitted]
         stop_reason = None
@@ -149,7 +150,7 @@ class _Decoder:
         if stop_reason is None and stats.emitted >= plan.budget:
             stop_reason = plan.budget_reason
         return Chunk(emitted, proposed, verdict.accepted, verdict.recovered, verdict.bonus,
-                     stop_reason is not None, stop_reason, stats)
+                     stop_reason is not None, stop_reason, stats, rows[: len(emitted)])
 
 
 # ------------------------------------------------------------------------------------------ public API

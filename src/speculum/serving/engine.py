@@ -24,12 +24,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
+
 from ..decoding.batch import Scheduler
 from ..decoding.plan import Plan, plan_generation
 from ..decoding.text import StopMatcher, TextStream
-from ..validation import check_int
+from ..validation import InputError, check_int
 
-__all__ = ["Engine", "EngineBusy", "EngineClosed", "GenerationRequest", "Delta", "Job", "EngineMetrics"]
+__all__ = ["Engine", "EngineBusy", "EngineClosed", "GenerationRequest", "Delta", "Job", "EngineMetrics",
+           "TokenLogprob"]
+
+MAX_TOP_LOGPROBS = 20
 
 
 class EngineBusy(RuntimeError):
@@ -51,18 +56,36 @@ class GenerationRequest:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None      # None: none; k >= 0: each token's log-prob and the k likeliest (<= 20)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token and the target's log-prob of it, with the ``top`` most probable tokens at its
+    position as ``(token id, text, log-prob)``, most probable first. Exact: the target's own distribution
+    there (before temperature / top-p), from the rows its verification computed. ``offset``: characters of
+    the completion before this token's text."""
+
+    token_id: int
+    text: str
+    logprob: float
+    offset: int
+    top: tuple[tuple[int, str, float], ...] = ()
 
 
 @dataclass(frozen=True)
 class Delta:
     """Text that became final; the last delta of a job has ``finish_reason`` ("stop": eos or a stop
-    string; "length": ``max_tokens`` or the context window; "error": ``error`` says why) and the counts."""
+    string; "length": ``max_tokens`` or the context window; "error": ``error`` says why) and the counts.
+    ``logprobs`` (a request with ``logprobs``): the tokens whose text is shown by now and was not before; a
+    token cut off by a stop string never is."""
 
     text: str
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()   # the tokens whose text is now shown (requests asking for them)
 
 
 @dataclass
@@ -107,6 +130,34 @@ class Job:
         self.text = TextStream(decode)
         self.stops = StopMatcher(request.stop)
         self.emitted = 0
+        self._decode = decode
+        self._scored: list[tuple[int, float, tuple]] = []    # (token, log-prob, top) per emitted token
+        self._released = 0                                   # tokens whose log-probs were delivered
+        self._released_chars = 0                             # characters before the next such token
+        self.shown_chars = 0                                 # characters of text delivered
+
+    def score(self, tokens: Sequence[int], target_logprobs: Any) -> None:
+        """Note the target's log-probs of ``tokens`` (rows ``target_logprobs``), if the request asks."""
+        k = self.request.logprobs
+        if k is None or target_logprobs is None:
+            return
+        for token, row in zip(tokens, target_logprobs):
+            top = np.argsort(-row, kind="stable")[:k] if k else ()
+            self._scored.append((int(token), float(row[token]),
+                                 tuple((int(t), self._decode([int(t)]), float(row[t])) for t in top)))
+
+    def release(self, everything: bool = False) -> tuple[TokenLogprob, ...]:
+        """Log-probs of the scored tokens whose text is within what was shown (``everything``: all)."""
+        out = []
+        while self._released < len(self._scored):
+            i = self._released
+            end = len(self._decode(self.text.tokens[: i + 1]).rstrip("\ufffd"))
+            if end > self.shown_chars and not everything:
+                break
+            token, logprob, top = self._scored[i]
+            out.append(TokenLogprob(token, self._decode([token]), logprob, self._released_chars, top))
+            self._released, self._released_chars = i + 1, max(end, self._released_chars)
+        return tuple(out)
 
     def put(self, event: Delta | None) -> None:
         """Deliver an event (None: the job has ended) to ``on_event``, else to the blocking queue."""
@@ -190,6 +241,9 @@ class Engine:
         queue raises :class:`EngineBusy`, a closed engine :class:`EngineClosed`. Events go to
         ``on_event`` (called from the worker thread; None marks the end) or, without it, to the job's
         blocking iterator."""
+        if request.logprobs is not None and not (isinstance(request.logprobs, int) and not isinstance(request.logprobs, bool)
+                                                 and 0 <= request.logprobs <= MAX_TOP_LOGPROBS):
+            raise InputError(f"logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {request.logprobs!r}")
         plan = plan_generation(self.target, list(request.prompt_ids), draft=self.draft,
                                max_new_tokens=request.max_tokens, gamma=self.gamma, temperature=request.temperature,
                                top_k=None, top_p=request.top_p, eos_token_id=self.eos_token_id, seed=request.seed)
@@ -283,12 +337,15 @@ class Engine:
             job = self._running[ident]
             job.emitted = chunk.stats.emitted
             self._account(chunk)
+            job.score(chunk.tokens, chunk.target_logprobs)
             shown, hit = job.stops.add(job.text.add(chunk.tokens))
             if chunk.finished and not hit:
                 more, hit = job.stops.add(job.text.flush())
                 shown += more if hit else more + job.stops.flush()
-            if shown:
-                job.put(Delta(shown))
+            job.shown_chars += len(shown)
+            scored = job.release(everything=chunk.finished and not hit)
+            if shown or scored:
+                job.put(Delta(shown, logprobs=scored))
             if hit or chunk.finished:
                 self._scheduler.cancel(ident)
                 del self._running[ident]

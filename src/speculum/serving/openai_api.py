@@ -5,7 +5,9 @@ server-sent events, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /he
 (Prometheus text: requests, tokens, acceptance, throughput). Errors use OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a malformed body, a field of the wrong type or a
 bad value (a prompt longer than the context included), 404 for another model name, 429 when the queue is
-full, 503 while shutting down. A streaming client that disconnects cancels its job.
+full, 503 while shutting down. A streaming client that disconnects cancels its job. ``logprobs`` (and chat's
+``top_logprobs``) return the target's exact log-probs of every generated token and its likeliest
+alternatives, from the rows its verification computed.
 
 Example:
     >>> from speculum.models import MarkovModel
@@ -31,7 +33,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Literal, Sequence
 
 from ..validation import InputError
-from .engine import Delta, Engine, EngineBusy, EngineClosed, GenerationRequest
+from .engine import Delta, Engine, EngineBusy, EngineClosed, GenerationRequest, TokenLogprob
 
 __all__ = ["create_app", "serve_on_this_thread"]
 
@@ -44,12 +46,15 @@ class _UnknownModel(Exception):
 
 def create_app(engine: Engine, model_name: str, *, encode_text: Callable[[str], list[int]],
                encode_chat: Callable[[list[dict]], list[int]] | None = None,
-               default_max_tokens: int = DEFAULT_MAX_TOKENS, close_engine: bool = True) -> Any:
+               default_max_tokens: int = DEFAULT_MAX_TOKENS, close_engine: bool = True,
+               token_bytes: Sequence[bytes | None] | None = None) -> Any:
     """The FastAPI application serving ``engine`` under ``model_name``.
 
     ``encode_text`` turns a completion prompt into token ids; ``encode_chat`` turns chat messages
     (``[{"role", "content"}]``) into the ids of a prompt that ends where the assistant's turn begins
     (None: chat completions answer 400). ``close_engine``: close the engine when the app shuts down.
+    ``token_bytes``: each token id's bytes (:func:`speculum.models.vocabulary.token_bytes`), the ``bytes`` of
+    chat log-probs (without it, the UTF-8 of the token's text).
     """
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -82,6 +87,7 @@ def create_app(engine: Engine, model_name: str, *, encode_text: Callable[[str], 
     class ChatBody(_Body):
         messages: list[Message] = Field(min_length=1)
         logprobs: bool | None = None
+        top_logprobs: int | None = None
 
     def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
               code: str | None = None) -> JSONResponse:
@@ -110,12 +116,18 @@ def create_app(engine: Engine, model_name: str, *, encode_text: Callable[[str], 
             raise _UnknownModel(f"model {body.model!r} is not served here (this server serves {model_name!r})")
         if body.n != 1:
             raise InputError(f"n={body.n} is not supported: send one request per completion")
-        if getattr(body, "logprobs", None) or getattr(body, "echo", False):
-            raise InputError("logprobs and echo are not supported")
+        if getattr(body, "echo", False):
+            raise InputError("echo is not supported")
+        if isinstance(body, ChatBody):
+            if body.top_logprobs is not None and not body.logprobs:
+                raise InputError("top_logprobs needs logprobs: true")
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            logprobs = body.logprobs
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens
         return GenerationRequest(prompt_ids=list(prompt_ids), max_tokens=max_tokens, temperature=body.temperature,
-                                 top_p=body.top_p, seed=body.seed, stop=stop)
+                                 top_p=body.top_p, seed=body.seed, stop=stop, logprobs=logprobs)
 
     async def run(body: _Body, encode: Callable[[], list[int]], render: Callable[..., dict],
                   render_chunk: Callable[..., dict]) -> Any:
@@ -142,13 +154,14 @@ def create_app(engine: Engine, model_name: str, *, encode_text: Callable[[str], 
         ident, created = uuid.uuid4().hex[:24], int(time.time())
 
         if not body.stream:
-            pieces, last = [], Delta("")
+            pieces, scored, last = [], [], Delta("")
             while (event := await events.get()) is not None:
                 pieces.append(event.text)
+                scored += event.logprobs
                 last = event if event.finish_reason else last
             if last.finish_reason == "error":
                 return error(500, last.error or "generation failed", kind="server_error")
-            return render(ident, created, "".join(pieces), last)
+            return render(ident, created, "".join(pieces), last, scored if request.logprobs is not None else None)
 
         async def sse() -> AsyncIterator[str]:
             try:
@@ -159,7 +172,7 @@ def create_app(engine: Engine, model_name: str, *, encode_text: Callable[[str], 
                                              "code": None}}
                         yield f"data: {json.dumps(payload)}\n\n"
                         continue
-                    if event.text or event.finish_reason or first:
+                    if event.text or event.logprobs or event.finish_reason or first:
                         yield f"data: {json.dumps(render_chunk(ident, created, event, first))}\n\n"
                         first = False
                 yield "data: [DONE]\n\n"
@@ -177,14 +190,22 @@ def create_app(engine: Engine, model_name: str, *, encode_text: Callable[[str], 
         def encode() -> list[int]:
             return list(body.prompt) if isinstance(body.prompt, list) else encode_text(body.prompt)
 
-        def render(ident: str, created: int, text: str, last: Delta) -> dict:
+        def logprobs(scored: Sequence[TokenLogprob] | None) -> dict | None:
+            if scored is None or body.logprobs is None:
+                return None
+            return {"tokens": [t.text for t in scored], "token_logprobs": [t.logprob for t in scored],
+                    "top_logprobs": [{text: lp for _, text, lp in t.top} for t in scored],
+                    "text_offset": [t.offset for t in scored]}
+
+        def render(ident: str, created: int, text: str, last: Delta, scored: list | None = None) -> dict:
             return {"id": f"cmpl-{ident}", "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}],
+                    "choices": [{"index": 0, "text": text, "logprobs": logprobs(scored),
+                                 "finish_reason": last.finish_reason}],
                     "usage": usage(last)}
 
         def render_chunk(ident: str, created: int, event: Delta, first: bool) -> dict:
             chunk = {"id": f"cmpl-{ident}", "object": "text_completion", "created": created, "model": model_name,
-                     "choices": [{"index": 0, "text": event.text, "logprobs": None,
+                     "choices": [{"index": 0, "text": event.text, "logprobs": logprobs(event.logprobs),
                                   "finish_reason": event.finish_reason}]}
             if event.finish_reason:
                 chunk["usage"] = usage(event)
@@ -200,10 +221,21 @@ def create_app(engine: Engine, model_name: str, *, encode_text: Callable[[str], 
         def encode() -> list[int]:
             return encode_chat([m.model_dump(include={"role", "content"}) for m in body.messages])
 
-        def render(ident: str, created: int, text: str, last: Delta) -> dict:
+        def entry(token_id: int, text: str, logprob: float) -> dict:
+            raw = token_bytes[token_id] if token_bytes is not None and token_id < len(token_bytes) else None
+            return {"token": text, "logprob": logprob,
+                    "bytes": list(raw) if raw is not None else list(text.encode("utf-8"))}
+
+        def logprobs(scored: Sequence[TokenLogprob] | None) -> dict | None:
+            if scored is None or not body.logprobs:
+                return None
+            return {"content": [entry(t.token_id, t.text, t.logprob)
+                                | {"top_logprobs": [entry(*alternative) for alternative in t.top]} for t in scored]}
+
+        def render(ident: str, created: int, text: str, last: Delta, scored: list | None = None) -> dict:
             return {"id": f"chatcmpl-{ident}", "object": "chat.completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                                 "finish_reason": last.finish_reason}],
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "logprobs": logprobs(scored), "finish_reason": last.finish_reason}],
                     "usage": usage(last)}
 
         def render_chunk(ident: str, created: int, event: Delta, first: bool) -> dict:
@@ -211,7 +243,8 @@ def create_app(engine: Engine, model_name: str, *, encode_text: Callable[[str], 
                 {"content": event.text} if event.text else {})
             chunk = {"id": f"chatcmpl-{ident}", "object": "chat.completion.chunk", "created": created,
                      "model": model_name,
-                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": event.finish_reason}]}
+                     "choices": [{"index": 0, "delta": delta, "logprobs": logprobs(event.logprobs),
+                                  "finish_reason": event.finish_reason}]}
             if event.finish_reason:
                 chunk["usage"] = usage(event)
             return chunk
