@@ -535,3 +535,12 @@ def test_served_logprobs_completions_and_chat_streamed_and_not(server):
     assert [(c.token, c.logprob) for c in parts] == [(c.token, c.logprob) for c in content]
     plain = server.client.completions.create(model=NAME, prompt="abcab", max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+@given(st.lists(st.integers(-3, 3), min_size=1, max_size=30), st.integers(1, 35))
+@settings(max_examples=200, deadline=None)
+def test_likeliest_tokens_equal_a_stable_sort_ties_included(values, k):
+    from speculum.serving.engine import _likeliest
+
+    row = np.array(values, dtype=float)
+    assert list(_likeliest(row, k)) == list(np.argsort(-row, kind="stable")[:k])

@@ -117,6 +117,16 @@ class EngineMetrics:
 _DONE = object()
 
 
+def _likeliest(row: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the ``k`` largest entries of ``row``, largest first, ties by id (a partition, not a sort
+    of the whole vocabulary)."""
+    if k >= len(row):
+        return np.argsort(-row, kind="stable")
+    kth = np.partition(row, len(row) - k)[len(row) - k]           # the k-th largest value
+    candidates = np.flatnonzero(row >= kth)
+    return candidates[np.lexsort((candidates, -row[candidates]))][:k]
+
+
 class Job:
     """One submitted request: iterate it for its :class:`Delta` events (blocking), or ``cancel()`` it."""
 
@@ -142,7 +152,7 @@ class Job:
         if k is None or target_logprobs is None:
             return
         for token, row in zip(tokens, target_logprobs):
-            top = np.argsort(-row, kind="stable")[:k] if k else ()
+            top = _likeliest(row, k) if k else ()
             self._scored.append((int(token), float(row[token]),
                                  tuple((int(t), self._decode([int(t)]), float(row[t])) for t in top)))
 
