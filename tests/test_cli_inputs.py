@@ -194,3 +194,17 @@ def test_progress_bars_are_off_when_stderr_is_not_a_terminal(bars_enabled, monke
     assert main(argv) == 2  # capsys: stderr is not a terminal
     capsys.readouterr()
     assert seen["progress"] is False and not seen["transformers_bars"] and not seen["hub_bars"]
+
+
+def test_generate_json_gives_the_targets_exact_log_prob_of_each_token(tiny_dir, capsys):
+    """``token_logprobs``: the target's own log-prob of each generated token, equal to scoring the output."""
+    from speculum.models.hf import HFModel
+
+    report, _ = generate_json(capsys, tiny_dir, "the cat")
+    target = HFModel.from_pretrained(tiny_dir)
+    prompt = target.encode("the cat", chat=False)
+    assert len(report["token_logprobs"]) == len(report["tokens"]) > 0
+    context = list(prompt)
+    for token, logprob in zip(report["tokens"], report["token_logprobs"]):
+        assert abs(target.next_logprobs([context])[0][token] - logprob) < 1e-4
+        context.append(token)

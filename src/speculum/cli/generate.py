@@ -154,7 +154,10 @@ def run(args: argparse.Namespace) -> int:
     )
     text = TextStream(target)
     stats, stop_reason = None, None
+    token_logprobs: list[float] = []       # the target's own log-prob of each token (exact, free)
     for chunk in chunks:
+        if chunk.target_logprobs is not None:
+            token_logprobs += [float(row[token]) for token, row in zip(chunk.tokens, chunk.target_logprobs)]
         piece = text.add(chunk.tokens)
         if not args.json and piece:
             sys.stdout.write(piece)
@@ -164,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump({
             "target": getattr(target, "name", args.target), "draft": args.draft, "gamma": args.gamma,
             "prompt_tokens": len(prompt_ids), "tokens": text.tokens, "text": text.text(),
-            "stop_reason": stop_reason, "stats": stats.as_dict() if stats else None,
+            "token_logprobs": token_logprobs, "stop_reason": stop_reason, "stats": stats.as_dict() if stats else None,
         }, sys.stdout)
         sys.stdout.write("\n")
     else:

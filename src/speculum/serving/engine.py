@@ -251,9 +251,8 @@ class Engine:
         queue raises :class:`EngineBusy`, a closed engine :class:`EngineClosed`. Events go to
         ``on_event`` (called from the worker thread; None marks the end) or, without it, to the job's
         blocking iterator."""
-        if request.logprobs is not None and not (isinstance(request.logprobs, int) and not isinstance(request.logprobs, bool)
-                                                 and 0 <= request.logprobs <= MAX_TOP_LOGPROBS):
-            raise InputError(f"logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {request.logprobs!r}")
+        if request.logprobs is not None and check_int(request.logprobs, "logprobs", minimum=0) > MAX_TOP_LOGPROBS:
+            raise InputError(f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {request.logprobs}")
         plan = plan_generation(self.target, list(request.prompt_ids), draft=self.draft,
                                max_new_tokens=request.max_tokens, gamma=self.gamma, temperature=request.temperature,
                                top_k=None, top_p=request.top_p, eos_token_id=self.eos_token_id, seed=request.seed)
