@@ -544,3 +544,24 @@ def test_likeliest_tokens_equal_a_stable_sort_ties_included(values, k):
 
     row = np.array(values, dtype=float)
     assert list(_likeliest(row, k)) == list(np.argsort(-row, kind="stable")[:k])
+
+
+def test_log_probs_name_only_possible_alternatives_and_serialise_as_json():
+    """A chain where each token has two possible successors: asked for five alternatives, each token gets the
+    two possible ones, and the whole response is valid JSON (no -Infinity)."""
+    rng = np.random.default_rng(0)
+    logits = np.full((len(ALPHABET), len(ALPHABET)), -np.inf)
+    for row in logits:
+        row[rng.choice(len(ALPHABET) - 1, size=2, replace=False)] = rng.normal(size=2)
+    target = MarkovModel(logits, np.zeros(len(ALPHABET)))
+    target.max_context = 64
+    engine = Engine(target, decode=decode)
+    app = create_app(engine, NAME, encode_text=encode)
+    from fastapi.testclient import TestClient
+
+    with TestClient(app) as client:
+        reply = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 6, "logprobs": 5, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    body = json.loads(reply.text, parse_constant=lambda name: pytest.fail(f"JSON holds {name}"))
+    top = body["choices"][0]["logprobs"]["top_logprobs"]
+    assert len(top) == 6 and all(len(alternatives) == 2 for alternatives in top)

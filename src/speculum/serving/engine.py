@@ -62,7 +62,8 @@ class GenerationRequest:
 @dataclass(frozen=True)
 class TokenLogprob:
     """A generated token and the target's log-prob of it, with the ``top`` most probable tokens at its
-    position as ``(token id, text, log-prob)``, most probable first. Exact: the target's own distribution
+    position as ``(token id, text, log-prob)``, most probable first (possible tokens only: fewer where
+    fewer than asked have a log-prob above -inf). Exact: the target's own distribution
     there (before temperature / top-p), from the rows its verification computed. ``offset``: characters of
     the completion before this token's text."""
 
@@ -152,7 +153,8 @@ class Job:
         if k is None or target_logprobs is None:
             return
         for token, row in zip(tokens, target_logprobs):
-            top = _likeliest(row, k) if k else ()
+            # The likeliest among the possible tokens: an impossible one (-inf) is no alternative.
+            top = [t for t in _likeliest(row, k) if row[t] > -np.inf] if k else ()
             self._scored.append((int(token), float(row[token]),
                                  tuple((int(t), self._decode([int(t)]), float(row[t])) for t in top)))
 
