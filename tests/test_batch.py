@@ -181,19 +181,25 @@ def tiny(seed: int = 4):
     return TinyTransformer(VOCAB, d_model=32, n_layers=2, seed=seed)
 
 
+def extend_both_ways(model, shapes: list[tuple[int, int]], seed: int, rounds: int = 2):
+    """Twin sessions over random prompts of ``shapes[i][0]`` tokens; each round extends one twin of each by
+    its own ``extend`` and the other twins in one ``extend_sessions`` call, by random blocks of
+    ``shapes[i][1]`` tokens: yields (own rows, batched rows, own sessions, batched sessions)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB, size=p).tolist() for p, _ in shapes]
+    solo, batched = [model.start(p) for p in prompts], [model.start(p) for p in prompts]
+    for _ in range(rounds):
+        blocks = [rng.integers(0, VOCAB, size=b).tolist() for _, b in shapes]
+        want = [session.extend(block) for session, block in zip(solo, blocks)]
+        yield want, model.extend_sessions(batched, blocks), solo, batched
+
+
 @given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 5)), min_size=1, max_size=5), st.integers(0, 10**6))
 @settings(max_examples=25, deadline=None)
 def test_tiny_transformer_extend_sessions_equals_each_sessions_own_extend(shapes, seed):
     """Ragged prompts and blocks (empty ones too), twice in a row: every row equals the session's own extend
     to float64 rounding, and the sessions end where their own extends leave them."""
-    model = tiny()
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, VOCAB, size=p).tolist() for p, _ in shapes]
-    solo, batched = [model.start(p) for p in prompts], [model.start(p) for p in prompts]
-    for _ in range(2):
-        blocks = [rng.integers(0, VOCAB, size=b).tolist() for _, b in shapes]
-        want = [session.extend(block) for session, block in zip(solo, blocks)]
-        got = model.extend_sessions(batched, blocks)
+    for want, got, solo, batched in extend_both_ways(tiny(), shapes, seed):
         for w, g in zip(want, got):
             assert w.shape == g.shape and np.allclose(w, g, rtol=0, atol=1e-12)
         assert [s.length for s in batched] == [s.length for s in solo]
@@ -232,13 +238,7 @@ def test_markov_extend_sessions_equals_each_sessions_own_extend(shapes, order, s
     """The chain's batched extend (one gather over every block) gives bitwise the rows of each session's own
     extend, for both orders, ragged and empty prompts and blocks, twice in a row."""
     model = MarkovModel.random(VOCAB, order=order, seed=seed % 97)
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, VOCAB, size=p).tolist() for p, _ in shapes]
-    solo, batched = [model.start(p) for p in prompts], [model.start(p) for p in prompts]
-    for _ in range(2):
-        blocks = [rng.integers(0, VOCAB, size=b).tolist() for _, b in shapes]
-        want = [session.extend(block) for session, block in zip(solo, blocks)]
-        got = model.extend_sessions(batched, blocks)
+    for want, got, solo, batched in extend_both_ways(model, shapes, seed):
         assert all(w.shape == g.shape and np.array_equal(w, g) for w, g in zip(want, got))
         assert [s.tokens for s in batched] == [s.tokens for s in solo]
 
