@@ -227,6 +227,8 @@ def test_tiny_transformer_extend_sessions_checks_its_input():
         model.extend_sessions([session], [[VOCAB]])
     with pytest.raises(InputError, match="not a session of this model"):
         model.extend_sessions([tiny(5).start([1])], [[2]])
+    with pytest.raises(InputError, match="twice"):
+        model.extend_sessions([session, session], [[1], [2]])
     with pytest.raises(InputError, match="sessions"):
         model.extend_sessions([session], [[1], [2]])
 

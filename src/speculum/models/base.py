@@ -48,6 +48,7 @@ __all__ = [
     "check_token_ids",
     "check_logits",
     "check_prompt",
+    "check_session_blocks",
     "common_prefix_length",
 ]
 
@@ -161,6 +162,21 @@ def check_prompt(model: "AutoregressiveModel", prompt: Sequence[int], *, name: s
         if not getattr(model, "accepts_empty_prompt", False):
             raise InputError(f"{name} is empty and the model has no BOS token to start from")
     return ids
+
+
+def check_session_blocks(model: Any, sessions: Sequence[Any], token_lists: Sequence[Sequence[int]],
+                         session_type: type) -> list[list[int]]:
+    """The arguments of ``model.extend_sessions``: one token list per session, each session a distinct
+    ``session_type`` session of ``model`` (its ``model`` attribute), every token in its vocabulary. Returns
+    the token lists as lists of ints; ``InputError`` naming what is wrong otherwise."""
+    if len(sessions) != len(token_lists):
+        raise InputError(f"extend_sessions got {len(sessions)} sessions and {len(token_lists)} token lists")
+    if len({id(session) for session in sessions}) != len(sessions):
+        raise InputError("a session appears twice in one extend_sessions call")
+    for i, session in enumerate(sessions):
+        if not isinstance(session, session_type) or session.model is not model:
+            raise InputError(f"sessions[{i}] is not a session of this model")
+    return [check_token_ids(tokens, model.vocab_size, name=f"token_lists[{i}]") for i, tokens in enumerate(token_lists)]
 
 
 def common_prefix_length(*sequences: Sequence[int]) -> int:

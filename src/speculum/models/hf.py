@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from ..validation import InputError
-from .base import BaseModel, Capabilities, check_prompt, check_token_ids, common_prefix_length
+from .base import (BaseModel, Capabilities, check_prompt, check_session_blocks, check_token_ids,
+                   common_prefix_length)
 from .fused_llama import FusedLlama
 from .hf_session import HFSession, _log_mass, _logprob_rows
 from .prepack import prepack_linears
@@ -210,13 +211,7 @@ class HFModel(BaseModel):
         """``[session.extend(tokens) for ...]`` in one packed forward (``Capabilities.batched_extend``): the
         decoding scheduler verifies the blocks of many generations with it. Without the fused forward,
         one forward per session."""
-        if len(sessions) != len(token_lists):
-            raise InputError(f"{len(sessions)} sessions but {len(token_lists)} token lists")
-        if len({id(session) for session in sessions}) != len(sessions):
-            raise InputError("a session appears twice in one extend_sessions call")
-        if any(session.model is not self for session in sessions):
-            raise InputError(f"every session must be a session of {self.name}")
-        checked = [check_token_ids(tokens, self.vocab_size, name="tokens") for tokens in token_lists]
+        checked = check_session_blocks(self, sessions, token_lists, HFSession)
         if self._fused is None or any(not tokens for tokens in checked):
             return [session.extend(tokens) for session, tokens in zip(sessions, checked)]
         for session, tokens in zip(sessions, checked):

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from ..validation import InputError
-from .base import BaseModel, Capabilities, check_logits, check_token_ids, log_softmax
+from .base import BaseModel, Capabilities, check_logits, check_session_blocks, check_token_ids, log_softmax
 
 __all__ = ["MarkovModel", "NGramModel", "TinyTransformer"]
 
@@ -128,17 +128,8 @@ class MarkovModel(BaseModel):
             >>> [rows.shape for rows in m.extend_sessions([a, b], [[0, 2], [1]])]
             [(2, 4), (1, 4)]
         """
-        if len(sessions) != len(token_lists):
-            raise InputError(f"extend_sessions got {len(sessions)} sessions and {len(token_lists)} token lists")
-        if len({id(session) for session in sessions}) != len(sessions):
-            raise InputError("a session appears twice in one extend_sessions call")
-        checked = [check_token_ids(tokens, self.vocab_size, name=f"token_lists[{i}]")
-                   for i, tokens in enumerate(token_lists)]
-        contexts = []
-        for i, session in enumerate(sessions):
-            if not isinstance(session, MarkovSession) or session.model is not self:
-                raise InputError(f"sessions[{i}] is not a session of this model")
-            contexts.append(session.tokens + checked[i])
+        checked = check_session_blocks(self, sessions, token_lists, MarkovSession)
+        contexts = [session.tokens + tokens for session, tokens in zip(sessions, checked)]
         # Row j of a block follows its context up to the block's j-th token: (previous, last) table indices.
         last = np.array([t for tokens in checked for t in tokens], dtype=np.int64)
         if self.order == 1:

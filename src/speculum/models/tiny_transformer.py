@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..validation import InputError, check_int, check_number
-from .base import BaseModel, Capabilities, check_prompt, check_token_ids, log_softmax
+from .base import BaseModel, Capabilities, check_prompt, check_session_blocks, check_token_ids, log_softmax
 
 __all__ = ["TinyTransformer", "TransformerWeights", "LayerWeights", "TransformerSession"]
 
@@ -274,13 +274,8 @@ class TinyTransformer(BaseModel):
             >>> [rows.shape for rows in m.extend_sessions([a, b], [[4, 5], [6]])]
             [(2, 8), (1, 8)]
         """
-        if len(sessions) != len(token_lists):
-            raise InputError(f"extend_sessions got {len(sessions)} sessions and {len(token_lists)} token lists")
-        checked = [check_token_ids(tokens, self.vocab_size, name=f"token_lists[{i}]")
-                   for i, tokens in enumerate(token_lists)]
-        for i, (session, tokens) in enumerate(zip(sessions, checked)):
-            if not isinstance(session, TransformerSession) or session.model is not self:
-                raise InputError(f"sessions[{i}] is not a session of this model")
+        checked = check_session_blocks(self, sessions, token_lists, TransformerSession)
+        for session, tokens in zip(sessions, checked):
             self._check_length(session.length + len(tokens), "tokens")
         out = [np.zeros((0, self.vocab_size)) for _ in sessions]
         live = [i for i, tokens in enumerate(checked) if tokens]
