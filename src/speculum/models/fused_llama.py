@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from .kv_arena import KVArena, SlotCache
 from .prepack import onednn_available, pack_weight, packed_linear
 
 __all__ = ["FusedLlama", "unsupported_reason"]
@@ -220,6 +221,12 @@ class FusedLlama:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, cache: Any, keep: int = 0) -> torch.Tensor:
+        if isinstance(cache, SlotCache):
+            with cache.arena.lock:            # the store's buffers must not be replaced mid-forward
+                return self._call(input_ids, cache, keep)
+        return self._call(input_ids, cache, keep)
+
+    def _call(self, input_ids: torch.Tensor, cache: Any, keep: int) -> torch.Tensor:
         batch, n = input_ids.shape
         past = cache.get_seq_length()
         x = F.embedding(input_ids, self.embed)                                      # (batch, n, hidden)
@@ -240,8 +247,14 @@ class FusedLlama:
         ``(len(token_lists[b]), vocab)`` for each.
 
         The per-token work (embedding, norms, projections, MLP, vocabulary head) runs once over every
-        token packed into one matrix, without padding; attention runs per sequence on its own cache,
-        with the shapes of a lone forward (so no padded keys enter any softmax)."""
+        token packed into one matrix, without padding. Attention: when every cache is a slot of one
+        :class:`~speculum.models.kv_arena.KVArena`, one call per layer over the store, each sequence's
+        queries masked to its own keys (:meth:`_forward_store`); otherwise one call per sequence on its own
+        cache, with the shapes of a lone forward."""
+        arena = getattr(caches[0], "arena", None) if caches else None
+        if arena is not None and all(isinstance(c, SlotCache) and c.arena is arena for c in caches):
+            with arena.lock:
+                return self._forward_store(token_lists, caches, arena)
         lengths = [len(tokens) for tokens in token_lists]
         pasts = [cache.get_seq_length() for cache in caches]
         ids = torch.tensor([[t for tokens in token_lists for t in tokens]])        # (1, T)
@@ -262,6 +275,45 @@ class FusedLlama:
                 parts.append(self._attend(q[:, :, at], keys, values, masks[b]))
             x = self._after_attention(block, x, torch.cat(parts, dim=2))
         logits = self._head(x)[0]                                                   # (T, vocab)
+        return [logits[bounds[b]:bounds[b + 1]] for b in range(len(caches))]
+
+    def _forward_store(self, token_lists: list[list[int]], caches: list[SlotCache], arena: KVArena
+                       ) -> list[torch.Tensor]:
+        """:meth:`forward_packed` on slots of one store. Queries are scattered into a ``(slots, heads,
+        longest block, head_dim)`` grid over the store's first slots; the mask lets query i of a sequence
+        past p see keys ``0..p+i`` of its slot (a grid cell holding no query sees key 0, so no softmax row
+        is empty); the padded keys get zero weight, which leaves each sequence's sums unchanged."""
+        lengths = [len(tokens) for tokens in token_lists]
+        pasts = [cache.length for cache in caches]
+        ends = [past + n for past, n in zip(pasts, lengths)]
+        arena.reserve(max(ends))
+        view_slots, longest, keys_seen = max(c.slot for c in caches) + 1, max(lengths), max(ends)
+        slot = torch.tensor([c.slot for c, n in zip(caches, lengths) for _ in range(n)])          # (T,)
+        row = torch.cat([torch.arange(n) for n in lengths])                                   # (T,) in block
+        position = torch.cat([torch.arange(n) + past for n, past in zip(lengths, pasts)])     # (T,) in slot
+        limit = torch.zeros(view_slots, longest, dtype=torch.long)
+        limit[slot, row] = position
+        allowed = (torch.arange(keys_seen) <= limit[..., None]).unsqueeze(1)    # (slots, 1, longest, keys)
+        # Additive form, made once: a bool mask would be converted in every layer's attention call.
+        mask = torch.zeros(allowed.shape, dtype=self.embed.dtype).masked_fill_(~allowed, float("-inf"))
+        ids = torch.tensor([[t for tokens in token_lists for t in tokens]])      # (1, T)
+        x = F.embedding(ids, self.embed)                                         # (1, T, hidden)
+        cos, sin = (t.unsqueeze(1) for t in self.rotary(x, position.unsqueeze(0)))   # (1, 1, T, head_dim)
+        grid = x.new_zeros(view_slots, self.heads, longest, self.head_dim)      # every layer fills the same cells
+        for index, block in enumerate(self.blocks):
+            q, k, v = self._qkv(block, x, cos, sin)                              # (1, heads, T, d)
+            keys, values = arena.keys[index], arena.values[index]
+            keys[slot, :, position] = k[0].transpose(0, 1)                       # (T, kv_heads, d)
+            values[slot, :, position] = v[0].transpose(0, 1)
+            grid[slot, :, row] = q[0].transpose(0, 1)                            # (T, heads, d)
+            out = self._attend(grid, keys[:view_slots, :, :keys_seen], values[:view_slots, :, :keys_seen], mask)
+            x = self._after_attention(block, x, out[slot, :, row].transpose(0, 1).unsqueeze(0))
+        for cache, end in zip(caches, ends):
+            cache.length = end
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        logits = self._head(x)[0]                                                # (T, vocab)
         return [logits[bounds[b]:bounds[b + 1]] for b in range(len(caches))]
 
     def _qkv(self, block: _Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:

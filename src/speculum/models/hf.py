@@ -40,6 +40,7 @@ from .base import (BaseModel, Capabilities, check_prompt, check_session_blocks, 
                    common_prefix_length)
 from .fused_llama import FusedLlama
 from .hf_session import HFSession, _log_mass, _logprob_rows
+from .kv_arena import KVArena, SlotCache
 from .prepack import prepack_linears
 
 __all__ = ["HFModel", "HFSession", "parse_dtype"]
@@ -47,6 +48,9 @@ __all__ = ["HFModel", "HFSession", "parse_dtype"]
 # Bytes of KV cache and of float32 logits one batched chunk may hold; bounds memory for huge batches.
 KV_BUDGET_BYTES = 256 * 2**20
 LOGITS_BUDGET_BYTES = 256 * 2**20
+# Bytes the KV store of packed decoding may take: every slot is as long as the longest session, so one
+# long session among many would otherwise cost slots x its length.
+ARENA_BUDGET_BYTES = 1024 * 2**20
 # Shared-prefix caches kept between batched calls: enumeration alternates between the prompt and the prompt
 # plus one first token, so a few cover it.
 _SHARED_CACHES = 4
@@ -117,6 +121,7 @@ class HFModel(BaseModel):
         self.bos_token_id = _first_id(getattr(tokenizer, "bos_token_id", None), self.config.bos_token_id)
         # Prefix caches shared by the rows of a batched call (the prompt, a common first token), by tokens.
         self._shared_caches: dict[tuple[int, ...], Any] = {}
+        self._arena: KVArena | None = None       # the sessions' KV store for packed forwards, made on first use
         layers, kv_heads, head_dim = _kv_geometry(self.config)
         self._kv_bytes_per_token = 2 * layers * kv_heads * head_dim * torch.finfo(self.dtype).bits // 8
 
@@ -216,9 +221,28 @@ class HFModel(BaseModel):
             return [session.extend(tokens) for session, tokens in zip(sessions, checked)]
         for session, tokens in zip(sessions, checked):
             self._check_length(len(session.tokens) + len(tokens), name="the session")
+        self._into_store(sessions, max(len(s.tokens) + len(t) for s, t in zip(sessions, checked)))
         with torch.inference_mode():
             logits = self._fused.forward_packed(checked, [session._cache for session in sessions])
         return [session._consumed(tokens, rows) for session, tokens, rows in zip(sessions, checked, logits)]
+
+    def _into_store(self, sessions: Sequence["HFSession"], length: int) -> None:
+        """Move the sessions' caches into the model's KV store (:mod:`~speculum.models.kv_arena`), where the
+        packed forward attends once per layer for all of them, while the store stays within
+        ``ARENA_BUDGET_BYTES`` with every slot ``length`` tokens long; beyond it they keep caches of their own
+        (the packed forward then attends per session)."""
+        if self._arena is None:
+            layers, kv_heads, head_dim = _kv_geometry(self.config)
+            self._arena = KVArena(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=self.dtype)
+        arena = self._arena
+        with arena.lock:
+            joining = sum(not isinstance(session._cache, SlotCache) for session in sessions)
+            slots = max(arena.slots, arena.in_use + joining)
+            if arena.bytes_for(slots, max(arena.capacity, length)) > ARENA_BUDGET_BYTES:
+                return
+            for session in sessions:
+                if not isinstance(session._cache, SlotCache):
+                    session._cache = SlotCache.copy_of(arena, session._cache)
 
     @torch.inference_mode()
     def next_logprobs(self, prefixes: Sequence[Sequence[int]]) -> np.ndarray:

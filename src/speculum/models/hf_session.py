@@ -10,6 +10,7 @@ import torch
 
 from ..validation import InputError
 from .base import check_token_ids
+from .kv_arena import SlotCache
 
 if TYPE_CHECKING:
     from .hf import HFModel
@@ -107,16 +108,22 @@ class HFSession:
         draft that *is* the source model's first blocks (``truncated_draft``), whose keys and values for
         every consumed token equal the source's there. Replaces catching up with a forward. Returns False
         (and changes nothing) when the cache layout does not allow it."""
-        layers = getattr(getattr(source, "_cache", None), "layers", None)
+        source_cache = getattr(source, "_cache", None)
         count = int(self.model.config.num_hidden_layers)
-        if not isinstance(layers, list) or len(layers) < count or not source.tokens:
-            return False
-        cache = self.model._new_cache()
-        if not isinstance(getattr(cache, "layers", None), list):
-            return False
-        # Shallow copies: appending or cropping re-binds a copy's tensors and leaves the source's alone.
-        cache.layers = [copy.copy(layer) for layer in layers[:count]]
-        self._cache = cache
+        if isinstance(source_cache, SlotCache):
+            if source_cache.arena.layers < count or not source.tokens:
+                return False
+            self._cache = source_cache.to_dynamic(self.model.config, count)
+        else:
+            layers = getattr(source_cache, "layers", None)
+            if not isinstance(layers, list) or len(layers) < count or not source.tokens:
+                return False
+            cache = self.model._new_cache()
+            if not isinstance(getattr(cache, "layers", None), list):
+                return False
+            # Shallow copies: appending or cropping re-binds a copy's tensors and leaves the source's alone.
+            cache.layers = [copy.copy(layer) for layer in layers[:count]]
+            self._cache = cache
         self.tokens = list(source.tokens)
         self._rows = np.zeros((0, self.model.vocab_size))  # no row known: next_logprobs recomputes
         self._rows_start = len(self.tokens)

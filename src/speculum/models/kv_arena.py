@@ -1,0 +1,157 @@
+"""One KV store for many sessions of a model (:class:`KVArena`), and a session's part of it (:class:`SlotCache`).
+
+The decoding scheduler verifies the blocks of many generations in one packed forward. With a cache per
+session, attention runs once per session per layer and every append re-copies the session's keys
+(``torch.cat``). With one store, each layer writes every session's new keys and values in place (one
+indexed write) and attends once, over a view of the store in which each session's row is masked to its
+own keys: a masked key gets weight exactly zero, so the padding adds nothing to the softmax's sums.
+
+Layout: per layer, ``keys`` and ``values`` of shape ``(slots, kv_heads, capacity, head_dim)``; a session
+owns a slot and a length. Rolling back sets the length; a session whose cache is garbage-collected frees
+its slot. The store grows by doubling (slots or capacity, one copy) and gives its memory back when no slot
+is in use. ``lock`` guards the layout: a forward that reads or writes the store holds it, since growing
+replaces the buffers. The buffers are inference-mode tensors, written in inference mode only.
+
+Example:
+    >>> arena = KVArena(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32)
+    >>> cache = SlotCache(arena)
+    >>> keys, values = cache.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4), 0)
+    >>> _ = cache.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4), 1)   # the last layer: length moves
+    >>> cache.get_seq_length(), tuple(keys.shape)
+    (3, (1, 1, 3, 4))
+    >>> cache.crop(-1); cache.get_seq_length()
+    2
+"""
+from __future__ import annotations
+
+import heapq
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["KVArena", "SlotCache"]
+
+
+class KVArena:
+    """Key and value buffers shared by the sessions of one model: a slot per session (see the module)."""
+
+    def __init__(self, *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 first_slots: int = 4, first_capacity: int = 256) -> None:
+        self.layers, self.kv_heads, self.head_dim, self.dtype = layers, kv_heads, head_dim, dtype
+        self.first_slots, self.first_capacity = first_slots, first_capacity   # sizes of the first buffers
+        self.lock = threading.RLock()
+        self.keys: list[torch.Tensor] = []       # per layer (slots, kv_heads, capacity, head_dim)
+        self.values: list[torch.Tensor] = []
+        self.slots = self.capacity = 0
+        self._free: list[int] = []               # a heap: the lowest free slot first keeps views short
+        self.in_use = 0
+
+    def bytes_for(self, slots: int, capacity: int) -> int:
+        """Bytes the buffers take with ``slots`` slots of ``capacity`` tokens."""
+        return 2 * self.layers * slots * self.kv_heads * capacity * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def allocate(self, length: int) -> int:
+        """A free slot able to hold ``length`` tokens (growing the store if needed)."""
+        with self.lock:
+            if not self._free:
+                self._grow(max(self.first_slots, 2 * self.slots), max(self.capacity, length))
+            self.reserve(length)
+            self.in_use += 1
+            return heapq.heappop(self._free)
+
+    def release(self, slot: int) -> None:
+        """Give ``slot`` back; with no slot in use the buffers are freed."""
+        with self.lock:
+            heapq.heappush(self._free, slot)
+            self.in_use -= 1
+            if self.in_use == 0:
+                self.keys, self.values, self.slots, self.capacity, self._free = [], [], 0, 0, []
+
+    def reserve(self, length: int) -> None:
+        """Make every slot able to hold ``length`` tokens."""
+        with self.lock:
+            if length > self.capacity:
+                self._grow(self.slots, length)
+
+    @torch.inference_mode()
+    def _grow(self, slots: int, length: int) -> None:
+        capacity = self.capacity or self.first_capacity
+        while capacity < length:
+            capacity *= 2
+        # Zeros, not empty memory: a masked key still enters q·k before the mask, and NaN bits would spread.
+        shape = (slots, self.kv_heads, capacity, self.head_dim)
+        keys = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.layers)]
+        values = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.layers)]
+        if self.slots:
+            for new, old in zip(keys + values, self.keys + self.values):
+                new[: self.slots, :, : self.capacity] = old
+        for slot in range(self.slots, slots):
+            heapq.heappush(self._free, slot)
+        self.keys, self.values, self.slots, self.capacity = keys, values, slots, capacity
+
+
+class SlotCache:
+    """A session's KV cache as a slot of a :class:`KVArena`: the subset of transformers' ``DynamicCache``
+    interface the fused forward uses (``get_seq_length``, ``update``, ``crop``), with appends in place."""
+
+    def __init__(self, arena: KVArena, length: int = 0) -> None:
+        self.arena = arena
+        self.slot = arena.allocate(length)
+        self.length = 0
+        weakref.finalize(self, arena.release, self.slot)
+
+    @classmethod
+    @torch.inference_mode()
+    def copy_of(cls, arena: KVArena, cache: Any) -> "SlotCache":
+        """A slot holding what the ``DynamicCache`` ``cache`` holds (copied; ``cache`` is left as it is)."""
+        length = int(cache.get_seq_length())
+        slot_cache = cls(arena, length)
+        if length:
+            with arena.lock:
+                for index, layer in enumerate(cache.layers[: arena.layers]):
+                    arena.keys[index][slot_cache.slot, :, :length] = layer.keys[0]
+                    arena.values[index][slot_cache.slot, :, :length] = layer.values[0]
+        slot_cache.length = length
+        return slot_cache
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    @torch.inference_mode()
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``keys``/``values (1, kv_heads, n, head_dim)`` after the session's tokens in layer
+        ``layer_idx``; returns the layer's keys and values so far, ``(1, kv_heads, length + n, head_dim)``
+        views. The length moves once the last layer is written."""
+        arena, end = self.arena, self.length + keys.shape[2]
+        if layer_idx == 0:
+            arena.reserve(end)
+        arena.keys[layer_idx][self.slot, :, self.length:end] = keys[0]
+        arena.values[layer_idx][self.slot, :, self.length:end] = values[0]
+        if layer_idx == arena.layers - 1:
+            self.length = end
+        view = slice(self.slot, self.slot + 1)
+        return arena.keys[layer_idx][view, :, :end], arena.values[layer_idx][view, :, :end]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """``DynamicCache.crop`` with a count <= 0: forget the last ``-tokens_to_remove`` tokens."""
+        length = self.length + tokens_to_remove
+        if tokens_to_remove > 0 or length < 0:
+            raise ValueError(f"crop({tokens_to_remove}) of a cache holding {self.length} tokens")
+        self.length = length
+
+    @torch.inference_mode()
+    def to_dynamic(self, config: Any, layers: int) -> Any:
+        """A ``DynamicCache`` holding copies of the first ``layers`` layers (for a layer-truncated draft)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=config)
+        with self.arena.lock:
+            for index in range(layers):
+                view = slice(self.slot, self.slot + 1)
+                # DynamicCache.update concatenates: it keeps a copy, not a view of the store.
+                cache.update(self.arena.keys[index][view, :, : self.length],
+                             self.arena.values[index][view, :, : self.length], index)
+        return cache

@@ -1,0 +1,192 @@
+"""The KV store shared by packed sessions (speculum.models.kv_arena) and the packed forward over it.
+
+Invariants: a slot holds exactly what a DynamicCache fed the same appends and rollbacks holds, whatever the
+other slots do and however often the store grows; sessions verified in one packed forward over the store
+get the rows and states of their own forwards (joins, leaves, ragged blocks, rollbacks); slots come back
+when sessions go, and the store's memory with the last one.
+"""
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import speculum  # noqa: E402
+from hf_tiny import save_tiny_model  # noqa: E402
+from speculum.models import hf as hf_module  # noqa: E402
+from speculum.models.hf import HFModel  # noqa: E402
+from speculum.models.kv_arena import KVArena, SlotCache  # noqa: E402
+from speculum.models.twins import truncated_draft  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny() -> HFModel:
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        return HFModel.from_pretrained(save_tiny_model(Path(folder) / "model"))
+
+
+def small_store(model: HFModel) -> KVArena:
+    """A store for ``model`` that starts with one slot of 2 tokens, so that tests grow it often."""
+    config = model.config
+    return KVArena(layers=config.num_hidden_layers, kv_heads=config.num_key_value_heads,
+                   head_dim=config.hidden_size // config.num_attention_heads, dtype=torch.float32,
+                   first_slots=1, first_capacity=2)
+
+
+# ------------------------------------------------------------------------------ the store on its own
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["append", "rollback", "renew"]), st.integers(0, 5)),
+                max_size=30), st.integers(0, 2**31))
+@settings(max_examples=60, deadline=None)
+def test_slots_hold_what_dynamic_caches_hold(operations, seed):
+    """Three sessions' appends, rollbacks and replacements interleaved on a store that starts at one slot
+    of 2 tokens: every slot always equals its DynamicCache twin, and a released store frees its buffers."""
+    from transformers import DynamicCache
+
+    generator = torch.Generator().manual_seed(seed)
+    arena = KVArena(layers=2, kv_heads=2, head_dim=3, dtype=torch.float32, first_slots=1, first_capacity=2)
+    pairs = [(SlotCache(arena), DynamicCache()) for _ in range(3)]
+    for which, kind, n in operations:
+        slot_cache, dynamic = pairs[which]
+        if kind == "append":
+            for layer in range(2):
+                keys, values = torch.randn(2, 1, 2, n, 3, generator=generator)
+                got = slot_cache.update(keys, values, layer)
+                want = dynamic.update(keys, values, layer)
+                assert all(torch.equal(g, w) for g, w in zip(got, want))
+        elif kind == "rollback":
+            n = min(n, slot_cache.get_seq_length())
+            slot_cache.crop(-n), dynamic.crop(-n)
+        else:                                  # the session ends: its slot is free for the next one
+            slot_cache = dynamic = pairs[which] = None
+            pairs[which] = (SlotCache(arena), DynamicCache())
+        assert all(holds_the_same(arena, *pair) for pair in pairs)
+    assert arena.in_use == 3 and len({cache.slot for cache, _ in pairs}) == 3
+    pairs = slot_cache = dynamic = None
+    gc.collect()
+    assert arena.in_use == 0 and arena.keys == [] and arena.slots == 0
+
+
+def holds_the_same(arena: KVArena, slot_cache: SlotCache, dynamic) -> bool:
+    length = slot_cache.get_seq_length()
+    if length != dynamic.get_seq_length():
+        return False
+    return all(torch.equal(arena.keys[layer][slot_cache.slot, :, :length], dynamic.layers[layer].keys[0]) and
+               torch.equal(arena.values[layer][slot_cache.slot, :, :length], dynamic.layers[layer].values[0])
+               for layer in range(2 if length else 0))
+
+
+def test_crop_refuses_to_go_below_zero():
+    arena = KVArena(layers=1, kv_heads=1, head_dim=2, dtype=torch.float32)
+    cache = SlotCache(arena)
+    cache.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), 0)
+    cache.crop(0)
+    assert cache.get_seq_length() == 2
+    for bad in (-3, 1):
+        with pytest.raises(ValueError, match="holding 2 tokens"):
+            cache.crop(bad)
+
+
+# ----------------------------------------------------------------------- packed forwards over the store
+@given(st.lists(st.tuples(st.integers(1, 6), st.lists(st.tuples(st.booleans(), st.integers(0, 4), st.integers(0, 4)),
+                                                      min_size=1, max_size=5)),
+                min_size=2, max_size=5),
+       st.integers(0, 2**31))
+@settings(max_examples=25, deadline=None)
+def test_packed_sessions_on_the_store_equal_their_own_forwards(tiny, requests, seed):
+    """Requests join (prompt of p tokens), take part in some rounds (a block of b tokens, then a rollback
+    of r) and leave after their last round, on a store that grows from one 2-token slot: every row of
+    every packed call equals the session's own extend to float32 rounding, and states stay equal."""
+    rng = np.random.default_rng(seed)
+    tiny._arena = small_store(tiny)
+    try:
+        live: dict[int, tuple] = {}
+        for round_ in range(6):
+            for i, (prompt_length, rounds) in enumerate(requests):
+                if round_ == i % 3 and i not in live:                        # joins at round i % 3
+                    prompt = rng.integers(3, tiny.vocab_size, size=prompt_length).tolist()
+                    live[i] = (tiny.start(prompt), tiny.start(prompt), list(rounds))
+            taking_part = [i for i, (_, _, rounds) in live.items() if rounds and rounds[0][0]]
+            for i in list(live):
+                if i not in taking_part and live[i][2]:
+                    live[i][2].pop(0)                                       # sits this round out
+            if taking_part:
+                blocks = [rng.integers(3, tiny.vocab_size, size=max(1, live[i][2][0][1])).tolist()
+                          for i in taking_part]
+                got = tiny.extend_sessions([live[i][1] for i in taking_part], blocks)
+                assert all(isinstance(live[i][1]._cache, SlotCache) for i in taking_part)
+                for i, block, rows in zip(taking_part, blocks, got):
+                    solo, packed, rounds = live[i]
+                    want = solo.extend(block)
+                    assert rows.shape == want.shape and np.abs(rows - want).max() < 1e-4
+                    back = min(rounds.pop(0)[2], len(block))
+                    solo.rollback(back), packed.rollback(back)
+            for i in [i for i, (_, _, rounds) in live.items() if not rounds]:
+                solo, packed, _ = live.pop(i)                               # leaves: its slot is freed
+                assert solo.tokens == packed.tokens
+                assert np.abs(solo.next_logprobs() - packed.next_logprobs()).max() < 1e-4
+        for solo, packed, _ in live.values():
+            assert np.abs(solo.extend([3]) - packed.extend([3])).max() < 1e-4
+        live = solo = packed = None
+        gc.collect()
+        assert tiny._arena.in_use == 0 and tiny._arena.keys == []
+    finally:
+        tiny._arena = None
+
+
+def test_sessions_keep_their_own_caches_beyond_the_store_budget(tiny, monkeypatch):
+    """A store that would pass its budget is not used; the packed forward then attends per session."""
+    monkeypatch.setattr(hf_module, "ARENA_BUDGET_BYTES", 0)
+    solo, packed = [tiny.start([3, 4, 5]), tiny.start([6])], [tiny.start([3, 4, 5]), tiny.start([6])]
+    got = tiny.extend_sessions(packed, [[7, 8], [9]])
+    assert not any(isinstance(session._cache, SlotCache) for session in packed)
+    for session, block, rows in zip(solo, [[7, 8], [9]], got):
+        assert np.abs(session.extend(block) - rows).max() < 1e-4
+
+
+def test_a_layer_draft_reads_a_session_on_the_store(tiny):
+    """A layer-truncated draft adopts the first layers of a target session that lives in the store."""
+    draft = truncated_draft(tiny, 2)
+    target_sessions = [tiny.start([3, 4, 5, 6]), tiny.start([7, 8])]
+    tiny.extend_sessions(target_sessions, [[9, 10], [11]])
+    assert isinstance(target_sessions[0]._cache, SlotCache)
+    shared = draft.start_sharing(target_sessions[0])
+    assert shared is not None
+    np.testing.assert_allclose(shared.advance([12]), draft.start([3, 4, 5, 6, 9, 10]).advance([12]), atol=1e-5)
+    np.testing.assert_allclose(target_sessions[0].extend([12]), tiny.start([3, 4, 5, 6, 9, 10]).extend([12]),
+                               atol=1e-5)
+
+
+def test_schedulers_in_two_threads_share_the_store(tiny):
+    """Two threads each generating a batch on one model (one store): every output is its solo greedy one."""
+    prompts = [[[3, 4, 5], [6], [7, 8, 9, 10]], [[11, 12], [13, 14, 15], [16]]]
+    want = [[speculum.generate(tiny, p, max_new_tokens=20, temperature=0, eos_token_id=None).tokens for p in batch]
+            for batch in prompts]
+    got: list = [None, None]
+    errors: list = []
+
+    def work(k: int) -> None:
+        try:
+            for _ in range(3):
+                got[k] = [r.tokens for r in speculum.generate_batch(tiny, prompts[k], max_new_tokens=20,
+                                                                    temperature=0, eos_token_id=None)]
+                assert got[k] == want[k]
+        except Exception as exc:          # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert got == want
