@@ -279,40 +279,55 @@ class FusedLlama:
 
     def _forward_store(self, token_lists: list[list[int]], caches: list[SlotCache], arena: KVArena
                        ) -> list[torch.Tensor]:
-        """:meth:`forward_packed` on slots of one store. Queries are scattered into a ``(slots, heads,
-        longest block, head_dim)`` grid over the store's first slots; the mask lets query i of a sequence
-        past p see keys ``0..p+i`` of its slot (a grid cell holding no query sees key 0, so no softmax row
-        is empty); the padded keys get zero weight, which leaves each sequence's sums unchanged."""
+        """:meth:`forward_packed` on slots of one store. Every new key and value is written in place by
+        one indexed write per layer. Attention: the blocks of at most ``grid`` tokens (the most common
+        block length: 1 in plain decoding) are scattered into a ``(slots, heads, grid, head_dim)`` grid over
+        the store's first slots and attended in one call, the mask letting query i of a sequence past p
+        see keys ``0..p+i`` of its slot (a cell holding no query sees key 0, so no softmax row is empty;
+        the padded keys get zero weight, which leaves each sequence's sums unchanged). A longer block
+        attends alone on its slot, so one long block does not pad every other sequence's queries."""
         lengths = [len(tokens) for tokens in token_lists]
         pasts = [cache.length for cache in caches]
         ends = [past + n for past, n in zip(pasts, lengths)]
         arena.reserve(max(ends))
-        view_slots, longest, keys_seen = max(c.slot for c in caches) + 1, max(lengths), max(ends)
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
         slot = torch.tensor([c.slot for c, n in zip(caches, lengths) for _ in range(n)])          # (T,)
-        row = torch.cat([torch.arange(n) for n in lengths])                                   # (T,) in block
         position = torch.cat([torch.arange(n) + past for n, past in zip(lengths, pasts)])     # (T,) in slot
-        limit = torch.zeros(view_slots, longest, dtype=torch.long)
-        limit[slot, row] = position
-        allowed = (torch.arange(keys_seen) <= limit[..., None]).unsqueeze(1)    # (slots, 1, longest, keys)
+        grid_length = max(set(lengths), key=lambda n: (lengths.count(n), -n))
+        in_grid = [b for b, n in enumerate(lengths) if n <= grid_length]
+        alone = [(b, torch.ones(lengths[b], ends[b], dtype=torch.bool).tril(diagonal=pasts[b]))
+                 for b, n in enumerate(lengths) if n > grid_length]
+        grid_tokens = torch.cat([torch.arange(bounds[b], bounds[b + 1]) for b in in_grid])   # (G,) packed rows
+        grid_slot, grid_row = slot[grid_tokens], torch.cat([torch.arange(lengths[b]) for b in in_grid])
+        view_slots, keys_seen = int(grid_slot.max()) + 1, max(ends[b] for b in in_grid)
+        limit = torch.zeros(view_slots, grid_length, dtype=torch.long)
+        limit[grid_slot, grid_row] = position[grid_tokens]
+        allowed = (torch.arange(keys_seen) <= limit[..., None]).unsqueeze(1)    # (slots, 1, grid, keys)
         # Additive form, made once: a bool mask would be converted in every layer's attention call.
         mask = torch.zeros(allowed.shape, dtype=self.embed.dtype).masked_fill_(~allowed, float("-inf"))
         ids = torch.tensor([[t for tokens in token_lists for t in tokens]])      # (1, T)
         x = F.embedding(ids, self.embed)                                         # (1, T, hidden)
         cos, sin = (t.unsqueeze(1) for t in self.rotary(x, position.unsqueeze(0)))   # (1, 1, T, head_dim)
-        grid = x.new_zeros(view_slots, self.heads, longest, self.head_dim)      # every layer fills the same cells
+        grid = x.new_zeros(view_slots, self.heads, grid_length, self.head_dim)  # every layer fills the same cells
+        attn = x.new_empty(len(slot), self.heads, self.head_dim)                 # (T, heads, d)
         for index, block in enumerate(self.blocks):
             q, k, v = self._qkv(block, x, cos, sin)                              # (1, heads, T, d)
             keys, values = arena.keys[index], arena.values[index]
             keys[slot, :, position] = k[0].transpose(0, 1)                       # (T, kv_heads, d)
             values[slot, :, position] = v[0].transpose(0, 1)
-            grid[slot, :, row] = q[0].transpose(0, 1)                            # (T, heads, d)
+            queries = q[0].transpose(0, 1)                                       # (T, heads, d)
+            grid[grid_slot, :, grid_row] = queries[grid_tokens]
             out = self._attend(grid, keys[:view_slots, :, :keys_seen], values[:view_slots, :, :keys_seen], mask)
-            x = self._after_attention(block, x, out[slot, :, row].transpose(0, 1).unsqueeze(0))
+            attn[grid_tokens] = out[grid_slot, :, grid_row]
+            for b, causal in alone:
+                at, own = slice(bounds[b], bounds[b + 1]), slice(caches[b].slot, caches[b].slot + 1)
+                alone_out = self._attend(q[:, :, at], keys[own, :, :ends[b]], values[own, :, :ends[b]], causal)
+                attn[at] = alone_out[0].transpose(0, 1)
+            x = self._after_attention(block, x, attn.transpose(0, 1).unsqueeze(0))
         for cache, end in zip(caches, ends):
             cache.length = end
-        bounds = [0]
-        for n in lengths:
-            bounds.append(bounds[-1] + n)
         logits = self._head(x)[0]                                                # (T, vocab)
         return [logits[bounds[b]:bounds[b + 1]] for b in range(len(caches))]
 
