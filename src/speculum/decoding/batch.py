@@ -95,6 +95,10 @@ class Scheduler:
         self._next_id = 0
         declared = capabilities_of(target)
         self.batched = declared.batched_extend and not batch_invariant
+        # A new generation's prompt rides in the next packed forward instead of a forward of its own
+        # (continuous batching with the prefill in the decode step): the others' blocks are verified
+        # in the time of the prompt's forward, where a separate prefill would stall them.
+        self.defer_prefill = self.batched and declared.deferred_prefill
         # How many generations may run together (a target whose sessions share one state: one at a time).
         self.capacity: int | None = None if declared.independent_sessions else 1
         self.packed_cost = PackedCost()
@@ -108,7 +112,8 @@ class Scheduler:
             gamma: int | str = 4, temperature: float = 1.0, top_k: int | None = None,
             top_p: float | None = None, eos_token_id: Any = MODEL_EOS, seed: Any = None) -> int:
         """Start a generation (the arguments of :func:`speculum.stream`, checked here); returns its id.
-        It prefills now and emits from the next :meth:`step` on."""
+        It emits from the next :meth:`step` on; its prompt is fed now, or by that step's packed forward
+        when the target declares ``deferred_prefill`` (and the scheduler is not batch-invariant)."""
         return self.add_plan(plan_generation(self.target, prompt_ids, draft=draft, max_new_tokens=max_new_tokens,
                                              gamma=gamma, temperature=temperature, top_k=top_k, top_p=top_p,
                                              eos_token_id=eos_token_id, seed=seed))
@@ -118,7 +123,8 @@ class Scheduler:
         this target); returns its id."""
         request, self._next_id = self._next_id, self._next_id + 1
         decoder = _Decoder(plan)
-        if decoder.begin():
+        # A draft made of the target's first layers reads the target's cache from its start: not deferred.
+        if decoder.begin(defer=self.defer_prefill and not decoder.drafter.reads_target_cache):
             self._decoders[request] = decoder
         else:
             self._finished_at_start[request] = plan.budget_reason
@@ -145,10 +151,12 @@ class Scheduler:
         requests = list(self._decoders)
         decoders = [self._decoders[r] for r in requests]
         proposals = [decoder.propose() for decoder in decoders]
-        rows, seconds = self._target_rows(decoders, proposals)
+        prefilling = any(decoder.prefilling for decoder in decoders)
+        rows, seconds = self._target_rows(decoders, proposals, timed=not prefilling)
         for request, decoder, proposal, block_rows, block_seconds in zip(requests, decoders, proposals, rows, seconds):
             try:
-                chunk = decoder.verify(proposal, block_rows, block_seconds)
+                # A step that also fed a prompt says nothing about what verifying a block costs.
+                chunk = decoder.verify(proposal, block_rows, block_seconds, timed=not prefilling)
             except Exception:
                 self.cancel(request)
                 raise
@@ -157,9 +165,11 @@ class Scheduler:
                 self.cancel(request)
         return out
 
-    def _target_rows(self, decoders: list[_Decoder], proposals: list[Any]) -> tuple[list[Any], list[float]]:
+    def _target_rows(self, decoders: list[_Decoder], proposals: list[Any], timed: bool = True
+                     ) -> tuple[list[Any], list[float]]:
         """Every block's target rows, and the seconds each block is charged: a batched call is split by
-        :class:`PackedCost`, so ``gamma="auto"`` sees what its block adds to the shared forward."""
+        :class:`PackedCost`, so ``gamma="auto"`` sees what its block adds to the shared forward (which
+        learns only from ``timed`` calls)."""
         batchable = [i for i, decoder in enumerate(decoders) if decoder.pending]
         rows: list[Any] = [None] * len(decoders)
         seconds = [0.0] * len(decoders)
@@ -169,7 +179,8 @@ class Scheduler:
             batch = self.target.extend_sessions([decoders[i].target for i in batchable], inputs)
             elapsed = time.perf_counter() - started
             fed = [len(tokens) for tokens in inputs]
-            self.packed_cost.observe(sum(fed), elapsed)
+            if timed:
+                self.packed_cost.observe(sum(fed), elapsed)
             for i, block_rows, charge in zip(batchable, batch, self.packed_cost.split(fed, elapsed)):
                 rows[i], seconds[i] = block_rows, charge
         for i, (decoder, proposal) in enumerate(zip(decoders, proposals)):

@@ -430,11 +430,13 @@ class GammaPolicy:
         if self.controller is not None:
             self.controller.observe_catch_up(n_tokens, seconds)
 
-    def observe_verification(self, fed: int, seconds: float, *, proposed: int, accepted: int,
+    def observe_verification(self, fed: int, seconds: float | None, *, proposed: int, accepted: int,
                              key: Hashable = None) -> None:
-        """One target forward fed ``fed`` tokens in ``seconds`` and accepted ``accepted`` of ``proposed``."""
+        """One target forward fed ``fed`` tokens in ``seconds`` (None: not a measure of this block's cost)
+        and accepted ``accepted`` of ``proposed``."""
         if self.controller is not None:
-            self.controller.observe_target(fed, seconds)
+            if seconds is not None:
+                self.controller.observe_target(fed, seconds)
             self.controller.observe_acceptance(proposed=proposed, accepted=accepted, key=key)
 
     def remembered(self) -> "_Acceptance | None":

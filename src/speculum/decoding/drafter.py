@@ -74,6 +74,10 @@ class Drafter:
     """What the loop drafts through. Each generation has its own drafter; the draft object behind it may
     be shared by concurrent generations."""
 
+    # True when :meth:`start` reads the target session's cache (a draft made of the target's first
+    # layers), which must then hold the prompt: the target's prefill is not deferred.
+    reads_target_cache = False
+
     def start(self, context: list[int], target_session: Session) -> None:
         """The target has read ``context`` but its last token into ``target_session``."""
 
@@ -144,6 +148,7 @@ class ModelDrafter(Drafter):
                  warp: Callable[[np.ndarray], np.ndarray]) -> None:
         self.model, self.target, self.policy, self.stats, self.warp = plan.draft, plan.target, policy, stats, warp
         self.capabilities = capabilities_of(plan.draft)
+        self.reads_target_cache = self.capabilities.shares_prefix_cache and self.model.prefix_of is self.target
         self.max_context = plan.draft_max_context
         self.greedy, self.rng = plan.temperature == 0.0, plan.rngs[0]
         self.vocab_size, self.eos_token_id = int(plan.target.vocab_size), plan.eos_token_id
@@ -163,7 +168,7 @@ class ModelDrafter(Drafter):
     def start(self, context: list[int], target_session: Session) -> None:
         started = time.perf_counter()
         self.target_session = target_session
-        if self.capabilities.shares_prefix_cache and self.model.prefix_of is self.target:
+        if self.reads_target_cache:
             self.session = self.model.start_sharing(target_session)       # None: layout not shareable
             self.shares_target_layers = self.session is not None
         if self.session is None:

@@ -66,8 +66,10 @@ class _Decoder:
     # One block in three steps, so that a scheduler can verify the blocks of many generations together:
     # propose (drafter), target rows (the target's forward: batched across generations by the caller),
     # verify (the pure rule, rollbacks, the chunk).
-    def begin(self) -> bool:
-        """Prefill the target and start the drafter; False when there is nothing to generate."""
+    def begin(self, defer: bool = False) -> bool:
+        """Prefill the target and start the drafter; False when there is nothing to generate. With
+        ``defer`` (a target declaring ``deferred_prefill``) the prompt is fed by the first block's forward,
+        which a scheduler packs with the other generations' blocks."""
         plan = self.plan
         self.context = list(plan.prompt)                 # prompt + emitted tokens
         self.started = time.perf_counter()
@@ -76,9 +78,13 @@ class _Decoder:
         # Prefill all but the last prompt token: it becomes the first `pending` token, so every block is
         # exactly one target extend([pending] + proposals) returning the γ + 1 rows it needs. A one-token
         # prompt is prefilled whole: an empty session starts from the model's BOS, another context.
+        self.prefilling = False                          # the next forward also feeds the prompt
         if len(self.context) == 1:
             self.target = plan.target.start(self.context)
             self.pending = []
+        elif defer:
+            self.target = plan.target.start_deferred(self.context[:-1])
+            self.pending, self.prefilling = self.context[-1:], True
         else:
             self.target = plan.target.start(self.context[:-1])
             self.pending = self.context[-1:]
@@ -105,17 +111,21 @@ class _Decoder:
         first = self.target.next_logprobs()[None, :]
         return np.vstack([first, self.target.extend(proposal.tokens)]) if proposal.tokens else first
 
-    def verify(self, proposal: Proposal, rows: np.ndarray, target_seconds: float) -> Chunk:
-        """The block's verdict on the target's ``rows`` (γ + 1 of them), the rollbacks, and its chunk."""
+    def verify(self, proposal: Proposal, rows: np.ndarray, target_seconds: float, timed: bool = True) -> Chunk:
+        """The block's verdict on the target's ``rows`` (γ + 1 of them), the rollbacks, and its chunk.
+        ``timed=False``: ``target_seconds`` is not this block's verification cost (the forward also fed a
+        prompt), so ``gamma="auto"`` does not learn from it."""
         stats, policy = self.stats, self.policy
         rows = checked_rows(rows, len(proposal.tokens) + 1, self.vocab_size, "target")
         stats.target_seconds += target_seconds
         stats.target_forwards += 1
+        timed = timed and not self.prefilling
+        self.prefilling = False
         verdict = self._verify(proposal, rows)
         proposed = len(proposal.tokens)
         stats.record_block(proposed, verdict.accepted)
-        policy.observe_verification(len(self.pending) + proposed, target_seconds, proposed=proposed,
-                                    accepted=verdict.accepted, key=proposal.key)
+        policy.observe_verification(len(self.pending) + proposed, target_seconds if timed else None,
+                                    proposed=proposed, accepted=verdict.accepted, key=proposal.key)
         self.target.rollback(proposed - verdict.accepted)   # the target consumed every proposal
         self.drafter.verified(verdict.accepted)
         chunk = self._emit(self.context, verdict, proposed, rows)

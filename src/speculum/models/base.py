@@ -270,6 +270,10 @@ class Capabilities:
     ``batched_extend``: ``extend_sessions(sessions, token_lists) -> [rows]``, the ``extend`` of several of its
     sessions (each by its own tokens) in one forward, each result equal to that session's own ``extend``
     (the decoding scheduler then verifies many generations' blocks in one call).
+    ``deferred_prefill``: ``start_deferred(prompt)`` returns a session after ``prompt`` whose prompt is
+    consumed by its first forward (``extend``, ``advance``, ``next_logprobs`` or a packed
+    ``extend_sessions``) rather than at once, with the same rows; a scheduler packs a new generation's
+    prompt into the forward that verifies the others' blocks.
     ``independent_sessions`` (default True): each session keeps its own state, so several can advance in
     turn. False (llama.cpp's single resident KV cache: switching sessions re-evaluates the context): the
     serving engine and ``generate_batch`` run one generation at a time.
@@ -283,6 +287,7 @@ class Capabilities:
     session_advance: bool = False
     shares_prefix_cache: bool = False
     batched_extend: bool = False
+    deferred_prefill: bool = False
     independent_sessions: bool = True
     parallel_calls: int = 1
 

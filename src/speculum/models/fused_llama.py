@@ -242,9 +242,10 @@ class FusedLlama:
             x = x[:, -keep:]
         return self._head(x)
 
-    def forward_packed(self, token_lists: list[list[int]], caches: list[Any]) -> list[torch.Tensor]:
+    def forward_packed(self, token_lists: list[list[int]], caches: list[Any], keep: list[int] | None = None
+                       ) -> list[torch.Tensor]:
         """Several sequences in one forward, each extending its own cache (updated in place): logits
-        ``(len(token_lists[b]), vocab)`` for each.
+        ``(keep[b], vocab)`` for each, those of its last ``keep[b]`` positions (default: all of them).
 
         The per-token work (embedding, norms, projections, MLP, vocabulary head) runs once over every
         token packed into one matrix, without padding. Attention: when every cache is a slot of one
@@ -254,7 +255,7 @@ class FusedLlama:
         arena = getattr(caches[0], "arena", None) if caches else None
         if arena is not None and all(isinstance(c, SlotCache) and c.arena is arena for c in caches):
             with arena.lock:
-                return self._forward_store(token_lists, caches, arena)
+                return self._forward_store(token_lists, caches, arena, keep)
         lengths = [len(tokens) for tokens in token_lists]
         pasts = [cache.get_seq_length() for cache in caches]
         ids = torch.tensor([[t for tokens in token_lists for t in tokens]])        # (1, T)
@@ -274,11 +275,10 @@ class FusedLlama:
                 keys, values = cache.update(k[:, :, at], v[:, :, at], index)
                 parts.append(self._attend(q[:, :, at], keys, values, masks[b]))
             x = self._after_attention(block, x, torch.cat(parts, dim=2))
-        logits = self._head(x)[0]                                                   # (T, vocab)
-        return [logits[bounds[b]:bounds[b + 1]] for b in range(len(caches))]
+        return self._kept_logits(x, bounds, keep)
 
-    def _forward_store(self, token_lists: list[list[int]], caches: list[SlotCache], arena: KVArena
-                       ) -> list[torch.Tensor]:
+    def _forward_store(self, token_lists: list[list[int]], caches: list[SlotCache], arena: KVArena,
+                       keep: list[int] | None) -> list[torch.Tensor]:
         """:meth:`forward_packed` on slots of one store. Every new key and value is written in place by
         one indexed write per layer. Attention: the blocks of at most ``grid`` tokens (the most common
         block length: 1 in plain decoding) are scattered into a ``(slots, heads, grid, head_dim)`` grid over
@@ -328,8 +328,19 @@ class FusedLlama:
             x = self._after_attention(block, x, attn.transpose(0, 1).unsqueeze(0))
         for cache, end in zip(caches, ends):
             cache.length = end
-        logits = self._head(x)[0]                                                # (T, vocab)
-        return [logits[bounds[b]:bounds[b + 1]] for b in range(len(caches))]
+        return self._kept_logits(x, bounds, keep)
+
+    def _kept_logits(self, x: torch.Tensor, bounds: list[int], keep: list[int] | None) -> list[torch.Tensor]:
+        """The logits of the last ``keep[b]`` positions of each sequence ``b`` (``x[:, bounds[b]:bounds[b+1]]``):
+        the vocabulary head runs on those rows only (a deferred prompt needs none of its own)."""
+        sequences = len(bounds) - 1
+        if keep is None:
+            keep = [bounds[b + 1] - bounds[b] for b in range(sequences)]
+        else:
+            rows = torch.cat([torch.arange(bounds[b + 1] - keep[b], bounds[b + 1]) for b in range(sequences)])
+            x = x[:, rows]
+        logits = self._head(x)[0]                                                # (kept, vocab)
+        return list(logits.split(keep))
 
     def _qkv(self, block: _Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """Rotated queries and keys, and values, of ``x (batch, n, hidden)``: ``(batch, heads, n, d)``."""

@@ -107,7 +107,8 @@ class HFModel(BaseModel):
         self._fused = FusedLlama.build(module) if prepack else None
         # Many sessions in one forward needs the fused forward's packed variant.
         self.capabilities = Capabilities(sparse_rows=True, session_advance=True, shares_prefix_cache=True,
-                                         batched_extend=self._fused is not None)
+                                         batched_extend=self._fused is not None,
+                                         deferred_prefill=self._fused is not None)
         self.prepacked_layers = prepack_linears(module) if prepack and self._fused is None else 0
         head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
         self.vocab_size = int(getattr(head, "out_features", 0) or self.config.vocab_size)
@@ -212,6 +213,12 @@ class HFModel(BaseModel):
         """A KV-cached session after ``prompt`` (an empty prompt starts from BOS). Exact."""
         return HFSession(self, prompt)
 
+    def start_deferred(self, prompt: Sequence[int]) -> "HFSession":
+        """A session after ``prompt`` whose prompt is fed by its first forward (``Capabilities.deferred_prefill``):
+        ``extend_sessions`` then packs a new generation's prompt into the forward that verifies the others'
+        blocks. Exact: the same rows as :meth:`start`'s session, up to float rounding."""
+        return HFSession(self, prompt, defer=True)
+
     def extend_sessions(self, sessions: Sequence["HFSession"], token_lists: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """``[session.extend(tokens) for ...]`` in one packed forward (``Capabilities.batched_extend``): the
         decoding scheduler verifies the blocks of many generations with it. Without the fused forward,
@@ -222,8 +229,11 @@ class HFModel(BaseModel):
         for session, tokens in zip(sessions, checked):
             self._check_length(len(session.tokens) + len(tokens), name="the session")
         self._into_store(sessions, max(len(s.tokens) + len(t) for s, t in zip(sessions, checked)))
+        # A session with a deferred prompt feeds it first; only the rows of its new tokens are computed.
         with torch.inference_mode():
-            logits = self._fused.forward_packed(checked, [session._cache for session in sessions])
+            logits = self._fused.forward_packed([s.feed(t) for s, t in zip(sessions, checked)],
+                                                [session._cache for session in sessions],
+                                                keep=[len(tokens) for tokens in checked])
         return [session._consumed(tokens, rows) for session, tokens, rows in zip(sessions, checked, logits)]
 
     def _into_store(self, sessions: Sequence["HFSession"], length: int) -> None:

@@ -39,15 +39,20 @@ class HFSession:
     """Incremental decoding over one sequence with a KV cache (exact up to float precision).
 
     ``extend(tokens)`` is one forward over all tokens; ``rollback(n)`` crops the cache. Rows of the last
-    ``extend`` are kept, so ``next_logprobs()`` after a rollback into them costs nothing.
+    ``extend`` are kept, so ``next_logprobs()`` after a rollback into them costs nothing. With
+    ``defer=True`` (``HFModel.start_deferred``) the prompt is fed by the first forward instead of at once.
     """
 
-    def __init__(self, model: HFModel, prompt: Sequence[int]) -> None:
+    def __init__(self, model: HFModel, prompt: Sequence[int], *, defer: bool = False) -> None:
         self.model = model
         self.tokens: list[int] = model._context(prompt, name="prompt")
         self._cache = model._new_cache()
         self._rows = np.zeros((0, model.vocab_size))  # rows[j] follows tokens[: self._rows_start + j + 1]
-        self._rows_start = 0
+        self._rows_start = len(self.tokens)
+        self.unfed = 0                                # the last `unfed` tokens are not in the cache yet
+        if defer:
+            self.unfed = len(self.tokens)
+            return
         with torch.inference_mode():
             # Prefill: logits of the last position only (skips the vocabulary projection elsewhere).
             logits = model._forward(torch.tensor([self.tokens]), self._cache, keep=1)
@@ -75,7 +80,7 @@ class HFSession:
         tokens = check_token_ids(tokens, self.model.vocab_size, name="tokens")
         if not tokens:
             return np.zeros((0, self.model.vocab_size))
-        return self._consume(tokens, keep=0)
+        return self._consume(tokens, keep=len(tokens))
 
     def advance(self, tokens: Sequence[int]) -> np.ndarray:
         """Consume ``tokens`` in one forward; ``(vocab,)`` log-probs after the LAST of them only.
@@ -88,19 +93,25 @@ class HFSession:
             return self.next_logprobs()
         return self._consume(tokens, keep=1)[0]
 
+    def feed(self, tokens: list[int]) -> list[int]:
+        """What a forward extending this session by ``tokens`` reads: the tokens not fed yet, then ``tokens``."""
+        return self.tokens[len(self.tokens) - self.unfed:] + tokens if self.unfed else tokens
+
     def _consumed(self, tokens: list[int], logits: torch.Tensor) -> np.ndarray:
-        """Record a forward of ``tokens`` that returned ``logits (n, vocab)``; its log-prob rows."""
+        """Record a forward of ``feed(tokens)`` that returned ``logits (n, vocab)`` for its last n positions;
+        their log-prob rows."""
         self.tokens.extend(tokens)
+        self.unfed = 0
         self._rows = _logprob_rows(logits)
         self._rows_start = len(self.tokens) - len(self._rows)
         return self._rows
 
     def _consume(self, tokens: list[int], keep: int) -> np.ndarray:
-        """One forward over checked, non-empty ``tokens``; keeps and returns the rows of the last ``keep``
-        positions (0: all of them)."""
+        """One forward over ``feed(tokens)`` (checked, non-empty); keeps and returns the rows of its last
+        ``keep`` positions."""
         self.model._check_length(len(self.tokens) + len(tokens), name="the session")
         with torch.inference_mode():
-            logits = self.model._forward(torch.tensor([tokens]), self._cache, keep=keep)
+            logits = self.model._forward(torch.tensor([self.feed(tokens)]), self._cache, keep=keep)
         return self._consumed(tokens, logits[0])
 
     def adopt_prefix_layers(self, source: "HFSession") -> bool:
@@ -110,6 +121,8 @@ class HFSession:
         (and changes nothing) when the cache layout does not allow it."""
         source_cache = getattr(source, "_cache", None)
         count = int(self.model.config.num_hidden_layers)
+        if getattr(source, "unfed", 0):
+            return False                          # its cache does not hold its prompt yet
         if isinstance(source_cache, SlotCache):
             if source_cache.arena.layers < count or not source.tokens:
                 return False
@@ -124,7 +137,7 @@ class HFSession:
             # Shallow copies: appending or cropping re-binds a copy's tensors and leaves the source's alone.
             cache.layers = [copy.copy(layer) for layer in layers[:count]]
             self._cache = cache
-        self.tokens = list(source.tokens)
+        self.tokens, self.unfed = list(source.tokens), 0
         self._rows = np.zeros((0, self.model.vocab_size))  # no row known: next_logprobs recomputes
         self._rows_start = len(self.tokens)
         return True
@@ -134,7 +147,10 @@ class HFSession:
         if not 0 <= n <= len(self.tokens):
             raise InputError(f"rollback({n}) on a session of length {len(self.tokens)}")
         if n:
-            self._cache.crop(-n)
+            unfed = min(n, self.unfed)            # tokens never fed leave without touching the cache
+            self.unfed -= unfed
+            if n > unfed:
+                self._cache.crop(-(n - unfed))
             del self.tokens[-n:]
 
 

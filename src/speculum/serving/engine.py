@@ -104,7 +104,8 @@ class EngineMetrics:
     draft_accepted: int = 0
     target_forwards: int = 0
     busy_seconds: float = 0.0
-    prefill_seconds: float = 0.0       # prompts' forwards (when a job joins), part of busy_seconds
+    prefill_seconds: float = 0.0       # admitting jobs: their prompts' own forwards, part of busy_seconds
+    #                                    (a prompt packed into a step's forward counts in that step)
 
     @property
     def acceptance_rate(self) -> float:
@@ -242,7 +243,7 @@ class Engine:
         self._lock = threading.Lock()
         self._closed = False
         self._running: dict[int, Job] = {}     # scheduler id -> job (the worker's alone)
-        self._admitting = 0                     # 1 while a job is being prefilled into the scheduler
+        self._admitting = 0                     # 1 while a job is being admitted into the scheduler
         self._worker: threading.Thread | None = None
         if background:
             self._worker = threading.Thread(target=self.run, name="speculum-engine", daemon=True)

@@ -282,7 +282,8 @@ def prometheus_text(engine: Engine) -> str:
         ("target_forwards_total", "counter", "target verification forwards", m.target_forwards),
         ("draft_acceptance_rate", "gauge", "accepted / proposed draft tokens", m.acceptance_rate),
         ("busy_seconds_total", "counter", "seconds the worker spent on prefills and steps", m.busy_seconds),
-        ("prefill_seconds_total", "counter", "seconds spent on prompts' forwards", m.prefill_seconds),
+        ("prefill_seconds_total", "counter", "seconds spent admitting requests (prompts' own forwards)",
+         m.prefill_seconds),
         ("generation_tokens_per_busy_second", "gauge", "tokens per second while generating",
          m.tokens_per_busy_second),
     ]

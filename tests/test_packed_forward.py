@@ -1,9 +1,11 @@
-"""The KV store shared by packed sessions (speculum.models.kv_arena) and the packed forward over it.
+"""Packed forwards of the PyTorch backend: the KV store shared by packed sessions
+(speculum.models.kv_arena) and prompts deferred into the packed forward (``start_deferred``).
 
 Invariants: a slot holds exactly what a DynamicCache fed the same appends and rollbacks holds, whatever the
 other slots do and however often the store grows; sessions verified in one packed forward over the store
 get the rows and states of their own forwards (joins, leaves, ragged blocks, rollbacks); slots come back
-when sessions go, and the store's memory with the last one.
+when sessions go, and the store's memory with the last one; a session whose prompt is deferred gives the
+rows of a prefilled one, alone or packed; a scheduler that packs prompts keeps every greedy output.
 """
 from __future__ import annotations
 
@@ -190,3 +192,88 @@ def test_schedulers_in_two_threads_share_the_store(tiny):
         thread.join()
     assert not errors, errors
     assert got == want
+
+
+# ------------------------------------------------------------------------------------ deferred prompts
+@given(st.integers(1, 8), st.lists(st.tuples(st.sampled_from(["extend", "advance", "next", "rollback"]),
+                                            st.integers(0, 4)), min_size=1, max_size=6), st.integers(0, 2**31))
+@settings(max_examples=40, deadline=None)
+def test_a_deferred_prompt_gives_the_rows_of_a_prefilled_one(tiny, prompt_length, operations, seed):
+    """Whatever comes first (an extend, an advance, next_logprobs, a rollback into the unfed prompt), a
+    session started with start_deferred answers as a prefilled session does."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(3, tiny.vocab_size, size=prompt_length).tolist()
+    deferred, prefilled = tiny.start_deferred(prompt), tiny.start(prompt)
+    assert deferred.unfed == prompt_length and deferred.tokens == prompt
+    for kind, n in operations:
+        tokens = rng.integers(3, tiny.vocab_size, size=n).tolist()
+        if kind == "extend":
+            want, got = prefilled.extend(tokens), deferred.extend(tokens)
+        elif kind == "advance":
+            want, got = prefilled.advance(tokens), deferred.advance(tokens)
+        elif kind == "next" and prefilled.tokens:
+            want, got = prefilled.next_logprobs(), deferred.next_logprobs()
+        else:
+            back = min(n, len(prefilled.tokens) - 1)
+            prefilled.rollback(back), deferred.rollback(back)
+            want = got = np.zeros(0)
+        assert got.shape == want.shape and (got.size == 0 or np.abs(got - want).max() < 1e-4)
+        assert deferred.tokens == prefilled.tokens
+    assert np.abs(deferred.extend([3]) - prefilled.extend([3])).max() < 1e-4 and deferred.unfed == 0
+
+
+@pytest.mark.parametrize("budget", [None, 0])
+def test_deferred_prompts_ride_in_the_packed_forward(tiny, monkeypatch, budget):
+    """New sessions with deferred prompts packed with running ones (on the store, and beyond its budget):
+    each gets only its block's rows, equal to a prefilled session's extend."""
+    if budget is not None:
+        monkeypatch.setattr(hf_module, "ARENA_BUDGET_BYTES", budget)
+    prompts, blocks = [[3, 4, 5, 6, 7], [8], [9, 10, 11]], [[12, 13], [14], [15, 16, 17]]
+    running = tiny.start([18, 19])
+    packed = [tiny.start_deferred(p) for p in prompts] + [running]
+    solo = [tiny.start(p) for p in prompts] + [tiny.start([18, 19])]
+    got = tiny.extend_sessions(packed, blocks + [[20]])
+    for session, other, block, rows in zip(solo, packed, blocks + [[20]], got):
+        want = session.extend(block)
+        assert rows.shape == want.shape and np.abs(rows - want).max() < 1e-4
+        assert other.unfed == 0 and other.tokens == session.tokens
+
+
+def test_scheduler_packs_new_prompts_and_keeps_greedy_outputs(tiny):
+    """Generations joining between steps (plain, prompt lookup, a layer draft that reads the target's
+    cache and so is prefilled at once): each greedy output equals its solo run; steps that fed a prompt
+    are not taken as measures of verification cost."""
+    from speculum.decoding.batch import Scheduler
+    from speculum.models import PromptLookup
+
+    draft = truncated_draft(tiny, 1)
+    requests = [([3, 4, 5, 3, 4], dict(draft=PromptLookup(), gamma=3)), ([6, 7], {}),
+                ([8, 9, 10, 11], dict(draft=draft, gamma=2)), ([12, 13, 12, 13, 12], dict(draft=PromptLookup()))]
+    scheduler = Scheduler(tiny)
+    assert scheduler.defer_prefill
+    observed: list[int] = []
+    real_observe = scheduler.packed_cost.observe
+    scheduler.packed_cost.observe = lambda tokens, seconds: observed.append(tokens) or real_observe(tokens, seconds)
+    out: dict[int, list[int]] = {}
+    order: list[int] = []
+    timed_steps = 0
+
+    def step() -> None:
+        nonlocal timed_steps
+        decoders = list(scheduler._decoders.values())
+        if sum(1 for d in decoders if d.pending) > 1 and not any(d.prefilling for d in decoders):
+            timed_steps += 1
+        for ident, chunk in scheduler.step():
+            out.setdefault(ident, []).extend(chunk.tokens)
+
+    for prompt, arguments in requests:           # one joins before each of the first steps
+        request = scheduler.add(prompt, max_new_tokens=15, temperature=0, eos_token_id=None, **arguments)
+        order.append(request)
+        assert scheduler._decoders[request].prefilling == (arguments.get("draft") is not draft)
+        step()
+    while scheduler.active:
+        step()
+    for request, (prompt, arguments) in zip(order, requests):
+        assert out[request] == speculum.generate(tiny, prompt, max_new_tokens=15, temperature=0,
+                                                 eos_token_id=None).tokens
+    assert 0 < len(observed) == timed_steps      # the cost model learnt from the steps without a prompt only
