@@ -55,11 +55,11 @@ PROMPTS = [
 ]
 
 
-def run_levels(target, draft_spec: str, args: argparse.Namespace, expected: list[str],
-               prefill: list[float]) -> list[dict]:
-    """Every concurrency level against `speculum serve`'s app with ``draft_spec``: the engine on this (the
+def run_levels(target, draft, args: argparse.Namespace, expected: list[str], prefill: list[float],
+               levels: list[int]) -> list[dict]:
+    """The concurrency ``levels`` against `speculum serve`'s app with ``draft``: the engine on this (the
     main) thread, HTTP on another, as the command runs them; the clients drive from a third."""
-    engine = Engine(target, draft=make_draft(draft_spec, target), gamma="auto", eos_token_id=None,
+    engine = Engine(target, draft=draft, gamma="auto", eos_token_id=None,
                     max_batch=max(args.concurrency), max_waiting=1024, batch_invariant=args.batch_invariant,
                     background=False)
     app = create_app(engine, "smollm2-135m", encode_text=lambda text: target.encode(text, chat=True))
@@ -76,7 +76,7 @@ def run_levels(target, draft_spec: str, args: argparse.Namespace, expected: list
             url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
             load(url, 1, 1, 4, expected=[""] * len(PROMPTS))            # warm-up
             results.extend(load(url, c, max(args.requests, c), args.max_tokens, expected, engine=engine,
-                                prefill=prefill) for c in args.concurrency)
+                                prefill=prefill) for c in levels)
         finally:
             server.should_exit = True
 
@@ -84,7 +84,7 @@ def run_levels(target, draft_spec: str, args: argparse.Namespace, expected: list
     driver.start()
     serve_on_this_thread(server, engine)
     driver.join()
-    if len(results) != len(args.concurrency):
+    if len(results) != len(levels):
         raise RuntimeError("the load did not finish (see the error above)")
     return results
 
@@ -183,8 +183,13 @@ def main() -> None:
     report = {"cpu": cpu_name(), "max_tokens": args.max_tokens, "batch_invariant": args.batch_invariant,
               "prefill_seconds_per_prompt": prefill, "runs": {}}
     drafts = ["none"] + [d for d in args.drafts if d != "none"]
-    for draft in drafts:
-        report["runs"][draft] = run_levels(target, draft, args, expected, prefill)
+    built = {draft: make_draft(draft, target) for draft in drafts}
+    report["runs"] = {draft: [] for draft in drafts}
+    # Level by level, every draft in turn: the runs a ratio compares are a minute apart at most, so the
+    # drift of a shared machine moves both.
+    for level in args.concurrency:
+        for draft in drafts:
+            report["runs"][draft].extend(run_levels(target, built[draft], args, expected, prefill, [level]))
     if args.peer:
         from speculum.models.default import embedded_gguf_path
 
