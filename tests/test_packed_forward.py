@@ -277,3 +277,19 @@ def test_scheduler_packs_new_prompts_and_keeps_greedy_outputs(tiny):
         assert out[request] == speculum.generate(tiny, prompt, max_new_tokens=15, temperature=0,
                                                  eos_token_id=None).tokens
     assert 0 < len(observed) == timed_steps      # the cost model learnt from the steps without a prompt only
+
+
+def test_a_cancelled_generation_gives_its_slot_back(tiny):
+    """A generation cancelled mid-run (a client gone) frees its slot at once; the last one frees the store."""
+    from speculum.decoding.batch import Scheduler
+
+    scheduler = Scheduler(tiny)
+    requests = [scheduler.add(p, max_new_tokens=30, temperature=0, eos_token_id=None) for p in ([3, 4], [5, 6, 7], [8, 9])]
+    for _ in range(3):
+        scheduler.step()
+    arena = tiny._arena
+    assert arena is not None and arena.in_use == 3
+    scheduler.cancel(requests[1])
+    assert arena.in_use == 2
+    scheduler.close()
+    assert arena.in_use == 0 and arena.keys == []
