@@ -8,8 +8,10 @@
 2. The scheduler generating 16 requests (8 at a time, 48 greedy tokens each, grounded prompts), with new
    prompts fed inside the packed step (`start_deferred`) or by forwards of their own, the requests
    arriving one per step or all at once; plain decoding and prompt lookup. Alternating rounds, medians.
+3. A ~1,300-token prompt joining 7 running generations: the longest wait between two of their tokens,
+   with the prompt fed whole or at most 512 / 256 prompt tokens per step (chunked prefill).
 
-    .venv/bin/python benchmarks/packed_step.py                 # ~4 min on 2 cores
+    .venv/bin/python benchmarks/packed_step.py                 # ~5 min on 2 cores
     .venv/bin/python benchmarks/packed_step.py --rounds 5 --json
 """
 from __future__ import annotations
@@ -81,6 +83,27 @@ def scheduler_tokens_per_second(target, prompts: list[list[int]], *, defer: bool
     return tokens / (time.perf_counter() - started)
 
 
+def longest_wait(target, prompts: list[list[int]], long_prompt: list[int], prompt_tokens_per_step: int) -> float:
+    """Seven generations running when a long prompt joins: the longest wait (seconds) between two tokens
+    of a running generation, while the prompt is fed."""
+    scheduler = Scheduler(target, prompt_tokens_per_step=prompt_tokens_per_step)
+    running = {scheduler.add(prompts[i % len(prompts)], max_new_tokens=40, temperature=0, eos_token_id=None)
+               for i in range(7)}
+    for _ in range(3):
+        scheduler.step()
+    joined = scheduler.add(long_prompt, max_new_tokens=4, temperature=0, eos_token_id=None)
+    last = time.perf_counter()
+    longest, started = 0.0, False
+    while not started:                       # until the long prompt is in (its first tokens come out)
+        results = scheduler.step()
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+        started = any(request == joined and chunk.tokens for request, chunk in results)
+        assert all(chunk.tokens for request, chunk in results if request in running)
+    scheduler.close()
+    return longest
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -107,6 +130,12 @@ def main() -> None:
             report["scheduler"].append({"draft": "lookup" if lookup else "none", "staggered": staggered,
                                         "prompt_alone": statistics.median(runs[False]),
                                         "prompt_in_step": statistics.median(runs[True])})
+    long_prompt = target.encode("Summarise the following text.\n\n" + "\n\n".join([PASSAGE] * 8), chat=True)
+    report["long_prompt_tokens"] = len(long_prompt)
+    report["longest_wait_s"] = {}
+    for name, budget in (("whole", 10**9), ("512 per step", 512), ("256 per step", 256)):
+        report["longest_wait_s"][name] = statistics.median(longest_wait(target, prompts, long_prompt, budget)
+                                                           for _ in range(args.rounds))
     if args.json:
         print(json.dumps(report))
         return
@@ -120,6 +149,10 @@ def main() -> None:
         arrivals = "one per step" if row["staggered"] else "all at once"
         print(f"{row['draft']:>6}, arrivals {arrivals:>12} | {row['prompt_alone']:>6.1f} | {row['prompt_in_step']:>6.1f} | "
               f"{row['prompt_in_step'] / row['prompt_alone']:.2f}x")
+    print(f"a {report['long_prompt_tokens']}-token prompt joins 7 running generations: longest wait between two of "
+          "their tokens while it is fed")
+    for name, seconds in report["longest_wait_s"].items():
+        print(f"{name:>14} | {seconds:.2f} s")
 
 
 if __name__ == "__main__":

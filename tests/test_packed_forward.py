@@ -26,6 +26,7 @@ from speculum.models import hf as hf_module  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.kv_arena import KVArena, SlotCache  # noqa: E402
 from speculum.models.twins import truncated_draft  # noqa: E402
+from speculum.validation import InputError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -195,12 +196,12 @@ def test_schedulers_in_two_threads_share_the_store(tiny):
 
 
 # ------------------------------------------------------------------------------------ deferred prompts
-@given(st.integers(1, 8), st.lists(st.tuples(st.sampled_from(["extend", "advance", "next", "rollback"]),
+@given(st.integers(1, 8), st.lists(st.tuples(st.sampled_from(["extend", "advance", "next", "rollback", "part"]),
                                             st.integers(0, 4)), min_size=1, max_size=6), st.integers(0, 2**31))
 @settings(max_examples=40, deadline=None)
 def test_a_deferred_prompt_gives_the_rows_of_a_prefilled_one(tiny, prompt_length, operations, seed):
-    """Whatever comes first (an extend, an advance, next_logprobs, a rollback into the unfed prompt), a
-    session started with start_deferred answers as a prefilled session does."""
+    """Whatever comes first (an extend, an advance, next_logprobs, a rollback into the unfed prompt, a
+    part of the prompt fed alone), a session started with start_deferred answers as a prefilled one."""
     rng = np.random.default_rng(seed)
     prompt = rng.integers(3, tiny.vocab_size, size=prompt_length).tolist()
     deferred, prefilled = tiny.start_deferred(prompt), tiny.start(prompt)
@@ -213,6 +214,10 @@ def test_a_deferred_prompt_gives_the_rows_of_a_prefilled_one(tiny, prompt_length
             want, got = prefilled.advance(tokens), deferred.advance(tokens)
         elif kind == "next" and prefilled.tokens:
             want, got = prefilled.next_logprobs(), deferred.next_logprobs()
+        elif kind == "part":
+            unfed = deferred.unfed
+            want, got = np.zeros((0, tiny.vocab_size)), deferred.feed_prompt(n)
+            assert deferred.unfed == max(0, unfed - n)
         else:
             back = min(n, len(prefilled.tokens) - 1)
             prefilled.rollback(back), deferred.rollback(back)
@@ -293,3 +298,55 @@ def test_a_cancelled_generation_gives_its_slot_back(tiny):
     assert arena.in_use == 2
     scheduler.close()
     assert arena.in_use == 0 and arena.keys == []
+
+
+def test_a_long_prompt_is_fed_in_parts_across_packed_forwards(tiny):
+    """prompt_limits feed part of a deferred prompt (no rows) beside other sessions' blocks; the session
+    then answers as a prefilled one. Bad limits are refused."""
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11]
+    long, running = tiny.start_deferred(prompt), tiny.start([12, 13])
+    solo_long, solo_running = tiny.start(prompt), tiny.start([12, 13])
+    for limit, block in ((4, [14]), (3, [15])):
+        got = tiny.extend_sessions([long, running], [[], block], [limit, None])
+        assert got[0].shape == (0, tiny.vocab_size) and np.abs(got[1] - solo_running.extend(block)).max() < 1e-4
+    assert long.unfed == 2 and long.tokens == prompt
+    rows = tiny.extend_sessions([long, running], [[16], [17]], [5, None])   # the rest fits: fed with the block
+    assert long.unfed == 0 and np.abs(rows[0] - solo_long.extend([16])).max() < 1e-4
+    with pytest.raises(InputError, match="prompt_limits"):
+        tiny.extend_sessions([running], [[1]], [0])
+    with pytest.raises(InputError, match="part of its deferred prompt"):
+        tiny.extend_sessions([tiny.start_deferred(prompt), running], [[1], [2]], [2, None])
+
+
+def test_scheduler_feeds_long_prompts_in_parts_and_running_generations_never_wait(tiny):
+    """With 4 prompt tokens per step, prompts of 9-14 tokens join two running generations: those emit at
+    every step, the new ones start once their prompt is in, and every greedy output is its solo one."""
+    from speculum.decoding.batch import Scheduler
+
+    scheduler = Scheduler(tiny, prompt_tokens_per_step=4)
+    running = {scheduler.add(p, max_new_tokens=24, temperature=0, eos_token_id=None): p for p in ([3, 4], [5])}
+    out: dict[int, list[int]] = {request: [] for request in running}
+    for request, chunk in scheduler.step():
+        out[request].extend(chunk.tokens)
+    long_prompts = [[6 + i % 15 for i in range(9)], [7 + i % 13 for i in range(14)]]
+    joined = {scheduler.add(p, max_new_tokens=6, temperature=0, eos_token_id=None): p for p in long_prompts}
+    out.update({request: [] for request in joined})
+    first_emission: dict[int, int] = {}
+    for step in range(1, 7):
+        emitted = {request: chunk.tokens for request, chunk in scheduler.step()}
+        assert all(emitted.get(request) for request in running)        # never stalled by the prompts
+        for request, tokens in emitted.items():
+            out[request].extend(tokens)
+            if request in joined and tokens:
+                first_emission.setdefault(request, step)
+    # Deferred prompts of 8 and 13 tokens (each one's last is fed with its first block), 4 per step, oldest
+    # first: the first in steps 1-2 (emitting at 2), the second in steps 3-6.
+    assert sorted(first_emission.values()) == [2, 6]
+    while scheduler.active:
+        for request, chunk in scheduler.step():
+            out[request].extend(chunk.tokens)
+    for request, prompt in {**running, **joined}.items():
+        assert out[request] == speculum.generate(tiny, prompt, max_new_tokens=len(out[request]), temperature=0,
+                                                 eos_token_id=None).tokens
+    with pytest.raises(ValueError, match="prompt_tokens_per_step"):
+        Scheduler(tiny, prompt_tokens_per_step=0)

@@ -292,6 +292,8 @@ def test_serve_cli_checks_flags_before_loading(capsys):
     assert main(["serve", "--port", "70000"]) == 2
     assert "--port" in capsys.readouterr().err
     assert main(["serve", "--draft", "no-such-draft"]) == 2
+    assert main(["serve", "--prompt-tokens-per-step", "0"]) == 2
+    assert "--prompt-tokens-per-step" in capsys.readouterr().err
 
 
 @pytest.mark.slow

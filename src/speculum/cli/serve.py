@@ -45,6 +45,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="verify each request in its own forward: greedy output identical to the request "
                              "alone, whatever else runs (slower under load)")
+    parser.add_argument("--prompt-tokens-per-step", type=int, default=512, metavar="N",
+                        help="prompt tokens fed per step at most, with the running requests' blocks; a longer "
+                             "prompt is fed over several steps, so the others keep streaming (default: 512)")
     parser.add_argument("--max-waiting", type=int, default=64, metavar="N",
                         help="requests that may wait while --max-batch run; more get HTTP 429 (default: 64)")
     parser.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
@@ -58,6 +61,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise CLIError(f"--port must be in 0..65535, got {args.port}")
     check_at_least(args.max_batch, 1, "--max-batch")
     check_at_least(args.max_waiting, 0, "--max-waiting")
+    check_at_least(args.prompt_tokens_per_step, 1, "--prompt-tokens-per-step")
     check_at_least(args.default_max_tokens, 1, "--default-max-tokens")
 
 
@@ -74,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     draft = make_draft(args.draft, target)
     # The engine runs on this thread, which loaded the model (see Engine's `background`); HTTP on another.
     engine = Engine(target, draft=draft, gamma=args.gamma, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                    batch_invariant=args.batch_invariant, background=False)
+                    batch_invariant=args.batch_invariant, prompt_tokens_per_step=args.prompt_tokens_per_step,
+                    background=False)
     name = args.served_model_name or args.target
     encode_chat = chat_encoder(target)
     app = create_app(engine, name, encode_text=lambda text: target.encode(text, chat=False),

@@ -28,6 +28,7 @@ import time
 from typing import Any, Sequence
 
 from ..models.base import capabilities_of
+from ..validation import check_int
 from .events import Chunk, DecodingStats
 from .plan import MODEL_EOS, Plan, plan_generation
 from .speculative import _Decoder
@@ -88,7 +89,8 @@ class Scheduler:
     (greedy tokens, seeded samples).
     """
 
-    def __init__(self, target: Any, *, batch_invariant: bool = False) -> None:
+    def __init__(self, target: Any, *, batch_invariant: bool = False, prompt_tokens_per_step: int = 512) -> None:
+        check_int(prompt_tokens_per_step, "prompt_tokens_per_step", minimum=1)
         self.target = target
         self._decoders: dict[int, _Decoder] = {}
         self._finished_at_start: dict[int, str] = {}   # id -> stop reason: nothing to generate
@@ -99,6 +101,10 @@ class Scheduler:
         # (continuous batching with the prefill in the decode step): the others' blocks are verified
         # in the time of the prompt's forward, where a separate prefill would stall them.
         self.defer_prefill = self.batched and declared.deferred_prefill
+        # At most this many prompt tokens per packed forward (oldest prompts first; a longer prompt is fed
+        # in parts over several steps), so a long prompt joining delays the running generations' next
+        # tokens by one bounded step, not by its whole prefill (chunked prefill).
+        self.prompt_tokens_per_step = prompt_tokens_per_step
         # How many generations may run together (a target whose sessions share one state: one at a time).
         self.capacity: int | None = None if declared.independent_sessions else 1
         self.packed_cost = PackedCost()
@@ -150,13 +156,15 @@ class Scheduler:
             return out
         requests = list(self._decoders)
         decoders = [self._decoders[r] for r in requests]
-        proposals = [decoder.propose() for decoder in decoders]
-        prefilling = any(decoder.prefilling for decoder in decoders)
-        rows, seconds = self._target_rows(decoders, proposals, timed=not prefilling)
-        for request, decoder, proposal, block_rows, block_seconds in zip(requests, decoders, proposals, rows, seconds):
+        limits = self._prompt_limits(decoders)
+        proposals = {i: decoder.propose() for i, decoder in enumerate(decoders) if limits[i] is None}
+        # A step that also fed a prompt says nothing about what verifying a block costs.
+        timed = not any(limit or (limit is None and decoder.prefilling) for limit, decoder in zip(limits, decoders))
+        rows, seconds = self._target_rows(decoders, proposals, limits, timed)
+        for i, proposal in proposals.items():
+            request, decoder = requests[i], decoders[i]
             try:
-                # A step that also fed a prompt says nothing about what verifying a block costs.
-                chunk = decoder.verify(proposal, block_rows, block_seconds, timed=not prefilling)
+                chunk = decoder.verify(proposal, rows[i], seconds[i], timed=timed)
             except Exception:
                 self.cancel(request)
                 raise
@@ -165,27 +173,54 @@ class Scheduler:
                 self.cancel(request)
         return out
 
-    def _target_rows(self, decoders: list[_Decoder], proposals: list[Any], timed: bool = True
-                     ) -> tuple[list[Any], list[float]]:
-        """Every block's target rows, and the seconds each block is charged: a batched call is split by
-        :class:`PackedCost`, so ``gamma="auto"`` sees what its block adds to the shared forward (which
-        learns only from ``timed`` calls)."""
-        batchable = [i for i, decoder in enumerate(decoders) if decoder.pending]
+    def _prompt_limits(self, decoders: list[_Decoder]) -> list[int | None]:
+        """Per generation: None when it runs a block this step (its prompt, if any is left, fed whole with
+        it), else how many of its deferred prompt tokens to feed without a block (0: it waits)."""
+        limits: list[int | None] = []
+        budget = self.prompt_tokens_per_step
+        for decoder in decoders:
+            unfed = decoder.target.unfed if self.defer_prefill and decoder.prefilling else 0
+            if unfed <= budget:
+                budget -= unfed
+                limits.append(None)
+            else:
+                limits.append(budget)
+                budget = 0
+        return limits
+
+    def _target_rows(self, decoders: list[_Decoder], proposals: dict[int, Any], limits: list[int | None],
+                     timed: bool) -> tuple[list[Any], list[float]]:
+        """The target rows of every block (``proposals[i]``: generation i runs a block), and the seconds
+        each block is charged; a generation with a prompt limit only feeds that part of its prompt. A
+        batched call is split by :class:`PackedCost`, so ``gamma="auto"`` sees what its block adds to the
+        shared forward (the cost model learns only from ``timed`` calls)."""
+        feeding = [i for i, limit in enumerate(limits) if limit]
+        batchable = sorted([i for i in proposals if decoders[i].pending] + feeding)
         rows: list[Any] = [None] * len(decoders)
         seconds = [0.0] * len(decoders)
+        done: set[int] = set()
         if self.batched and len(batchable) > 1:
-            inputs = [decoders[i].target_input(proposals[i]) for i in batchable]
+            inputs = [decoders[i].target_input(proposals[i]) if i in proposals else [] for i in batchable]
+            sessions = [decoders[i].target for i in batchable]
             started = time.perf_counter()
-            batch = self.target.extend_sessions([decoders[i].target for i in batchable], inputs)
+            if feeding:
+                batch = self.target.extend_sessions(sessions, inputs, [limits[i] for i in batchable])
+            else:
+                batch = self.target.extend_sessions(sessions, inputs)
             elapsed = time.perf_counter() - started
-            fed = [len(tokens) for tokens in inputs]
+            blocks = [j for j, i in enumerate(batchable) if i in proposals]
+            fed = [len(inputs[j]) for j in blocks]
             if timed:
                 self.packed_cost.observe(sum(fed), elapsed)
-            for i, block_rows, charge in zip(batchable, batch, self.packed_cost.split(fed, elapsed)):
-                rows[i], seconds[i] = block_rows, charge
-        for i, (decoder, proposal) in enumerate(zip(decoders, proposals)):
-            if rows[i] is None:
+            for j, charge in zip(blocks, self.packed_cost.split(fed, elapsed) if blocks else []):
+                rows[batchable[j]], seconds[batchable[j]] = batch[j], charge
+            done.update(batchable)
+        for i in feeding:
+            if i not in done:
+                decoders[i].target.feed_prompt(limits[i])
+        for i, proposal in proposals.items():
+            if i not in done:
                 started = time.perf_counter()
-                rows[i] = decoder.target_rows(proposal)
+                rows[i] = decoders[i].target_rows(proposal)
                 seconds[i] = time.perf_counter() - started
         return rows, seconds

@@ -273,7 +273,9 @@ class Capabilities:
     ``deferred_prefill``: ``start_deferred(prompt)`` returns a session after ``prompt`` whose prompt is
     consumed by its first forward (``extend``, ``advance``, ``next_logprobs`` or a packed
     ``extend_sessions``) rather than at once, with the same rows; a scheduler packs a new generation's
-    prompt into the forward that verifies the others' blocks.
+    prompt into the forward that verifies the others' blocks. Such a session says how many prompt tokens
+    it has not fed (``unfed``), and ``extend_sessions(..., prompt_limits)`` can feed a part of them (a long
+    prompt over several forwards).
     ``independent_sessions`` (default True): each session keeps its own state, so several can advance in
     turn. False (llama.cpp's single resident KV cache: switching sessions re-evaluates the context): the
     serving engine and ``generate_batch`` run one generation at a time.

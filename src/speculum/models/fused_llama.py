@@ -336,6 +336,8 @@ class FusedLlama:
         sequences = len(bounds) - 1
         if keep is None:
             keep = [bounds[b + 1] - bounds[b] for b in range(sequences)]
+        elif not sum(keep):
+            return [x.new_zeros(0, 0) for _ in keep]
         else:
             rows = torch.cat([torch.arange(bounds[b + 1] - keep[b], bounds[b + 1]) for b in range(sequences)])
             x = x[:, rows]

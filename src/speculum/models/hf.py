@@ -219,22 +219,36 @@ class HFModel(BaseModel):
         blocks. Exact: the same rows as :meth:`start`'s session, up to float rounding."""
         return HFSession(self, prompt, defer=True)
 
-    def extend_sessions(self, sessions: Sequence["HFSession"], token_lists: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    def extend_sessions(self, sessions: Sequence["HFSession"], token_lists: Sequence[Sequence[int]],
+                        prompt_limits: Sequence[int | None] | None = None) -> list[np.ndarray]:
         """``[session.extend(tokens) for ...]`` in one packed forward (``Capabilities.batched_extend``): the
         decoding scheduler verifies the blocks of many generations with it. Without the fused forward,
-        one forward per session."""
+        one forward per session.
+
+        A session with a deferred prompt (:meth:`start_deferred`) feeds it first. ``prompt_limits[b]``
+        (``Capabilities.deferred_prefill``): feed at most that many of session b's deferred prompt tokens;
+        a session fed only part of its prompt must have no tokens of its own and gets no rows (a long
+        prompt is fed over several packed forwards, so the running generations keep advancing)."""
         checked = check_session_blocks(self, sessions, token_lists, HFSession)
-        if self._fused is None or any(not tokens for tokens in checked):
-            return [session.extend(tokens) for session, tokens in zip(sessions, checked)]
+        limits = [None] * len(sessions) if prompt_limits is None else list(prompt_limits)
+        if len(limits) != len(sessions) or any(limit is not None and (not isinstance(limit, int) or limit < 1)
+                                                for limit in limits):
+            raise InputError(f"prompt_limits must hold one positive int or None per session, got {prompt_limits!r}")
+        part = [limit is not None and limit < session.unfed for session, limit in zip(sessions, limits)]
+        if any(p and tokens for p, tokens in zip(part, checked)):
+            raise InputError("a session fed only part of its deferred prompt cannot take tokens of its own")
+        if self._fused is None or any(not tokens and not p for tokens, p in zip(checked, part)):
+            return [session.feed_prompt(limit) if p else session.extend(tokens)
+                    for session, tokens, limit, p in zip(sessions, checked, limits, part)]
         for session, tokens in zip(sessions, checked):
             self._check_length(len(session.tokens) + len(tokens), name="the session")
         self._into_store(sessions, max(len(s.tokens) + len(t) for s, t in zip(sessions, checked)))
-        # A session with a deferred prompt feeds it first; only the rows of its new tokens are computed.
-        with torch.inference_mode():
-            logits = self._fused.forward_packed([s.feed(t) for s, t in zip(sessions, checked)],
-                                                [session._cache for session in sessions],
+        feeds = [s.unfed_tokens()[:limit] if p else s.feed(t) for s, t, limit, p in zip(sessions, checked, limits, part)]
+        with torch.inference_mode():        # the head runs on the rows of the sessions' own tokens only
+            logits = self._fused.forward_packed(feeds, [session._cache for session in sessions],
                                                 keep=[len(tokens) for tokens in checked])
-        return [session._consumed(tokens, rows) for session, tokens, rows in zip(sessions, checked, logits)]
+        return [session._fed_prompt(len(feed)) if p else session._consumed(tokens, rows)
+                for session, tokens, feed, rows, p in zip(sessions, checked, feeds, logits, part)]
 
     def _into_store(self, sessions: Sequence["HFSession"], length: int) -> None:
         """Move the sessions' caches into the model's KV store (:mod:`~speculum.models.kv_arena`), where the

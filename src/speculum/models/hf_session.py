@@ -93,9 +93,27 @@ class HFSession:
             return self.next_logprobs()
         return self._consume(tokens, keep=1)[0]
 
+    def unfed_tokens(self) -> list[int]:
+        """The tokens of the deferred prompt not fed to the model yet."""
+        return self.tokens[len(self.tokens) - self.unfed:] if self.unfed else []
+
     def feed(self, tokens: list[int]) -> list[int]:
         """What a forward extending this session by ``tokens`` reads: the tokens not fed yet, then ``tokens``."""
-        return self.tokens[len(self.tokens) - self.unfed:] + tokens if self.unfed else tokens
+        return self.unfed_tokens() + tokens if self.unfed else tokens
+
+    def feed_prompt(self, n: int) -> np.ndarray:
+        """Feed the next ``n`` (at most) tokens of a deferred prompt in one forward; no rows (an empty
+        ``(0, vocab)`` array). The rest of the prompt is fed by later forwards."""
+        part = self.unfed_tokens()[:n]
+        if part:
+            with torch.inference_mode():
+                self.model._forward(torch.tensor([part]), self._cache, keep=1)
+        return self._fed_prompt(len(part))
+
+    def _fed_prompt(self, n: int) -> np.ndarray:
+        """Record that a forward fed the next ``n`` deferred prompt tokens (and computed no rows)."""
+        self.unfed -= n
+        return np.zeros((0, self.model.vocab_size))
 
     def _consumed(self, tokens: list[int], logits: torch.Tensor) -> np.ndarray:
         """Record a forward of ``feed(tokens)`` that returned ``logits (n, vocab)`` for its last n positions;

@@ -213,6 +213,9 @@ class Engine:
         batch_invariant: verify each job in its own target call (no batched forward), so that its output is
             identical to its solo run; otherwise a target with ``batched_extend`` verifies a step's blocks
             in one forward (faster; rows equal up to float rounding).
+        prompt_tokens_per_step: prompt tokens the worker feeds per step at most, inside the packed forward
+            of the running jobs' blocks (a target with ``deferred_prefill``): a longer prompt is fed over
+            several steps, so a long prompt joining delays the others' next tokens by one bounded step.
         background: run the jobs on a thread of the engine's own; False: the caller runs them by calling
             :meth:`run` (blocking until :meth:`close`). On CPU, PyTorch's OpenMP runtime throttles its
             spin-waiting as soon as a second thread runs parallel work, which makes every small operation
@@ -226,7 +229,7 @@ class Engine:
     def __init__(self, target: Any, *, draft: Any = None, gamma: int | str = "auto",
                  decode: Callable[[Sequence[int]], str] | None = None, eos_token_id: Any = ...,
                  max_batch: int = 8, max_waiting: int = 64, batch_invariant: bool = False,
-                 background: bool = True) -> None:
+                 prompt_tokens_per_step: int = 512, background: bool = True) -> None:
         self.target = target
         self.draft = draft
         self.gamma = gamma
@@ -236,7 +239,8 @@ class Engine:
         # Hugging Face's fast tokenizers refuse concurrent use from several threads ("Already borrowed"):
         # the HTTP handlers encode and the worker decodes under this one lock.
         self.tokenizer_lock = threading.Lock()
-        self._scheduler = Scheduler(target, batch_invariant=batch_invariant)
+        self._scheduler = Scheduler(target, batch_invariant=batch_invariant,
+                                    prompt_tokens_per_step=prompt_tokens_per_step)
         self.max_batch = min(check_int(max_batch, "max_batch", minimum=1), self._scheduler.capacity or max_batch)
         self.max_waiting = check_int(max_waiting, "max_waiting", minimum=0)
         self._waiting: queue.Queue = queue.Queue()
