@@ -148,7 +148,9 @@ class Scheduler:
             self.cancel(request)
 
     def step(self) -> list[tuple[int, Chunk]]:
-        """One block of every active generation: ``(id, chunk)`` pairs; a finished generation leaves."""
+        """One block of every active generation: ``(id, chunk)`` pairs; a finished generation leaves. A
+        generation whose prompt does not fit this step's prompt budget gets no chunk (its prompt is fed
+        in part, or waits)."""
         out = [(request, Chunk([], 0, 0, None, None, True, reason, DecodingStats()))
                for request, reason in self._finished_at_start.items()]
         self._finished_at_start.clear()
