@@ -110,7 +110,7 @@ def test_packed_sessions_on_the_store_equal_their_own_forwards(tiny, requests, s
     of r) and leave after their last round, on a store that grows from one 2-token slot: every row of
     every packed call equals the session's own extend to float32 rounding, and states stay equal."""
     rng = np.random.default_rng(seed)
-    tiny._arena = small_store(tiny)
+    own_store, tiny._arena = tiny._arena, small_store(tiny)
     try:
         live: dict[int, tuple] = {}
         for round_ in range(6):
@@ -143,7 +143,7 @@ def test_packed_sessions_on_the_store_equal_their_own_forwards(tiny, requests, s
         gc.collect()
         assert tiny._arena.in_use == 0 and tiny._arena.keys == []
     finally:
-        tiny._arena = None
+        tiny._arena = own_store
 
 
 def test_sessions_keep_their_own_caches_beyond_the_store_budget(tiny, monkeypatch):
@@ -293,7 +293,7 @@ def test_a_cancelled_generation_gives_its_slot_back(tiny):
     for _ in range(3):
         scheduler.step()
     arena = tiny._arena
-    assert arena is not None and arena.in_use == 3
+    assert arena.in_use == 3
     scheduler.cancel(requests[1])
     assert arena.in_use == 2
     scheduler.close()

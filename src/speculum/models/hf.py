@@ -122,9 +122,10 @@ class HFModel(BaseModel):
         self.bos_token_id = _first_id(getattr(tokenizer, "bos_token_id", None), self.config.bos_token_id)
         # Prefix caches shared by the rows of a batched call (the prompt, a common first token), by tokens.
         self._shared_caches: dict[tuple[int, ...], Any] = {}
-        self._arena: KVArena | None = None       # the sessions' KV store for packed forwards, made on first use
         layers, kv_heads, head_dim = _kv_geometry(self.config)
-        self._kv_bytes_per_token = 2 * layers * kv_heads * head_dim * torch.finfo(self.dtype).bits // 8
+        # The sessions' KV store for packed forwards (it holds no memory until a session moves in).
+        self._arena = KVArena(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=self.dtype)
+        self._kv_bytes_per_token = self._arena.bytes_for(1, 1)
 
     @property
     def fused_forward(self) -> bool:
@@ -255,9 +256,6 @@ class HFModel(BaseModel):
         packed forward attends once per layer for all of them, while the store stays within
         ``ARENA_BUDGET_BYTES`` with every slot ``length`` tokens long; beyond it they keep caches of their own
         (the packed forward then attends per session)."""
-        if self._arena is None:
-            layers, kv_heads, head_dim = _kv_geometry(self.config)
-            self._arena = KVArena(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=self.dtype)
         arena = self._arena
         with arena.lock:
             joining = sum(not isinstance(session._cache, SlotCache) for session in sessions)
@@ -469,7 +467,8 @@ def _first_id(*candidates: Any) -> int | None:
 
 
 def _kv_geometry(config: Any) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) for memory budgeting; conservative guesses when the config is unusual."""
+    """(layers, kv heads, head dim): the KV store's shape and the memory budgets; conservative guesses when
+    the config is unusual (the store is filled by the fused Llama forward only, whose configs give all three)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     layers = int(getattr(text, "num_hidden_layers", 32))
     heads = int(getattr(text, "num_attention_heads", 32))
