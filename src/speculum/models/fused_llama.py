@@ -29,6 +29,7 @@ Example:
 """
 from __future__ import annotations
 
+import itertools
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -252,19 +253,17 @@ class FusedLlama:
         :class:`~speculum.models.kv_arena.KVArena`, one call per layer over the store, each sequence's
         queries masked to its own keys (:meth:`_forward_store`); otherwise one call per sequence on its own
         cache, with the shapes of a lone forward."""
+        lengths = [len(tokens) for tokens in token_lists]
+        pasts = [cache.get_seq_length() for cache in caches]
+        bounds = [0, *itertools.accumulate(lengths)]                                # sequence b: bounds[b]:bounds[b+1]
+        ids = torch.tensor([[t for tokens in token_lists for t in tokens]])        # (1, T)
+        x = F.embedding(ids, self.embed)                                            # (1, T, hidden)
+        position = torch.cat([torch.arange(n) + past for n, past in zip(lengths, pasts)])   # (T,) in its sequence
+        cos, sin = (t.unsqueeze(1) for t in self.rotary(x, position.unsqueeze(0)))  # (1, 1, T, head_dim)
         arena = getattr(caches[0], "arena", None) if caches else None
         if arena is not None and all(isinstance(c, SlotCache) and c.arena is arena for c in caches):
             with arena.lock:
-                return self._forward_store(token_lists, caches, arena, keep)
-        lengths = [len(tokens) for tokens in token_lists]
-        pasts = [cache.get_seq_length() for cache in caches]
-        ids = torch.tensor([[t for tokens in token_lists for t in tokens]])        # (1, T)
-        x = F.embedding(ids, self.embed)                                            # (1, T, hidden)
-        positions = torch.cat([torch.arange(n) + past for n, past in zip(lengths, pasts)]).unsqueeze(0)
-        cos, sin = (t.unsqueeze(1) for t in self.rotary(x, positions))              # (1, 1, T, head_dim)
-        bounds = [0]
-        for n in lengths:
-            bounds.append(bounds[-1] + n)
+                return self._forward_store(x, cos, sin, position, pasts, bounds, caches, arena, keep)
         masks = [None if n == 1 else torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
                  for n, past in zip(lengths, pasts)]
         for index, block in enumerate(self.blocks):
@@ -277,24 +276,21 @@ class FusedLlama:
             x = self._after_attention(block, x, torch.cat(parts, dim=2))
         return self._kept_logits(x, bounds, keep)
 
-    def _forward_store(self, token_lists: list[list[int]], caches: list[SlotCache], arena: KVArena,
+    def _forward_store(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
+                       pasts: list[int], bounds: list[int], caches: list[SlotCache], arena: KVArena,
                        keep: list[int] | None) -> list[torch.Tensor]:
-        """:meth:`forward_packed` on slots of one store. Every new key and value is written in place by
+        """:meth:`forward_packed` on slots of one store, from its embedded tokens ``x`` and their rotary
+        ``cos`` / ``sin`` and ``position``. Every new key and value is written in place by
         one indexed write per layer. Attention: the blocks of at most ``grid`` tokens (the most common
         block length: 1 in plain decoding) are scattered into a ``(slots, heads, grid, head_dim)`` grid over
         the store's first slots and attended in one call, the mask letting query i of a sequence past p
         see keys ``0..p+i`` of its slot (a cell holding no query sees key 0, so no softmax row is empty;
         the padded keys get zero weight, which leaves each sequence's sums unchanged). A longer block
         attends alone on its slot, so one long block does not pad every other sequence's queries."""
-        lengths = [len(tokens) for tokens in token_lists]
-        pasts = [cache.length for cache in caches]
+        lengths = [end - start for start, end in zip(bounds, bounds[1:])]
         ends = [past + n for past, n in zip(pasts, lengths)]
         arena.reserve(max(ends))
-        bounds = [0]
-        for n in lengths:
-            bounds.append(bounds[-1] + n)
         slot = torch.tensor([c.slot for c, n in zip(caches, lengths) for _ in range(n)])          # (T,)
-        position = torch.cat([torch.arange(n) + past for n, past in zip(lengths, pasts)])     # (T,) in slot
         grid_length = max(set(lengths), key=lambda n: (lengths.count(n), -n))
         in_grid = [b for b, n in enumerate(lengths) if n <= grid_length]
         alone = [(b, torch.ones(lengths[b], ends[b], dtype=torch.bool).tril(diagonal=pasts[b]))
@@ -307,9 +303,6 @@ class FusedLlama:
         allowed = (torch.arange(keys_seen) <= limit[..., None]).unsqueeze(1)    # (slots, 1, grid, keys)
         # Additive form, made once: a bool mask would be converted in every layer's attention call.
         mask = torch.zeros(allowed.shape, dtype=self.embed.dtype).masked_fill_(~allowed, float("-inf"))
-        ids = torch.tensor([[t for tokens in token_lists for t in tokens]])      # (1, T)
-        x = F.embedding(ids, self.embed)                                         # (1, T, hidden)
-        cos, sin = (t.unsqueeze(1) for t in self.rotary(x, position.unsqueeze(0)))   # (1, 1, T, head_dim)
         grid = x.new_zeros(view_slots, self.heads, grid_length, self.head_dim)  # every layer fills the same cells
         attn = x.new_empty(len(slot), self.heads, self.head_dim)                 # (T, heads, d)
         for index, block in enumerate(self.blocks):
