@@ -181,7 +181,7 @@ class Scheduler:
         limits: list[int | None] = []
         budget = self.prompt_tokens_per_step
         for decoder in decoders:
-            unfed = decoder.target.unfed if self.defer_prefill and decoder.prefilling else 0
+            unfed = decoder.target.unfed if decoder.prefilling else 0
             if unfed <= budget:
                 budget -= unfed
                 limits.append(None)

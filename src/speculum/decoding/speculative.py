@@ -78,13 +78,13 @@ class _Decoder:
         # Prefill all but the last prompt token: it becomes the first `pending` token, so every block is
         # exactly one target extend([pending] + proposals) returning the γ + 1 rows it needs. A one-token
         # prompt is prefilled whole: an empty session starts from the model's BOS, another context.
-        self.prefilling = False                          # the next forward also feeds the prompt
+        self.deferred = defer and len(self.context) > 1  # a session of start_deferred, which counts `unfed`
         if len(self.context) == 1:
             self.target = plan.target.start(self.context)
             self.pending = []
         elif defer:
             self.target = plan.target.start_deferred(self.context[:-1])
-            self.pending, self.prefilling = self.context[-1:], True
+            self.pending = self.context[-1:]
         else:
             self.target = plan.target.start(self.context[:-1])
             self.pending = self.context[-1:]
@@ -97,6 +97,12 @@ class _Decoder:
         proposal = self.drafter.propose(self.context, self.plan.budget - self.stats.emitted)
         self.stats.draft_seconds += time.perf_counter() - t0
         return proposal
+
+    @property
+    def prefilling(self) -> bool:
+        """The target session holds prompt tokens it has not fed yet (a deferred prefill): its next forward
+        feeds them."""
+        return self.deferred and self.target.unfed > 0
 
     def target_input(self, proposal: Proposal) -> list[int]:
         """The tokens the target consumes this block (empty ``pending``: see :meth:`target_rows`)."""
@@ -119,8 +125,6 @@ class _Decoder:
         rows = checked_rows(rows, len(proposal.tokens) + 1, self.vocab_size, "target")
         stats.target_seconds += target_seconds
         stats.target_forwards += 1
-        timed = timed and not self.prefilling
-        self.prefilling = False
         verdict = self._verify(proposal, rows)
         proposed = len(proposal.tokens)
         stats.record_block(proposed, verdict.accepted)
