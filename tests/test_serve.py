@@ -294,6 +294,10 @@ def test_serve_cli_checks_flags_before_loading(capsys):
     assert main(["serve", "--draft", "no-such-draft"]) == 2
     assert main(["serve", "--prompt-tokens-per-step", "0"]) == 2
     assert "--prompt-tokens-per-step" in capsys.readouterr().err
+    for flag, value in (("--max-body-bytes", "10"), ("--max-stop", "-1"), ("--max-stop-chars", "0"),
+                        ("--shutdown-timeout", "-1")):
+        assert main(["serve", flag, value]) == 2
+        assert flag in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -325,7 +329,8 @@ def test_smollm2_served_greedy_chat_equals_plain_greedy_decoding():
         running.stop()
 
 
-@pytest.mark.parametrize("module", ["speculum.serving.engine", "speculum.serving.openai_api"])
+@pytest.mark.parametrize("module", ["speculum.serving.engine", "speculum.serving.openai_api",
+                                    "speculum.serving.schema", "speculum.serving.render", "speculum.serving.guards"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib
@@ -337,9 +342,10 @@ def test_docstring_examples_run(module):
 @pytest.mark.slow
 @pytest.mark.llm
 def test_speculum_serve_process_answers_and_stops_cleanly_on_sigterm():
-    """The real command: loads the embedded model, answers a completion, and on SIGTERM lets an open stream
-    finish, shuts the app down, then re-raises the signal (the process ends as terminated by SIGTERM, as a
-    shell expects)."""
+    """The real command: loads the embedded model, answers a completion, and on SIGTERM with two open streams
+    lets the short one finish, ends the long one with an error event and [DONE] after --shutdown-timeout,
+    shuts the app down, then re-raises the signal (the process ends as terminated by SIGTERM, as a shell
+    expects)."""
     import importlib.util
     import os
     import signal
@@ -352,7 +358,8 @@ def test_speculum_serve_process_answers_and_stops_cleanly_on_sigterm():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "speculum", "serve", "--port", str(port)],
+    process = subprocess.Popen([sys.executable, "-m", "speculum", "serve", "--port", str(port),
+                                "--shutdown-timeout", "2"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
     try:
         deadline = time.monotonic() + 120
@@ -369,21 +376,34 @@ def test_speculum_serve_process_answers_and_stops_cleanly_on_sigterm():
         reply = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=4,
                                           temperature=0)
         assert reply.usage.completion_tokens == 4 and reply.choices[0].text
-        # SIGTERM while a response streams: it still ends normally (the engine keeps generating while
-        # uvicorn lets open responses finish).
-        stream = client.completions.create(model="smollm2-135m", prompt="Count from one to twenty:", max_tokens=40,
-                                           temperature=0, stream=True)
-        pieces = iter(stream)
-        next(pieces)
-        process.send_signal(signal.SIGTERM)
-        finish = [chunk.choices[0].finish_reason for chunk in pieces]
-        assert finish[-1] in ("length", "stop")
+        # SIGTERM with two open streams: the short one ends normally within --shutdown-timeout, the long
+        # one ends with an error event and [DONE]; new requests meanwhile get 503.
+        def stream(max_tokens: int) -> list[str]:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                              json={"prompt": "Count from one to a thousand:", "max_tokens": max_tokens,
+                                    "temperature": 0, "stream": True}) as reply:
+                lines = reply.iter_lines()
+                out = [next(lines)]
+                opened.wait(30)
+                return out + [line for line in lines if line]
+
+        opened = threading.Barrier(3)
+        with ThreadPoolExecutor(2) as pool:
+            short, long = pool.submit(stream, 12), pool.submit(stream, 4000)
+            opened.wait(30)
+            process.send_signal(signal.SIGTERM)
+            short, long = short.result(), long.result()
+        assert short[-1] == "data: [DONE]" and json.loads(short[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert long[-1] == "data: [DONE]"
+        assert json.loads(long[-2][6:])["error"]["message"] == "the server is shutting down"
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
         code = process.wait(30)
     assert code == -signal.SIGTERM
-    assert "Application shutdown complete" in process.stderr.read().decode()
+    stderr = process.stderr.read().decode()
+    assert "Traceback" not in stderr and "Event loop is closed" not in stderr, stderr
+    assert "Application shutdown complete" in stderr
 
 
 def test_a_prompt_the_encoder_refuses_is_a_400():

@@ -9,11 +9,20 @@ whose proposals depend on the context only, e.g. ``lookup``).
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import math
+import threading
 from typing import Any
 
 from speculum.cli.checks import CLIError, check_at_least, check_draft
 from speculum.cli.generate import (add_draft_argument, add_gamma_argument, add_model_arguments, drafts_help,
                                    load_target)
+
+# Named here as well as in speculum.serving.schema (which needs pydantic): --help must work without the extra.
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+DEFAULT_SHUTDOWN_SECONDS = 5.0
 
 __all__ = ["register", "run"]
 
@@ -52,6 +61,16 @@ def register(subparsers: Any) -> None:
                         help="requests that may wait while --max-batch run; more get HTTP 429 (default: 64)")
     parser.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
                         help="max_tokens of a request that sets none (default: 256)")
+    parser.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                        help="largest request body; a larger one gets HTTP 413 before it is read (default: sized "
+                             "to the context window, ~6x its longest prompt in UTF-8, plus 64 KiB)")
+    parser.add_argument("--max-stop", type=int, default=MAX_STOP_STRINGS, metavar="N",
+                        help=f"stop strings a request may give (default: {MAX_STOP_STRINGS}, as OpenAI)")
+    parser.add_argument("--max-stop-chars", type=int, default=MAX_STOP_CHARS, metavar="N",
+                        help=f"characters of one stop string at most (default: {MAX_STOP_CHARS})")
+    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_SECONDS, metavar="SECONDS",
+                        help="on SIGINT / SIGTERM, seconds the open responses may still take; those left then "
+                             "end with an error event and [DONE] (default: 5)")
     parser.set_defaults(handler=run)
 
 
@@ -63,6 +82,11 @@ def check_args(args: argparse.Namespace) -> None:
     check_at_least(args.max_waiting, 0, "--max-waiting")
     check_at_least(args.prompt_tokens_per_step, 1, "--prompt-tokens-per-step")
     check_at_least(args.default_max_tokens, 1, "--default-max-tokens")
+    check_at_least(args.max_body_bytes, 1024, "--max-body-bytes")
+    check_at_least(args.max_stop, 0, "--max-stop")
+    check_at_least(args.max_stop_chars, 1, "--max-stop-chars")
+    if not args.shutdown_timeout >= 0:
+        raise CLIError(f"--shutdown-timeout must be at least 0 seconds, got {args.shutdown_timeout}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,16 +105,46 @@ def run(args: argparse.Namespace) -> int:
                     batch_invariant=args.batch_invariant, prompt_tokens_per_step=args.prompt_tokens_per_step,
                     background=False)
     name = args.served_model_name or args.target
-    encode_chat = chat_encoder(target)
-    app = create_app(engine, name, encode_text=lambda text: target.encode(text, chat=False),
-                     encode_chat=encode_chat, default_max_tokens=args.default_max_tokens,
-                     token_bytes=_token_bytes(target))
-    # SIGINT / SIGTERM: stop accepting, let open responses end (at most 5 s), then close the engine.
+    pieces = _token_bytes(target)
+    # The HTTP side encodes with a tokenizer of its own: a long prompt never waits for, nor blocks, the
+    # engine's decoding (fast tokenizers refuse concurrent use of one object).
+    encoder = _encoding_twin(target)
+    app = create_app(engine, name, encode_text=lambda text: encoder.encode(text, chat=False),
+                     encode_chat=chat_encoder(encoder), default_max_tokens=args.default_max_tokens,
+                     token_bytes=pieces, limits=server_limits(args, target, pieces),
+                     encode_lock=threading.Lock() if encoder is not target else None)
+    # SIGINT / SIGTERM: refuse new requests, let open responses end within --shutdown-timeout, end the rest
+    # with an error event; uvicorn waits a little longer so that those last events reach their clients.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_graceful_shutdown=5))
-    if not serve_on_this_thread(server, engine):
+                                           timeout_graceful_shutdown=math.ceil(args.shutdown_timeout) + 2))
+    if not serve_on_this_thread(server, engine, grace=args.shutdown_timeout):
         raise CLIError(f"could not serve on {args.host}:{args.port} (see the error above)")
     return 0
+
+
+def server_limits(args: argparse.Namespace, target: Any, pieces: Any) -> Any:
+    """The request limits: sized to the target's context window and longest token, overridden by flags."""
+    from speculum.serving.schema import default_body_limit
+
+    longest = max((len(p) for p in pieces if p), default=None) if pieces is not None else None
+    limits = default_body_limit(getattr(target, "max_context", None), longest)
+    return dataclasses.replace(limits, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
+                               max_body_bytes=args.max_body_bytes or limits.max_body_bytes)
+
+
+def _encoding_twin(target: Any) -> Any:
+    """An object with the target's ``encode`` and ``tokenizer`` but a copy of its tokenizer (the target
+    itself where the tokenizer cannot be copied)."""
+    tokenizer = getattr(target, "tokenizer", None)
+    # Only a Hugging Face fast tokenizer (pure Rust state) is copied; another may hold native handles.
+    if tokenizer is None or not hasattr(tokenizer, "backend_tokenizer") or not hasattr(target, "encode"):
+        return target
+    try:
+        twin = copy.copy(target)
+        twin.tokenizer = copy.deepcopy(tokenizer)
+    except Exception:           # a tokenizer bound to native state (llama.cpp's) is used as it is
+        return target
+    return twin
 
 
 def _token_bytes(target: Any) -> Any:

@@ -47,7 +47,8 @@ class TextStream:
 class StopMatcher:
     """Cuts streamed text at the first occurrence of any stop string (OpenAI's ``stop``; the stop string
     itself is not returned). Text that could be the start of a stop string is held back until the next
-    piece tells."""
+    piece tells, so at most the longest stop string's length is held and a piece costs O((piece + longest
+    stop) x stops) in C-level searches."""
 
     def __init__(self, stops: Iterable[str]) -> None:
         self.stops = tuple(s for s in stops if s)
@@ -60,8 +61,7 @@ class StopMatcher:
         if cuts:
             self._held = ""
             return text[:min(cuts)], True
-        keep = max((n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1)
-                    if text.endswith(s[:n])), default=0)
+        keep = max((_started(text, s) for s in self.stops), default=0)
         self._held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep], False
 
@@ -69,3 +69,13 @@ class StopMatcher:
         """The held-back text, at the end of the stream."""
         held, self._held = self._held, ""
         return held
+
+
+def _started(text: str, stop: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop`` (0: none)."""
+    at = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while at >= 0:                          # the earliest start is the longest suffix
+        if stop.startswith(text[at:]):
+            return len(text) - at
+        at = text.find(stop[0], at + 1)
+    return 0

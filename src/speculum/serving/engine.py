@@ -38,7 +38,7 @@ MAX_TOP_LOGPROBS = 20
 
 
 class EngineBusy(RuntimeError):
-    """The queue of waiting requests is full (HTTP 429)."""
+    """The engine holds as many requests as it admits, running and waiting (HTTP 429)."""
 
 
 class EngineClosed(RuntimeError):
@@ -96,6 +96,7 @@ class EngineMetrics:
     requests_finished: int = 0
     requests_cancelled: int = 0
     requests_rejected: int = 0
+    requests_disconnected: int = 0     # cancelled because their client went away (part of requests_cancelled)
     requests_running: int = 0
     requests_waiting: int = 0
     prompt_tokens: int = 0
@@ -117,6 +118,7 @@ class EngineMetrics:
 
 
 _DONE = object()
+_WAKE = object()        # wakes a worker waiting for jobs; not a job
 
 
 def _likeliest(row: np.ndarray, k: int) -> np.ndarray:
@@ -139,6 +141,8 @@ class Job:
         self.events: queue.Queue = queue.Queue()
         self._on_event = on_event
         self._cancelled = threading.Event()
+        self._ended = True                                   # set False by Engine.submit while admitted
+        self.disconnected = False                            # cancelled because its reader went away
         self.text = TextStream(decode)
         self.stops = StopMatcher(request.stop)
         self.emitted = 0
@@ -175,12 +179,16 @@ class Job:
     def put(self, event: Delta | None) -> None:
         """Deliver an event (None: the job has ended) to ``on_event``, else to the blocking queue."""
         if self._on_event is not None:
-            self._on_event(event)
+            try:
+                self._on_event(event)
+            except Exception:       # the reader's side is gone (e.g. its event loop closed at shutdown)
+                self.cancel(disconnected=True)
         else:
             self.events.put(_DONE if event is None else event)
 
-    def cancel(self) -> None:
-        """Stop generating at the next step (the reader went away)."""
+    def cancel(self, *, disconnected: bool = False) -> None:
+        """Stop generating at the next step (``disconnected``: because the reader went away)."""
+        self.disconnected = self.disconnected or (disconnected and not self._cancelled.is_set())
         self._cancelled.set()
 
     @property
@@ -209,7 +217,9 @@ class Engine:
         eos_token_id: where generation stops (default: the target's).
         max_batch: jobs that advance together (each step verifies one block of each); 1 for a target whose
             sessions share one state (``Capabilities.independent_sessions`` False, the llama.cpp backend).
-        max_waiting: requests that may wait beyond the running ones; more are refused (:class:`EngineBusy`).
+        max_waiting: requests that may wait beyond the running ones: the engine holds at most
+            ``max_batch + max_waiting`` requests, running and waiting, at any moment, and refuses more
+            (:class:`EngineBusy`).
         batch_invariant: verify each job in its own target call (no batched forward), so that its output is
             identical to its solo run; otherwise a target with ``batched_extend`` verifies a step's blocks
             in one forward (faster; rows equal up to float rounding).
@@ -246,6 +256,8 @@ class Engine:
         self._waiting: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
+        self._admitted = 0                      # jobs submitted and not yet ended: running, admitting or waiting
+        self._deadline: float | None = None     # drain(): when the jobs still running are ended
         self._running: dict[int, Job] = {}     # scheduler id -> job (the worker's alone)
         self._admitting = 0                     # 1 while a job is being admitted into the scheduler
         self._worker: threading.Thread | None = None
@@ -265,15 +277,35 @@ class Engine:
                                top_k=None, top_p=request.top_p, eos_token_id=self.eos_token_id, seed=request.seed)
         job = Job(request, plan, self._locked_decode, on_event)
         with self._lock:
-            if self._closed:
+            if self._closed or self._deadline is not None:
                 raise EngineClosed("the server is shutting down")
-            if (self._waiting.qsize() >= self.max_waiting
-                    and len(self._running) + self._admitting >= self.max_batch):
+            # One count of every job not yet ended: free batch slots the worker has not filled yet do not
+            # let a burst pile up in the queue.
+            if self._admitted >= self.max_batch + self.max_waiting:
                 self.metrics.requests_rejected += 1
-                raise EngineBusy(f"too many requests waiting ({self.max_waiting}); retry later")
+                raise EngineBusy(f"the server holds {self._admitted} requests ({self.max_batch} running and "
+                                 f"{self.max_waiting} waiting at most); retry later")
+            self._admitted += 1
+            job._ended = False
             self._waiting.put(job)
             self.metrics.requests_waiting = self._waiting.qsize()
         return job
+
+    @property
+    def admitted(self) -> int:
+        """Requests submitted and not yet ended (running and waiting); never more than ``max_batch +
+        max_waiting``."""
+        return self._admitted
+
+    def drain(self, grace: float) -> None:
+        """Start a graceful shutdown: refuse new requests (:class:`EngineClosed`), keep generating the
+        admitted ones for up to ``grace`` seconds, then end those still unfinished with an error event
+        ("the server is shutting down"), so every reader gets a last event. :meth:`close` then stops the
+        worker."""
+        with self._lock:
+            if self._deadline is None:
+                self._deadline = time.monotonic() + max(0.0, grace)
+        self._waiting.put(_WAKE)        # a worker blocked on an empty queue looks at the deadline
 
     def close(self, timeout: float = 10.0) -> None:
         """Refuse new requests, cancel the running and waiting ones, and stop the worker (waiting for it up to
@@ -302,11 +334,17 @@ class Engine:
     # ------------------------------------------------------------------------------------ worker
     def _admit(self) -> bool:
         """Move waiting jobs into the scheduler (blocking while nothing runs); False once closed."""
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            self._end_all("the server is shutting down")
         while len(self._running) < self.max_batch:
             try:
                 job = self._waiting.get(block=not self._running)
             except queue.Empty:
                 break
+            if job is _WAKE:
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    self._end_all("the server is shutting down")
+                continue
             if job is None or self._closed:
                 if job is not None:
                     self._waiting.put(job)
@@ -381,16 +419,21 @@ class Engine:
     def _end(self, job: Job, *, cancelled: bool = False, finished: bool = False) -> None:
         if cancelled:
             self.metrics.requests_cancelled += 1
+            self.metrics.requests_disconnected += job.disconnected
         if finished:
             self.metrics.requests_finished += 1
         job.put(None)
         with self._lock:
+            if not job._ended:
+                job._ended = True
+                self._admitted -= 1
             self.metrics.requests_running = len(self._running)
 
-    def _shut_down(self) -> None:
-        self._scheduler.close()
-        for job in self._running.values():
-            job.put(Delta("", "error", error="the server is shutting down"))
+    def _end_all(self, reason: str) -> None:
+        """End every running and waiting job with an error event saying ``reason``."""
+        for ident, job in self._running.items():
+            self._scheduler.cancel(ident)
+            job.put(Delta("", "error", error=reason))
             self._end(job, cancelled=True)
         self._running.clear()
         while True:
@@ -398,6 +441,12 @@ class Engine:
                 job = self._waiting.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
-                job.put(Delta("", "error", error="the server is shutting down"))
+            if job is not None and job is not _WAKE:
+                job.put(Delta("", "error", error=reason))
                 self._end(job, cancelled=True)
+        with self._lock:
+            self.metrics.requests_waiting = self._waiting.qsize()
+
+    def _shut_down(self) -> None:
+        self._scheduler.close()
+        self._end_all("the server is shutting down")

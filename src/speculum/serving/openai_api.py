@@ -4,10 +4,15 @@ Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (both with
 server-sent events, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
 (Prometheus text: requests, tokens, acceptance, throughput). Errors use OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a malformed body, a field of the wrong type or a
-bad value (a prompt longer than the context included), 404 for another model name, 429 when the queue is
-full, 503 while shutting down. A streaming client that disconnects cancels its job. ``logprobs`` (and chat's
+bad value (an empty prompt, a prompt longer than the context included), 404 for another model name, 413 for
+a body over the limit, 429 (with ``Retry-After``) when the engine holds as many requests as it admits, 503
+while shutting down. A client that disconnects cancels its job, streamed or not. ``logprobs`` (and chat's
 ``top_logprobs``) return the target's exact log-probs of every generated token and its likeliest
 alternatives, from the rows its verification computed.
+
+No request can stall the others: the body-size limit refuses a huge body before it is read, a prompt text
+too long for the context window is refused before it is tokenized, and tokenizing runs on a worker thread,
+never on the event loop that answers ``/health`` and streams the running requests.
 
 Example:
     >>> from speculum.models import MarkovModel
@@ -21,78 +26,50 @@ Example:
     >>> reply["usage"]["completion_tokens"]
     3
 """
-# No `from __future__ import annotations`: FastAPI reads the request models of the handlers below from
-# their annotations at run time, and those models are local to create_app.
+# No `from __future__ import annotations`: FastAPI reads the handlers' request models from their annotations.
 import asyncio
 import json
-import signal
 import threading
-import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Literal, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from ..validation import InputError
-from .engine import Delta, Engine, EngineBusy, EngineClosed, GenerationRequest, TokenLogprob
+from .engine import Delta, Engine, EngineBusy, EngineClosed, Job
+from .guards import BodyLimit, client_gone
+from .lifecycle import serve_on_this_thread
+from .render import ChatRenderer, CompletionRenderer
+from .schema import ChatBody, CompletionBody, RequestError, ServerLimits, check_prompt_size, error_body, to_request
 
-__all__ = ["create_app", "serve_on_this_thread"]
+__all__ = ["create_app", "serve_on_this_thread", "prometheus_text"]
 
 DEFAULT_MAX_TOKENS = 256
-
-
-class _UnknownModel(Exception):
-    """The request names a model this server does not serve (HTTP 404)."""
+SHUTTING_DOWN = "the server is shutting down"
 
 
 def create_app(engine: Engine, model_name: str, *, encode_text: Callable[[str], list[int]],
                encode_chat: Callable[[list[dict]], list[int]] | None = None,
                default_max_tokens: int = DEFAULT_MAX_TOKENS, close_engine: bool = True,
-               token_bytes: Sequence[bytes | None] | None = None) -> Any:
+               token_bytes: Sequence[bytes | None] | None = None, limits: ServerLimits | None = None,
+               encode_lock: Any = None) -> FastAPI:
     """The FastAPI application serving ``engine`` under ``model_name``.
 
     ``encode_text`` turns a completion prompt into token ids; ``encode_chat`` turns chat messages
     (``[{"role", "content"}]``) into the ids of a prompt that ends where the assistant's turn begins
-    (None: chat completions answer 400). ``close_engine``: close the engine when the app shuts down.
-    ``token_bytes``: each token id's bytes (:func:`speculum.models.vocabulary.token_bytes`), the ``bytes`` of
-    chat log-probs (without it, the UTF-8 of the token's text).
+    (None: chat completions answer 400). Both run on a worker thread, one call at a time under
+    ``encode_lock`` (default: ``engine.tokenizer_lock``, which the engine's decoding holds too; encoders
+    with a tokenizer of their own may take a lock of their own, so that encoding never waits for decoding).
+    ``close_engine``: close the engine when the app shuts down. ``token_bytes``: each token id's bytes, the
+    ``bytes`` of chat log-probs. ``limits``: what one request may ask (:class:`ServerLimits`).
     """
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from pydantic import BaseModel, ConfigDict, Field
-
-    class _Body(BaseModel):
-        # Strict: "10" is not an integer. Unknown fields are allowed (clients send many).
-        model_config = ConfigDict(extra="allow", strict=True)
-        model: str | None = None
-        max_tokens: int | None = Field(None, ge=1)
-        max_completion_tokens: int | None = Field(None, ge=1)
-        temperature: float = Field(1.0, ge=0.0)
-        top_p: float | None = Field(None, gt=0.0, le=1.0)
-        seed: int | None = Field(None, ge=0)
-        stop: str | list[str] | None = None
-        stream: bool = False
-        n: int = 1
-
-    class CompletionBody(_Body):
-        prompt: str | list[int]
-        logprobs: int | None = None
-        echo: bool = False
-
-    class Message(BaseModel):
-        model_config = ConfigDict(extra="allow", strict=True)
-        role: Literal["system", "user", "assistant", "developer", "tool"]
-        content: str
-
-    class ChatBody(_Body):
-        messages: list[Message] = Field(min_length=1)
-        logprobs: bool | None = None
-        top_logprobs: int | None = None
-
-    def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-              code: str | None = None) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                            status_code=status)
+    api = _Api(engine, model_name, encode_text=encode_text, encode_chat=encode_chat, token_bytes=token_bytes,
+               default_max_tokens=default_max_tokens, limits=limits or ServerLimits(),
+               encode_lock=encode_lock if encode_lock is not None else engine.tokenizer_lock)
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -101,169 +78,157 @@ def create_app(engine: Engine, model_name: str, *, encode_text: Callable[[str], 
             await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="speculum", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=api.limits.max_body_bytes)
+    app.add_exception_handler(RequestValidationError, _invalid_body)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat_completions)
+    app.get("/v1/models")(api.models)
+    app.get("/health")(api.health)
+    app.get("/metrics")(api.metrics)
+    return app
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = exc.errors()
-        first = problems[0] if problems else {}
-        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
-        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
-                            for e in problems[:3])
-        return error(400, message or "invalid request body", param=where)
 
-    def request_from(body: _Body, prompt_ids: Sequence[int]) -> GenerationRequest:
-        if body.model is not None and body.model != model_name:
-            raise _UnknownModel(f"model {body.model!r} is not served here (this server serves {model_name!r})")
-        if body.n != 1:
-            raise InputError(f"n={body.n} is not supported: send one request per completion")
-        if getattr(body, "echo", False):
-            raise InputError("echo is not supported")
-        if isinstance(body, ChatBody):
-            if body.top_logprobs is not None and not body.logprobs:
-                raise InputError("top_logprobs needs logprobs: true")
-            logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        else:
-            logprobs = body.logprobs
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens
-        return GenerationRequest(prompt_ids=list(prompt_ids), max_tokens=max_tokens, temperature=body.temperature,
-                                 top_p=body.top_p, seed=body.seed, stop=stop, logprobs=logprobs)
+def _error(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind=kind, param=param, code=code), status_code=status, headers=headers)
 
-    async def run(body: _Body, encode: Callable[[], list[int]], render: Callable[..., dict],
-                  render_chunk: Callable[..., dict]) -> Any:
-        try:
+
+async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+    problems = exc.errors()
+    if problems and problems[0].get("type") == "json_invalid":      # its location is a byte offset, not a field
+        where = problems[0].get("loc", ("body", "?"))[-1]
+        return _error(400, f"the body is not valid JSON (at byte {where}): {problems[0].get('ctx', {}).get('error', '')}"
+                           .rstrip(": "))
+    first = problems[0] if problems else {}
+    field = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
+                        for e in problems[:3])
+    return _error(400, message or "invalid request body", param=field)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    message = str(exc.detail)
+    if exc.status_code == 400 and "parsing the body" in message:     # FastAPI: the body is not UTF-8 JSON
+        message = "the body could not be read as JSON: it must be UTF-8 encoded JSON"
+    return _error(exc.status_code, message, kind="invalid_request_error" if exc.status_code < 500 else "server_error",
+                  headers=getattr(exc, "headers", None))
+
+
+class _Api:
+    """The endpoints' handlers over one engine."""
+
+    def __init__(self, engine: Engine, model_name: str, *, encode_text: Callable, encode_chat: Callable | None,
+                 token_bytes: Sequence[bytes | None] | None, default_max_tokens: int, limits: ServerLimits,
+                 encode_lock: Any) -> None:
+        self.engine, self.model_name, self.limits = engine, model_name, limits
+        self.encode_text, self.encode_chat, self.token_bytes = encode_text, encode_chat, token_bytes
+        self.default_max_tokens = default_max_tokens
+        self.encode_lock: threading.Lock = encode_lock
+
+    async def completions(self, body: CompletionBody, request: Request) -> Any:
+        prompt = body.prompt
+        encode = (lambda: list(prompt)) if isinstance(prompt, list) else (lambda: self.encode_text(prompt))
+        return await self._answer(body, request, encode, CompletionRenderer(self.model_name, logprobs=body.logprobs))
+
+    async def chat_completions(self, body: ChatBody, request: Request) -> Any:
+        if self.encode_chat is None:
+            return _error(400, f"{self.model_name} has no chat template: use /v1/completions", param="messages")
+        messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
+        renderer = ChatRenderer(self.model_name, logprobs=body.logprobs, token_bytes=self.token_bytes)
+        return await self._answer(body, request, lambda: self.encode_chat(messages), renderer)
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "speculum"}]}
+
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    async def metrics(self) -> Any:
+        return PlainTextResponse(prometheus_text(self.engine), media_type="text/plain; version=0.0.4")
+
+    # -------------------------------------------------------------------------------------------------
+    def _encode(self, encode: Callable[[], list[int]]) -> list[int]:
+        with self.encode_lock:
             try:
-                with engine.tokenizer_lock:
-                    prompt_ids = encode()
+                return encode()
             except InputError:
                 raise
             except Exception as exc:   # e.g. a chat template that refuses this order of roles
                 raise InputError(f"the prompt could not be encoded: {type(exc).__name__}: {exc}") from None
-            request = request_from(body, prompt_ids)
+
+    async def _answer(self, body: Any, request: Request, encode: Callable[[], list[int]], renderer: Any) -> Any:
+        try:
+            check_prompt_size(body, self.limits)
+            prompt_ids = await asyncio.to_thread(self._encode, encode)      # never on the event loop
+            generation = to_request(body, prompt_ids, self.limits, model_name=self.model_name,
+                                    default_max_tokens=self.default_max_tokens)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
-            job = engine.submit(request, on_event=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-        except _UnknownModel as exc:
-            return error(404, str(exc), param="model", code="model_not_found")
+            job = self.engine.submit(generation, on_event=lambda event: loop.call_soon_threadsafe(events.put_nowait,
+                                                                                                   event))
+        except RequestError as exc:
+            return _error(exc.status, str(exc), kind=exc.kind, param=exc.param, code=exc.code)
         except InputError as exc:
-            return error(400, str(exc))
+            return _error(400, str(exc))
         except EngineBusy as exc:
-            return error(429, str(exc), kind="rate_limit_error", code="rate_limit_exceeded")
+            return _error(429, str(exc), kind="rate_limit_error", code="rate_limit_exceeded",
+                          headers={"Retry-After": "1"})
         except EngineClosed as exc:
-            return error(503, str(exc), kind="server_error")
-        ident, created = uuid.uuid4().hex[:24], int(time.time())
+            return _error(503, str(exc), kind="server_error")
+        ident = uuid.uuid4().hex[:24]
+        if body.stream:
+            return StreamingResponse(_stream(job, events, renderer, ident), media_type="text/event-stream")
+        return await _whole(job, events, renderer, ident, request.receive)
 
-        if not body.stream:
-            pieces, scored, last = [], [], Delta("")
-            while (event := await events.get()) is not None:
-                pieces.append(event.text)
-                scored += event.logprobs
-                last = event if event.finish_reason else last
-            if last.finish_reason == "error":
-                return error(500, last.error or "generation failed", kind="server_error")
-            return render(ident, created, "".join(pieces), last, scored if request.logprobs is not None else None)
 
-        async def sse() -> AsyncIterator[str]:
-            try:
-                first = True
-                while (event := await events.get()) is not None:
-                    if event.finish_reason == "error":
-                        payload = {"error": {"message": event.error, "type": "server_error", "param": None,
-                                             "code": None}}
-                        yield f"data: {json.dumps(payload)}\n\n"
-                        continue
-                    if event.text or event.logprobs or event.finish_reason or first:
-                        yield f"data: {json.dumps(render_chunk(ident, created, event, first))}\n\n"
-                        first = False
-                yield "data: [DONE]\n\n"
-            finally:
-                job.cancel()   # a no-op once finished; frees the worker when the client went away
+async def _collect(events: asyncio.Queue) -> tuple[list[str], list, Delta]:
+    pieces, scored, last = [], [], Delta("")
+    while (event := await events.get()) is not None:
+        pieces.append(event.text)
+        scored += event.logprobs
+        last = event if event.finish_reason else last
+    return pieces, scored, last
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
 
-    def usage(event: Delta) -> dict:
-        return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-                "total_tokens": event.prompt_tokens + event.completion_tokens}
+async def _whole(job: Job, events: asyncio.Queue, renderer: Any, ident: str, receive: Callable) -> Any:
+    """The non-streamed answer; a client that disconnects meanwhile cancels the job at the next step."""
+    collect, gone = asyncio.ensure_future(_collect(events)), asyncio.ensure_future(client_gone(receive))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():
+            job.cancel(disconnected=True)
+            collect.cancel()
+    if collect.cancelled():
+        return Response(status_code=499)          # nobody reads it (nginx's "client closed request")
+    pieces, scored, last = collect.result()
+    if last.finish_reason == "error":
+        closing = last.error == SHUTTING_DOWN
+        return _error(503 if closing else 500, last.error or "generation failed", kind="server_error")
+    return renderer.whole(ident, "".join(pieces), last, scored)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody) -> Any:
-        def encode() -> list[int]:
-            return list(body.prompt) if isinstance(body.prompt, list) else encode_text(body.prompt)
 
-        def logprobs(scored: Sequence[TokenLogprob] | None) -> dict | None:
-            if scored is None or body.logprobs is None:
-                return None
-            return {"tokens": [t.text for t in scored], "token_logprobs": [t.logprob for t in scored],
-                    "top_logprobs": [{text: lp for _, text, lp in t.top} for t in scored],
-                    "text_offset": [t.offset for t in scored]}
-
-        def render(ident: str, created: int, text: str, last: Delta, scored: list | None = None) -> dict:
-            return {"id": f"cmpl-{ident}", "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "text": text, "logprobs": logprobs(scored),
-                                 "finish_reason": last.finish_reason}],
-                    "usage": usage(last)}
-
-        def render_chunk(ident: str, created: int, event: Delta, first: bool) -> dict:
-            chunk = {"id": f"cmpl-{ident}", "object": "text_completion", "created": created, "model": model_name,
-                     "choices": [{"index": 0, "text": event.text, "logprobs": logprobs(event.logprobs),
-                                  "finish_reason": event.finish_reason}]}
-            if event.finish_reason:
-                chunk["usage"] = usage(event)
-            return chunk
-
-        return await run(body, encode, render, render_chunk)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody) -> Any:
-        if encode_chat is None:
-            return error(400, f"{model_name} has no chat template: use /v1/completions")
-
-        def encode() -> list[int]:
-            return encode_chat([m.model_dump(include={"role", "content"}) for m in body.messages])
-
-        def entry(token_id: int, text: str, logprob: float) -> dict:
-            raw = token_bytes[token_id] if token_bytes is not None and token_id < len(token_bytes) else None
-            return {"token": text, "logprob": logprob,
-                    "bytes": list(raw) if raw is not None else list(text.encode("utf-8"))}
-
-        def logprobs(scored: Sequence[TokenLogprob] | None) -> dict | None:
-            if scored is None or not body.logprobs:
-                return None
-            return {"content": [entry(t.token_id, t.text, t.logprob)
-                                | {"top_logprobs": [entry(*alternative) for alternative in t.top]} for t in scored]}
-
-        def render(ident: str, created: int, text: str, last: Delta, scored: list | None = None) -> dict:
-            return {"id": f"chatcmpl-{ident}", "object": "chat.completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": logprobs(scored), "finish_reason": last.finish_reason}],
-                    "usage": usage(last)}
-
-        def render_chunk(ident: str, created: int, event: Delta, first: bool) -> dict:
-            delta: dict = {"role": "assistant", "content": event.text} if first else (
-                {"content": event.text} if event.text else {})
-            chunk = {"id": f"chatcmpl-{ident}", "object": "chat.completion.chunk", "created": created,
-                     "model": model_name,
-                     "choices": [{"index": 0, "delta": delta, "logprobs": logprobs(event.logprobs),
-                                  "finish_reason": event.finish_reason}]}
-            if event.finish_reason:
-                chunk["usage"] = usage(event)
-            return chunk
-
-        return await run(body, encode, render, render_chunk)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "speculum"}]}
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics() -> Any:
-        return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
-
-    return app
+async def _stream(job: Job, events: asyncio.Queue, renderer: Any, ident: str) -> AsyncIterator[str]:
+    """Server-sent events ending with ``[DONE]``; an error (a failed generation, a shutdown) is sent as a last
+    error event before it."""
+    ended = False
+    try:
+        first = True
+        while (event := await events.get()) is not None:
+            if event.finish_reason == "error":
+                yield f"data: {json.dumps(error_body(event.error or 'generation failed', kind='server_error'))}\n\n"
+                continue
+            if event.text or event.logprobs or event.finish_reason or first:
+                yield f"data: {json.dumps(renderer.chunk(ident, event, first))}\n\n"
+                first = False
+        ended = True
+        yield "data: [DONE]\n\n"
+    finally:
+        if not ended:
+            job.cancel(disconnected=True)     # the client went away: free the worker at the next step
 
 
 def prometheus_text(engine: Engine) -> str:
@@ -271,8 +236,12 @@ def prometheus_text(engine: Engine) -> str:
     m = engine.metrics
     rows = [
         ("requests_finished_total", "counter", "requests that completed", m.requests_finished),
-        ("requests_cancelled_total", "counter", "requests whose client went away", m.requests_cancelled),
-        ("requests_rejected_total", "counter", "requests refused with 429 (queue full)", m.requests_rejected),
+        ("requests_cancelled_total", "counter", "requests ended before their finish (client gone, shutdown)",
+         m.requests_cancelled),
+        ("requests_rejected_total", "counter", "requests refused with 429 (running and waiting at the bound)",
+         m.requests_rejected),
+        ("requests_disconnected_total", "counter", "requests cancelled because their client went away",
+         m.requests_disconnected),
         ("requests_running", "gauge", "requests being generated", m.requests_running),
         ("requests_waiting", "gauge", "requests in the queue", m.requests_waiting),
         ("prompt_tokens_total", "counter", "prompt tokens of finished requests", m.prompt_tokens),
@@ -291,49 +260,3 @@ def prometheus_text(engine: Engine) -> str:
     for name, kind, text, value in rows:
         out += [f"# HELP speculum_{name} {text}", f"# TYPE speculum_{name} {kind}", f"speculum_{name} {value}"]
     return "\n".join(out) + "\n"
-
-
-def serve_on_this_thread(server: Any, engine: Engine) -> bool:
-    """Run ``server`` (a ``uvicorn.Server`` over :func:`create_app`'s app) on a thread of its own and
-    ``engine``'s jobs on the calling thread (an engine built with ``background=False``: see its docstring for
-    why), until the server stops. From the main thread, SIGINT / SIGTERM stop the server as uvicorn does:
-    it stops accepting, lets open responses finish (its graceful-shutdown timeout) while the engine still
-    generates them, then the app's shutdown closes the engine, and the signal is raised again with its
-    previous handler. Returns whether the server started (False: it could not listen; uvicorn has logged
-    why).
-
-    Example:
-        >>> server = uvicorn.Server(uvicorn.Config(app, port=8000))          # doctest: +SKIP
-        >>> serve_on_this_thread(server, engine)                             # doctest: +SKIP
-    """
-
-    def http() -> None:
-        try:
-            server.run()
-        except SystemExit:               # uvicorn exits when it cannot listen, after logging why
-            pass
-        finally:
-            engine.close(timeout=0)      # the server stopped (or never started): end engine.run()
-
-    received: list[int] = []
-
-    def on_signal(sig: int, frame: Any) -> None:
-        received.append(sig)
-        server.handle_exit(sig, frame)
-
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    thread = threading.Thread(target=http, name="speculum-http", daemon=True)
-    thread.start()
-    try:
-        engine.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        server.should_exit = True
-        thread.join()
-    # As uvicorn does: once shut down, the signal takes its usual course (exit status 130 / 143 in a shell).
-    for sig in reversed(received):
-        signal.raise_signal(sig)
-    return bool(server.started)
