@@ -223,7 +223,9 @@ class StringIndex(SupportAttributes):
         self.token_index._grow_to_count(needed)
         while True:
             groups, tau = self._groups()
-            lows = sorted((lo for lo, _ in groups.values()), reverse=True)
+            # A scored string counts at its exact score, the value its contention is judged by: a float32
+            # model's tree sums differ from teacher forcing by ~1e-7, far more than _SLACK.
+            lows = sorted((self._exact.get(t, lo) for t, (lo, _) in groups.items()), reverse=True)
             kth_low = lows[needed - 1] if len(lows) >= needed else -math.inf
             floor = kth_low - _SLACK * (1.0 + abs(kth_low)) if math.isfinite(kth_low) else -math.inf
             contenders = [t for t, (lo, n) in groups.items() if self._upper(t, lo, n, tau) >= floor]
