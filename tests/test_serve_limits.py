@@ -166,8 +166,18 @@ def test_a_burst_over_http_gets_429_with_retry_after_and_every_answer_is_its_own
 
 # -------------------------------------------------------------------------------------------- disconnects
 def test_a_non_streamed_request_whose_client_disconnects_is_cancelled():
+    import logging
+
+    errors: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            errors.append(record.getMessage())
+
+    collect = Collect(logging.ERROR)
     engine = Engine(endless_target(), decode=slow_decode)
     running = Server(engine)
+    logging.getLogger("uvicorn.error").addHandler(collect)      # after uvicorn configured its logging
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{running.url}/v1/completions", timeout=0.5,
@@ -179,8 +189,10 @@ def test_a_non_streamed_request_whose_client_disconnects_is_cancelled():
         assert engine.metrics.completion_tokens < 100_000
         metrics = httpx.get(f"{running.url}/metrics").text
         assert "speculum_requests_disconnected_total 1" in metrics
+        assert errors == []                     # the abandoned handler ends quietly
     finally:
         running.stop()
+        logging.getLogger("uvicorn.error").removeHandler(collect)
 
 
 # ------------------------------------------------------------------------------------------------ stop strings

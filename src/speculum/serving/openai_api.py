@@ -195,14 +195,16 @@ async def _collect(events: asyncio.Queue) -> tuple[list[str], list, Delta]:
 async def _whole(job: Job, events: asyncio.Queue, renderer: Any, ident: str, receive: Callable) -> Any:
     """The non-streamed answer; a client that disconnects meanwhile cancels the job at the next step."""
     collect, gone = asyncio.ensure_future(_collect(events)), asyncio.ensure_future(client_gone(receive))
+    answered = False
     try:
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        answered = collect in done
     finally:
         gone.cancel()
-        if not collect.done():
+        if not answered:
             job.cancel(disconnected=True)
             collect.cancel()
-    if collect.cancelled():
+    if not answered:
         return Response(status_code=499)          # nobody reads it (nginx's "client closed request")
     pieces, scored, last = collect.result()
     if last.finish_reason == "error":
