@@ -28,7 +28,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 
 from speculum.cli.demo import PASSAGE  # noqa: E402
-from speculum.decoding.batch import Scheduler  # noqa: E402
+from speculum.decoding.scheduler import Scheduler  # noqa: E402
 from speculum.models import PromptLookup  # noqa: E402
 from speculum.models import hf as hf_module  # noqa: E402
 from speculum.models.allocator import keep_freed_memory  # noqa: E402

@@ -1,4 +1,4 @@
-"""Many generations at once (:class:`speculum.decoding.batch.Scheduler`).
+"""Many generations at once (:class:`speculum.decoding.scheduler.Scheduler`).
 
 Invariants: each generation's output is the one it gets alone — greedy tokens identical to plain greedy
 decoding, a seeded sample identical to ``speculum.stream`` with that seed — whatever else runs and
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import speculum
-from speculum.decoding.batch import Scheduler
+from speculum.decoding.scheduler import Scheduler
 from speculum.models import MarkovModel, PromptLookup
 from speculum.models.base import Capabilities
 from speculum.validation import InputError
@@ -129,13 +129,27 @@ def test_generation_arguments_are_checked_when_added():
     np.testing.assert_equal(scheduler.step(), [])
 
 
-@pytest.mark.parametrize("module", ["speculum.decoding.batch", "speculum.decoding.text"])
+@pytest.mark.parametrize("module", ["speculum.decoding.scheduler", "speculum.decoding.generation",
+                                    "speculum.decoding.text"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib
 
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_deprecated_batch_module_warns_and_names_the_same_objects():
+    import importlib
+    import sys
+
+    from speculum.decoding import scheduler
+
+    sys.modules.pop("speculum.decoding.batch", None)
+    with pytest.warns(DeprecationWarning, match="speculum.decoding.scheduler"):
+        batch = importlib.import_module("speculum.decoding.batch")
+    assert (batch.Scheduler, batch.PackedCost, batch.generate_batch) == \
+        (scheduler.Scheduler, scheduler.PackedCost, scheduler.generate_batch)
 
 
 def test_a_target_with_one_shared_state_runs_one_generation_at_a_time():
@@ -160,7 +174,7 @@ def test_a_target_with_one_shared_state_runs_one_generation_at_a_time():
 
 
 def test_packed_cost_charges_each_block_what_it_adds():
-    from speculum.decoding.batch import PackedCost
+    from speculum.decoding.scheduler import PackedCost
 
     cost = PackedCost()
     cost.observe(10, 0.5)

@@ -409,7 +409,7 @@ def test_extend_sessions_equals_each_sessions_own_extend(which, request):
 def test_smollm_greedy_under_batching_equals_solo(smollm, batch_invariant):
     """Several greedy generations verified together (prompt lookup) give each prompt's solo greedy
     tokens: guaranteed with batch_invariant (each generation's own forwards), tested for the packed one."""
-    from speculum.decoding.batch import Scheduler
+    from speculum.decoding.scheduler import Scheduler
     from speculum.models import PromptLookup
 
     prompts = [smollm.encode(p) for p in PROMPTS]

@@ -248,7 +248,7 @@ def test_scheduler_packs_new_prompts_and_keeps_greedy_outputs(tiny):
     """Generations joining between steps (plain, prompt lookup, a layer draft that reads the target's
     cache and so is prefilled at once): each greedy output equals its solo run; steps that fed a prompt
     are not taken as measures of verification cost."""
-    from speculum.decoding.batch import Scheduler
+    from speculum.decoding.scheduler import Scheduler
     from speculum.models import PromptLookup
 
     draft = truncated_draft(tiny, 1)
@@ -286,7 +286,7 @@ def test_scheduler_packs_new_prompts_and_keeps_greedy_outputs(tiny):
 
 def test_a_cancelled_generation_gives_its_slot_back(tiny):
     """A generation cancelled mid-run (a client gone) frees its slot at once; the last one frees the store."""
-    from speculum.decoding.batch import Scheduler
+    from speculum.decoding.scheduler import Scheduler
 
     scheduler = Scheduler(tiny)
     requests = [scheduler.add(p, max_new_tokens=30, temperature=0, eos_token_id=None) for p in ([3, 4], [5, 6, 7], [8, 9])]
@@ -321,7 +321,7 @@ def test_a_long_prompt_is_fed_in_parts_across_packed_forwards(tiny):
 def test_scheduler_feeds_long_prompts_in_parts_and_running_generations_never_wait(tiny):
     """With 4 prompt tokens per step, prompts of 9-14 tokens join two running generations: those emit at
     every step, the new ones start once their prompt is in, and every greedy output is its solo one."""
-    from speculum.decoding.batch import Scheduler
+    from speculum.decoding.scheduler import Scheduler
 
     scheduler = Scheduler(tiny, prompt_tokens_per_step=4)
     running = {scheduler.add(p, max_new_tokens=24, temperature=0, eos_token_id=None): p for p in ([3, 4], [5])}

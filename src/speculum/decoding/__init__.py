@@ -6,7 +6,9 @@
 * :mod:`.plan` — the arguments of one generation, validated before any model work;
 * :mod:`.drafter` — where proposals come from: a draft model, a proposer, or none;
 * :mod:`.profile` — what ``gamma="auto"`` learns about a draft model, kept for the draft's life;
-* :mod:`.speculative` — the loop: :func:`stream` (generator of :class:`Chunk`), :func:`generate` and
+* :mod:`.generation` — one generation's draft → verify loop in steps, :class:`~.generation.Decoder`;
+* :mod:`.speculative` — :func:`stream` (generator of :class:`Chunk`) and :func:`generate`: one decoder alone;
+* :mod:`.scheduler` — many generations at once, one packed forward a step: :class:`Scheduler` and
   :func:`generate_batch`;
 * :mod:`.text` — streamed tokens to streamed text, stop strings;
 * :mod:`.compat` — the compatibility API, :class:`SpeculativeDecoder` / :class:`SpeculativeDecodingStats`.
@@ -24,13 +26,15 @@ from __future__ import annotations
 from .compat import SpeculativeDecoder, SpeculativeDecodingStats
 from .controller import GammaController
 from .events import Chunk, DecodingStats, GenerationResult
+from .generation import Decoder
 from .plan import make_rngs
-from .speculative import generate, generate_batch, stream
+from .scheduler import Scheduler, generate_batch
+from .speculative import generate, stream
 from .verify import Verdict, residual_logprobs, verify_distribution, verify_greedy, verify_point_mass
 from .warp import check_sampling_args, sample_from_logprobs, warp_logprobs
 
 __all__ = [
-    "generate", "generate_batch", "stream", "Chunk", "DecodingStats", "GenerationResult",
+    "generate", "generate_batch", "stream", "Decoder", "Scheduler", "Chunk", "DecodingStats", "GenerationResult",
     "SpeculativeDecoder", "SpeculativeDecodingStats", "GammaController", "make_rngs",
     "Verdict", "verify_distribution", "verify_point_mass", "verify_greedy", "residual_logprobs",
     "warp_logprobs", "check_sampling_args", "sample_from_logprobs",

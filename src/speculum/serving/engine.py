@@ -1,5 +1,5 @@
 """The serving engine: a bounded queue of generation jobs, run by one thread (its own, or the caller's)
-through a :class:`~speculum.decoding.batch.Scheduler` (continuous batching: up to ``max_batch`` jobs advance
+through a :class:`~speculum.decoding.scheduler.Scheduler` (continuous batching: up to ``max_batch`` jobs advance
 together, one block each per step; jobs join and leave between steps).
 
 Each job has its own session, drafter and seed, so a seeded request's output does not depend on what
@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..decoding.batch import Scheduler
+from ..decoding.scheduler import Scheduler
 from ..decoding.plan import Plan, plan_generation
 from ..decoding.text import StopMatcher, TextStream
 from ..validation import InputError, check_int

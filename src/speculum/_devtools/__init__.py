@@ -1,0 +1,1 @@
+"""Tools for developing speculum itself (not part of the public API)."""
