@@ -16,6 +16,9 @@ import threading
 from typing import Any
 
 from speculum.cli.checks import CLIError, check_at_least, check_draft
+from speculum.models.vocabulary import token_bytes
+from speculum.serving import Engine, create_app, serve_on_this_thread
+from speculum.validation import InputError
 from speculum.cli.generate import (add_draft_argument, add_gamma_argument, add_model_arguments, drafts_help,
                                    load_target)
 
@@ -92,11 +95,10 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     try:
-        import uvicorn
+        import uvicorn    # the serve extra, loaded only by this command
     except ImportError:
         raise ImportError("speculum serve needs FastAPI and uvicorn: pip install 'speculum[serve]'") from None
     from speculum.models.select import make_draft
-    from speculum.serving import Engine, create_app, serve_on_this_thread
 
     target = load_target(args)
     draft = make_draft(args.draft, target)
@@ -124,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
 def server_limits(args: argparse.Namespace, target: Any, pieces: Any) -> Any:
     """The request limits: sized to the target's context window and longest token, overridden by flags."""
-    from speculum.serving.schema import default_body_limit
+    from speculum.serving.schema import default_body_limit     # pydantic: the serve extra
 
     longest = max((len(p) for p in pieces if p), default=None) if pieces is not None else None
     limits = default_body_limit(getattr(target, "max_context", None), longest)
@@ -149,9 +151,6 @@ def _encoding_twin(target: Any) -> Any:
 
 def _token_bytes(target: Any) -> Any:
     """Each token's bytes (the ``bytes`` of chat log-probs), or None where the tokenizer cannot tell them."""
-    from speculum.models.vocabulary import token_bytes
-    from speculum.validation import InputError
-
     try:
         return token_bytes(target)
     except InputError:      # no tokenizer it can read: log-probs then give the UTF-8 of each token's text

@@ -13,14 +13,14 @@ __all__ = ["Engine", "EngineBusy", "EngineClosed", "EngineMetrics", "GenerationR
 
 def create_app(*args, **kwargs):
     """See :func:`speculum.serving.openai_api.create_app`."""
-    from .openai_api import create_app as _create_app
+    from .openai_api import create_app as _create_app     # FastAPI: the serve extra, loaded when asked for
 
     return _create_app(*args, **kwargs)
 
 
 def __getattr__(name: str):
     if name == "ServerLimits":          # pydantic is part of the serve extra: imported when asked for
-        from .schema import ServerLimits
+        from .schema import ServerLimits      # pydantic: the serve extra
 
         return ServerLimits
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
