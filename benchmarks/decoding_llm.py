@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 import speculum  # noqa: E402
 from speculum.cli.demo import PASSAGE  # noqa: E402
-from speculum.models.select import make_draft  # noqa: E402
+from speculum.drafts import make_draft  # noqa: E402
 
 CODE = '''def load_scores(path):
     scores = {}

@@ -29,7 +29,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 from speculum.decoding.controller import GammaController, situation_key  # noqa: E402
-from speculum.models.select import make_draft  # noqa: E402
+from speculum.drafts import make_draft  # noqa: E402
 
 
 def record(path: str, max_new_tokens: int, backend: str) -> None:

@@ -61,9 +61,9 @@ def main() -> None:
 
     import speculum
     from speculum.enumeration import AutoregressiveEnumerable
-    from speculum.enumeration.drafts import make_enumeration_draft
+    from speculum.drafts import make_enumeration_draft
     from speculum.enumeration.exposure import estimate_rank
-    from speculum.models.select import make_draft
+    from speculum.drafts import make_draft
 
     target = speculum.load_model(progress=False)
     twins = {}

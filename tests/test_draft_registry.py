@@ -2,14 +2,18 @@
 (without loading) and how it is built."""
 from __future__ import annotations
 
+import doctest
+import importlib
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
-from speculum.enumeration.drafts import ENUMERATION_DRAFTS, make_enumeration_draft, sample_continuations
+from speculum.drafts import (DECODING, DRAFT_KINDS, DRAFT_REGISTRY, ENUMERATION, ENUMERATION_DRAFTS, NGRAM_ORDER,
+                             NGramProposer, PromptLookup, check_draft_spec, draft_kinds, make_draft,
+                             make_enumeration_draft, sample_continuations)
 from speculum.models import MarkovModel, NGramModel
-from speculum.models.drafts import NGramProposer, PromptLookup
-from speculum.models.select import (DECODING, DRAFT_KINDS, DRAFT_REGISTRY, ENUMERATION, check_draft_spec,
-                                    draft_kinds, make_draft)
 
 TARGET = MarkovModel.random(5, seed=0, eos_token_id=4)
 
@@ -66,3 +70,38 @@ def test_the_same_name_builds_what_each_purpose_needs():
     assert len(samples) == 16 and all(1 <= len(s) <= 3 for s in samples)
     with pytest.raises(ValueError, match="Hugging Face"):
         make_enumeration_draft("int8", TARGET, prompt=[0], length=2)
+
+
+def test_the_fitted_ngram_is_the_ngram_model_of_the_targets_samples():
+    samples = sample_continuations(TARGET, [0, 1], length=3, n=16, rng=np.random.default_rng(3), eos=4)
+    expected = NGramModel.fit([[0, 1] + sample for sample in samples], NGRAM_ORDER, 5, eos_token_id=4)
+    fitted = make_enumeration_draft("ngram", TARGET, prompt=[0, 1], length=3, eos=4, n_samples=16, seed=3)
+    prefixes = [[0, 1], [0, 1, 2], [3], [0, 1, 2, 3]]
+    np.testing.assert_array_equal(fitted.next_logprobs(prefixes), expected.next_logprobs(prefixes))
+
+
+def test_models_never_imports_the_drafts_floor_and_still_names_the_proposers():
+    """Drafts sit a floor above models: ``speculum.models`` names the proposers lazily, so importing it
+    (or a backend) imports no draft module, and the names it gives are the drafts' own."""
+    code = ("import sys, speculum.models, speculum.models.default; "
+            "assert not [m for m in sys.modules if m.startswith('speculum.drafts')], sorted(sys.modules); "
+            "import speculum.drafts as d; "
+            "assert (speculum.models.PromptLookup, speculum.models.NGramProposer) == (d.PromptLookup, d.NGramProposer)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_deprecated_select_module_warns_and_names_the_same_objects():
+    from speculum.drafts import registry
+
+    sys.modules.pop("speculum.models.select", None)
+    with pytest.warns(DeprecationWarning, match="speculum.drafts"):
+        select = importlib.import_module("speculum.models.select")
+    assert (select.make_draft, select.check_draft_spec, select.DRAFT_REGISTRY) == \
+        (registry.make_draft, registry.check_draft_spec, registry.DRAFT_REGISTRY)
+
+
+@pytest.mark.parametrize("module", ["speculum.drafts", "speculum.drafts.registry", "speculum.drafts.proposers",
+                                    "speculum.drafts.ngram_fit"])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0

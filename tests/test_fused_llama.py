@@ -17,7 +17,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.models.fused_llama import FusedLlama, unsupported_reason  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
-from speculum.models.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
+from speculum.drafts.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 TOLERANCE = 1e-4   # nats: float32 rounding of the tiny model's large random logits (differences seen: ~5e-6)

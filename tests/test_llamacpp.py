@@ -180,8 +180,8 @@ def test_vocabulary_check_rejects_a_foreign_draft(model):
 
 
 def test_second_gguf_draft_by_name_pairs_with_a_llamacpp_target(model):
-    select = pytest.importorskip("speculum.models.select")
-    draft = select.make_draft("smollm2-135m", model)  # what `--backend llamacpp --draft PATH` does
+    drafts = pytest.importorskip("speculum.drafts")
+    draft = drafts.make_draft("smollm2-135m", model)  # what `--backend llamacpp --draft PATH` does
     assert isinstance(draft, llamacpp_module.LlamaCppModel) and draft is not model
     assert draft.tokenizer.get_vocab() == model.tokenizer.get_vocab()
     assert draft.vocabulary_fingerprint == model.vocabulary_fingerprint

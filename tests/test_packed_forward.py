@@ -25,7 +25,7 @@ from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.models import hf as hf_module  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.kv_arena import KVArena, SlotCache  # noqa: E402
-from speculum.models.twins import truncated_draft  # noqa: E402
+from speculum.drafts.twins import truncated_draft  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 
 

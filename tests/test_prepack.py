@@ -13,8 +13,8 @@ from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.models.fused_llama import FusedLlama  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.prepack import is_prepacked, prepack_linears, unpack_linears, unpacked_copy  # noqa: E402
-from speculum.models.select import make_draft  # noqa: E402
-from speculum.models.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
+from speculum.drafts import make_draft  # noqa: E402
+from speculum.drafts.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 

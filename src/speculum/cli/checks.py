@@ -12,6 +12,8 @@ import re
 import sys
 from typing import Any
 
+from speculum.drafts import check_draft_spec
+
 __all__ = ["CLIError", "warn", "utf8_text", "read_stdin", "check_at_least", "check_sampling", "check_draft"]
 
 # Lone surrogates: how Python's surrogateescape error handler carries bytes that are not UTF-8.
@@ -80,8 +82,6 @@ def check_sampling(args: Any) -> None:
 def check_draft(spec: str, kinds: Any = None) -> None:
     """Raise CLIError (naming ``--draft`` and the kinds on offer) unless ``spec`` names a draft that can be
     built; nothing is loaded. ``kinds``: the choices listed on error (default: the generation drafts)."""
-    from speculum.models.select import check_draft_spec
-
     try:
         check_draft_spec(spec, **({} if kinds is None else {"kinds": kinds}))
     except (ValueError, FileNotFoundError) as exc:

@@ -13,6 +13,7 @@ from typing import Any
 
 from speculum.cli.checks import check_draft, check_sampling
 from speculum.cli.progress import loading_progress
+from speculum.drafts import make_draft
 
 __all__ = ["register", "run", "DEMO_PROMPTS"]
 
@@ -58,7 +59,6 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import speculum
     from speculum.cli.generate import TextStream, format_stats
-    from speculum.models.select import make_draft
 
     check_sampling(args)  # before the banner: a bad flag fails at once
     check_draft(args.draft)

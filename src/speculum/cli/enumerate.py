@@ -164,8 +164,7 @@ def _text(model: Any, tokens) -> str:
 
 def _check_enumeration_draft(spec: str) -> None:
     """``--draft`` of ``enumerate``, checked without loading: a draft *model* (never fixed proposals)."""
-    from speculum.enumeration.drafts import ENUMERATION_DRAFTS
-    from speculum.models.select import is_embedded_model
+    from speculum.drafts import ENUMERATION_DRAFTS, is_embedded_model
 
     kind = spec.strip().lower()
     if kind == "lookup":
@@ -184,7 +183,7 @@ def _check_enumeration_draft(spec: str) -> None:
 # ---------------------------------------------------------------------------------------- enumerate
 def run_enumerate(args: argparse.Namespace) -> int:
     from speculum.enumeration import AutoregressiveEnumerable, RescoredIndex
-    from speculum.enumeration.drafts import make_enumeration_draft
+    from speculum.drafts import make_enumeration_draft
 
     for name in ("length", "max_len", "top_k", "max_window", "max_nodes"):
         check_at_least(getattr(args, name), 1, f"--{name.replace('_', '-')}")

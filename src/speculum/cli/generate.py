@@ -1,7 +1,7 @@
 """``speculum generate PROMPT``: speculative text generation from the command line.
 
 Loads a target (the embedded SmolLM2-135M-Instruct by default, or a local model directory), builds the
-draft named by ``--draft`` (``speculum.models.select.make_draft``), streams the text as the target
+draft named by ``--draft`` (``speculum.drafts.make_draft``), streams the text as the target
 accepts it and ends with a short statistics table (stderr), or prints one JSON object with ``--json``.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 from speculum.cli.checks import CLIError, check_draft, check_sampling, read_stdin, utf8_text, warn
 from speculum.cli.progress import loading_progress
 from speculum.decoding.text import TextStream
+from speculum.drafts import DRAFT_KINDS, make_draft
 
 __all__ = ["register", "run", "format_stats", "parse_gamma", "TextStream", "add_draft_argument",
            "add_gamma_argument", "drafts_help"]
@@ -64,8 +65,6 @@ def add_cache_argument(parser: argparse.ArgumentParser) -> None:
 
 def drafts_help() -> str:
     """The epilog's list of draft kinds (``generate`` and ``serve``)."""
-    from speculum.models.select import DRAFT_KINDS
-
     return "drafts (--draft):\n" + "\n".join(f"  {name:<10} {text}" for name, text in DRAFT_KINDS.items())
 
 
@@ -140,7 +139,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import speculum
-    from speculum.models.select import make_draft
 
     check_args(args)
     prompt_text = read_stdin("generate") if args.prompt == "-" else utf8_text(args.prompt, "PROMPT", "generate")

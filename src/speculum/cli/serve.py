@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from speculum.cli.checks import CLIError, check_at_least, check_draft
+from speculum.drafts import make_draft
 from speculum.models.vocabulary import token_bytes
 from speculum.serving import Engine, create_app, serve_on_this_thread
 from speculum.validation import InputError
@@ -98,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn    # the serve extra, loaded only by this command
     except ImportError:
         raise ImportError("speculum serve needs FastAPI and uvicorn: pip install 'speculum[serve]'") from None
-    from speculum.models.select import make_draft
 
     target = load_target(args)
     draft = make_draft(args.draft, target)

@@ -20,12 +20,13 @@ from .base import (
 )
 from .reference import MarkovModel
 
-# name -> module (relative to this package); resolved on first attribute access.
+# name -> module (relative to this package, or absolute); resolved on first attribute access. The proposers
+# live in speculum.drafts, a floor above models: named here lazily, importing models never imports drafts.
 _LAZY = {
     "NGramModel": ".reference",
     "TinyTransformer": ".reference",
-    "PromptLookup": ".drafts",
-    "NGramProposer": ".drafts",
+    "PromptLookup": "speculum.drafts.proposers",
+    "NGramProposer": "speculum.drafts.proposers",
     "HFModel": ".hf",
     "load_model": ".default",
     "ConversionProgress": ".default",

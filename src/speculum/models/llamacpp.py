@@ -50,7 +50,7 @@ import numpy as np
 
 from ..validation import InputError, check_int, check_optional_int
 from .base import BaseModel, Capabilities, check_prompt, check_token_ids, common_prefix_length
-from .default import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path
+from .paths import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path
 from .llamacpp_check import check_native_build
 
 __all__ = [

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .paths import cache_dir
+
 __all__ = ["check_native_build", "CMAKE_ARGS", "LLAMACPP_REQUIREMENT", "REBUILD_COMMAND"]
 
 # The one list of llama.cpp build flags: any x86-64 CPU with AVX2, never -march=native (whose AMX kernels
@@ -46,8 +48,6 @@ def _library_file() -> Path | None:
 
 
 def _marker(model_path: str) -> Path:
-    from .default import cache_dir
-
     library = _library_file()
     identity = [str(library), str(library.stat().st_mtime_ns) if library else "",
                 os.path.abspath(model_path), str(os.stat(model_path).st_mtime_ns)]

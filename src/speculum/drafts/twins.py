@@ -29,10 +29,9 @@ import warnings
 
 import torch
 
+from ..models.hf import HFModel
+from ..models.prepack import unpacked_copy
 from ..validation import InputError
-
-from .hf import HFModel
-from .prepack import unpacked_copy
 
 __all__ = ["int8_twin", "bf16_twin", "truncated_draft"]
 
@@ -44,7 +43,7 @@ def int8_twin(target: HFModel) -> HFModel:
         # torch.ao.quantization is deprecated in favour of torchao, which is not a dependency here; the eager
         # dynamic path still ships with torch and is what this twin needs.
         warnings.simplefilter("ignore")
-        from torch.ao.quantization import quantize_dynamic
+        from torch.ao.quantization import quantize_dynamic  # importing it warns too: inside the filter
 
         module = quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8)
     return HFModel(module, target.tokenizer, name=f"{target.name}-int8")

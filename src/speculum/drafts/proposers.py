@@ -25,9 +25,9 @@ from typing import Sequence
 
 import numpy as np
 
+from ..models.base import check_token_ids, common_prefix_length
+from ..models.ngram import NGramModel
 from ..validation import InputError, check_int
-from .base import check_token_ids, common_prefix_length
-from .ngram import NGramModel
 
 __all__ = ["PromptLookup", "NGramProposer"]
 
