@@ -19,8 +19,9 @@ $(PY):
 # llama.cpp is built for any x86-64 CPU with AVX2, not for the build machine (-march=native): a native
 # build on a CPU with AMX uses AMX kernels that crash (segfault) in sandboxes that do not grant the AMX
 # tile state, even though the CPU reports it. --no-cache-dir: never reuse a wheel built with other flags.
-# The flags are read from CMAKE_ARGS in llamacpp_check.py, whose crash message shows the same rebuild command.
-LLAMACPP_FLAGS_FILE := src/speculum/models/llamacpp_check.py
+# The flags are read from CMAKE_ARGS in models/llamacpp/build_check.py, whose crash message shows the same
+# rebuild command.
+LLAMACPP_FLAGS_FILE := src/speculum/models/llamacpp/build_check.py
 LLAMACPP_CMAKE_ARGS ?= $(shell sed -n 's/^CMAKE_ARGS = "\(.*\)"$$/\1/p' $(LLAMACPP_FLAGS_FILE))
 
 $(STAMP): pyproject.toml | $(PY)

@@ -93,7 +93,7 @@ def test_readme_install_commands_match_the_project_pins():
 def test_llamacpp_build_flags_match_the_rebuild_command():
     """The flags a user is told to build llama-cpp-python with are the ones the AMX guard's crash message
     and ``make`` use: a build with other flags may crash the process on AMX CPUs."""
-    from speculum.models.llamacpp_check import REBUILD_COMMAND
+    from speculum.models.llamacpp.build_check import REBUILD_COMMAND
 
     expected = set(re.findall(r"-D\w+=\w+", REBUILD_COMMAND))
     for path in (README, DOCS / "backends.md"):

@@ -249,7 +249,7 @@ def _probe_command(exit_code=None, signum=None):
 
 
 def test_native_build_check_turns_a_crash_into_a_one_line_error(tmp_path, monkeypatch):
-    from speculum.models.llamacpp_check import REBUILD_COMMAND, check_native_build
+    from speculum.models.llamacpp.build_check import REBUILD_COMMAND, check_native_build
 
     monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path))
     gguf = tmp_path / "model.gguf"
@@ -271,7 +271,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_make_install_and_the_rebuild_hint_use_one_list_of_build_flags(monkeypatch):
     """`make install`, the crash message's rebuild command and any documented build command compile
     llama.cpp with the same flags and the version the extra pins."""
-    from speculum.models.llamacpp_check import CMAKE_ARGS, LLAMACPP_REQUIREMENT, REBUILD_COMMAND
+    from speculum.models.llamacpp.build_check import CMAKE_ARGS, LLAMACPP_REQUIREMENT, REBUILD_COMMAND
 
     assert "-DGGML_NATIVE=OFF" in CMAKE_ARGS.split()
     assert f"CMAKE_ARGS='{CMAKE_ARGS}' " in REBUILD_COMMAND and REBUILD_COMMAND.endswith(LLAMACPP_REQUIREMENT)

@@ -18,11 +18,14 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 from ..validation import InputError
 from .cache import load_cached, write_cache
@@ -79,17 +82,13 @@ def convert_gguf(gguf_path: Path, target: Path, *, progress: Callable[[str], Non
 
 def _dequantised(gguf_path: Path) -> Any:
     """The transformers model of a GGUF file, de-quantised to float32 and stripped of its quantiser."""
-    import contextlib
-    import functools
-    from unittest import mock
-
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # the [llm] extra, loaded with the first PyTorch model
+    from transformers import AutoModelForCausalLM  # the [llm] extra
 
     # transformers draws a per-tensor bar with plain tqdm, which its progress-bar switch does not reach;
     # progress is reported per stage through the caller's callback instead, so silence it.
     try:
-        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils  # the [llm] extra; absent in some releases
         quiet = mock.patch.object(gguf_utils, "tqdm", functools.partial(gguf_utils.tqdm, disable=True))
     except (ImportError, AttributeError):
         quiet = contextlib.nullcontext()
@@ -104,7 +103,7 @@ def _dequantised(gguf_path: Path) -> Any:
 
 
 def _dequantise_into(gguf_path: Path, folder: Path, progress: Callable[[str], None] | None) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # the [llm] extra, loaded with the first PyTorch model
 
     notify = progress or (lambda stage: None)
     notify("reading tokenizer")
@@ -165,6 +164,7 @@ def load_model(
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if backend == "llamacpp":
         return load_llamacpp_model(name_or_path)
+    # The hf backend imports torch (the [llm] extra): loaded with the first PyTorch model, after the offline switch.
     from .hf import HFModel, parse_dtype
 
     parse_dtype(dtype)  # a bad dtype is bad input, not a damaged cache: reject it before the cache logic
@@ -224,7 +224,7 @@ def _load_embedded(key: str, *, dtype: str, prepack: bool, progress: ProgressCal
 def _load_converted(folder: Path, key: str, *, dtype: str, prepack: bool) -> Any:
     """The embedded model from its converted folder; raises when any part of it, the tokenizer included,
     does not load (the embedded model always has one, so a missing tokenizer means a damaged cache)."""
-    from .hf import HFModel
+    from .hf import HFModel  # imports torch, the [llm] extra
 
     model = HFModel.from_pretrained(folder, dtype=dtype, prepack=prepack)
     if model.tokenizer is None:  # no tokenizer file at all (one that fails to load raises in from_pretrained)
@@ -235,11 +235,11 @@ def _load_converted(folder: Path, key: str, *, dtype: str, prepack: bool) -> Any
 
 def _load_gguf(gguf: Path, key: str, *, dtype: str, prepack: bool, quiet: bool) -> Any:
     """The embedded model straight from its GGUF file (~25 s): the same weights as a converted folder."""
-    import torch
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    import torch  # the [llm] extra, loaded with the first PyTorch model
+    from transformers import AutoTokenizer  # the [llm] extra
+    from transformers.utils import logging as hf_logging  # the [llm] extra
 
-    from .hf import HFModel, parse_dtype
+    from .hf import HFModel, parse_dtype  # imports torch, the [llm] extra
 
     torch.set_num_threads(os.cpu_count() or 1)
     bars = hf_logging.is_progress_bar_enabled()

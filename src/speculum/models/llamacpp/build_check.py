@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .paths import cache_dir
+from ..paths import cache_dir
 
 __all__ = ["check_native_build", "CMAKE_ARGS", "LLAMACPP_REQUIREMENT", "REBUILD_COMMAND"]
 
@@ -40,7 +40,7 @@ model.eval((tokens * 4)[:4])
 
 
 def _library_file() -> Path | None:
-    import llama_cpp
+    import llama_cpp  # the optional [llamacpp] extra: only a model being loaded gets here
 
     folder = Path(llama_cpp.__file__).parent / "lib"
     candidates = sorted(folder.glob("libggml-cpu*")) or sorted(folder.glob("libllama*"))

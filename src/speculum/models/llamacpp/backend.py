@@ -48,15 +48,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..validation import InputError, check_int, check_optional_int
-from .base import BaseModel, Capabilities, check_prompt, check_token_ids, common_prefix_length
-from .paths import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path
-from .llamacpp_check import check_native_build
+from ...validation import InputError, check_int, check_optional_int
+from ..base import BaseModel, Capabilities, check_prompt, check_token_ids, common_prefix_length
+from ..paths import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path
+from .build_check import check_native_build
+from .tokenizer import LlamaCppTokenizer
 
 __all__ = [
     "LlamaCppModel",
     "LlamaCppSession",
-    "LlamaCppTokenizer",
     "load_llamacpp_model",
     "check_same_vocabulary",
     "INSTALL_HINT",
@@ -70,7 +70,7 @@ DEFAULT_N_BATCH = 512
 def _import_llama_cpp():
     """Import ``llama_cpp`` or raise the one-line ``ImportError`` the CLI shows (exit code 2)."""
     try:
-        import llama_cpp
+        import llama_cpp  # the optional [llamacpp] extra, loaded with the first model
     except (ImportError, OSError) as exc:  # OSError: the shared library is present but cannot load
         raise ImportError(INSTALL_HINT) from exc
     return llama_cpp
@@ -88,79 +88,6 @@ def _logits_to_logprobs(logits: np.ndarray) -> np.ndarray:
     np.exp(scaled, out=scaled)
     log_normaliser = top.astype(np.float64) + np.log(scaled.sum(axis=1, keepdims=True, dtype=np.float64))
     return np.subtract(logits, log_normaliser, dtype=np.float64)
-
-
-class LlamaCppTokenizer:
-    """The GGUF's own tokenizer with the small part of the Hugging Face interface speculum uses.
-
-    ``encode`` parses special tokens in the text (as Hugging Face does); ``apply_chat_template`` renders
-    the chat template stored in the GGUF (``tokenizer.chat_template``) with jinja2, like transformers.
-
-    Example:
-        >>> ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}])   # doctest: +SKIP
-        >>> tok.decode(tok.encode("Hello world"))                                   # doctest: +SKIP
-        'Hello world'
-    """
-
-    def __init__(self, llama: Any, *, eos_token_id: int | None, bos_token_id: int | None) -> None:
-        self._llama = llama
-        self.vocab_size = int(llama.n_vocab())
-        self.eos_token_id = eos_token_id
-        self.bos_token_id = bos_token_id
-        self.chat_template: str | None = llama.metadata.get("tokenizer.chat_template")
-        self._vocab_map: dict[str, int] | None = None
-
-    def get_vocab(self) -> dict[str, int]:
-        """Token text -> id for every token (as Hugging Face's ``get_vocab``; used to pair drafts)."""
-        if self._vocab_map is None:
-            import llama_cpp
-
-            vocab = llama_cpp.llama_model_get_vocab(self._llama.model)
-            self._vocab_map = {
-                (llama_cpp.llama_vocab_get_text(vocab, token_id) or b"").decode("utf-8", errors="replace"): token_id
-                for token_id in range(self.vocab_size)
-            }
-        return self._vocab_map
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds BOS only where the GGUF asks for it."""
-        if not isinstance(text, str):
-            raise InputError(f"text must be a str, got {type(text).__name__}")
-        return list(self._llama.tokenize(text.encode("utf-8"), add_bos=add_special_tokens, special=True))
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        """Text of ``token_ids`` (invalid UTF-8 at a cut multi-byte character becomes U+FFFD)."""
-        ids = check_token_ids(token_ids, self.vocab_size, name="token_ids")
-        return self._llama.detokenize(ids, special=not skip_special_tokens).decode("utf-8", errors="replace")
-
-    def _token_text(self, token_id: int | None) -> str:
-        return "" if token_id is None else self.decode([token_id])
-
-    def apply_chat_template(
-        self,
-        messages: Sequence[dict],
-        add_generation_prompt: bool = True,
-        tokenize: bool = True,
-        return_dict: bool = False,
-    ):
-        """Render ``messages`` with the GGUF's chat template: token ids (``tokenize``) or the prompt text.
-
-        ``return_dict=True`` returns ``{"input_ids": ids}`` like a Hugging Face ``BatchEncoding``."""
-        if self.chat_template is None:
-            raise InputError("this GGUF file has no chat template (metadata tokenizer.chat_template)")
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        formatter = Jinja2ChatFormatter(
-            template=self.chat_template,
-            eos_token=self._token_text(self.eos_token_id),
-            bos_token=self._token_text(self.bos_token_id),
-            add_generation_prompt=add_generation_prompt,
-        )
-        text = formatter(messages=list(messages)).prompt
-        if not tokenize:
-            return text
-        ids = self.encode(text, add_special_tokens=False)  # the template already holds any BOS
-        return {"input_ids": ids} if return_dict else ids
 
 
 class LlamaCppSession:
@@ -276,7 +203,7 @@ class LlamaCppModel(BaseModel):
         n_ctx, n_batch = check_int(n_ctx, "n_ctx", minimum=1), check_int(n_batch, "n_batch", minimum=1)
         threads = check_optional_int(n_threads, "n_threads", minimum=1) or os.cpu_count() or 1
         n_batch = min(n_batch, n_ctx)
-        # A crashing native build would kill the process with no message: probe it once (llamacpp_check).
+        # A crashing native build would kill the process with no message: probe it once (build_check).
         check_native_build(path, llama_cpp.llama_print_system_info().decode(errors="replace"))
         self._lib = llama_cpp
         self.model_path = path
