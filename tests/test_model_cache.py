@@ -1,4 +1,4 @@
-"""The self-checking model cache (:mod:`speculum.models.cache`): fault injection with a fake converter.
+"""The self-checking model cache (:mod:`speculum.models.checkpoints`): fault injection with a fake converter.
 
 Every fault ends in a rebuilt cache that loads the correct content, or in the model loaded straight from
 its source, or in a one-line ModelCacheError, each with one-line warnings: never a traceback, never
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from speculum.models import cache as cache_module
-from speculum.models.cache import MANIFEST_NAME, ModelCacheError, load_cached, write_cache
+from speculum.models import checkpoints as cache_module
+from speculum.models.checkpoints import MANIFEST_NAME, ModelCacheError, load_cached, write_cache
 
 # The converted files of the fake source: a config, "weights" and a tokenizer, as a converter writes them.
 WEIGHTS = bytes(range(256)) * 1024

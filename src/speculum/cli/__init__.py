@@ -21,7 +21,7 @@ from typing import Sequence
 
 from speculum.cli.checks import CLIError
 from speculum.enumeration.exact import BandTooLargeError, IndexBudgetError
-from speculum.models.cache import ModelCacheError
+from speculum.models.checkpoints import ModelCacheError
 from speculum.validation import InputError
 
 __all__ = ["main", "build_parser", "CLIError", "USER_ERRORS", "BROKEN_PIPE_EXIT"]

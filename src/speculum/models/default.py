@@ -8,7 +8,7 @@ a second), and returns an ``HFModel``. Nothing is fetched from a model hub.
 Cache folder: ``$SPECULUM_CACHE``, else ``$XDG_CACHE_HOME/speculum``, else ``~/.cache/speculum``. The
 conversion writes into a temporary sibling folder and renames it into place, so an interrupted conversion
 never leaves a half-written model behind; a manifest of sizes and checksums lets each load detect damage
-and rebuild (:mod:`speculum.models.cache`), and an unwritable cache folder is bypassed.
+and rebuild (:mod:`speculum.models.checkpoints`), and an unwritable cache folder is bypassed.
 
 Example:
     >>> import speculum
@@ -28,7 +28,7 @@ from typing import Any, Callable
 from unittest import mock
 
 from ..validation import InputError
-from .cache import load_cached, write_cache
+from .checkpoints import load_cached, write_cache
 from .llamacpp import load_llamacpp_model
 from .paths import DEFAULT_MODEL, EMBEDDED_MODELS, cache_dir, canonical_name, embedded_gguf_path
 
@@ -74,7 +74,7 @@ def convert_gguf(gguf_path: Path, target: Path, *, progress: Callable[[str], Non
 
     ``progress(stage)`` is called before each stage. The weights are those transformers reads from the
     GGUF file (Q4_1 de-quantised to float32), saved unchanged. The folder carries the manifest of
-    :mod:`speculum.models.cache` (sizes, checksums, source identity), written last; it appears under
+    :mod:`speculum.models.checkpoints` (sizes, checksums, source identity), written last; it appears under
     ``target`` complete or not at all.
     """
     return write_cache(target, gguf_path, lambda folder: _dequantise_into(gguf_path, folder, progress))
@@ -141,12 +141,12 @@ def load_model(
             pre-packed for oneDNN (:mod:`speculum.models.prepack`); False keeps transformers' forward with
             PyTorch's default kernels, bit for bit what transformers computes.
         verify: embedded models: check the checksum of every cached file even where this machine has
-            confirmed them (sizes and stat stamps are always checked; see :mod:`speculum.models.cache`).
+            confirmed them (sizes and stat stamps are always checked; see :mod:`speculum.models.checkpoints`).
 
     A damaged cache of an embedded model is rebuilt with a one-line warning; an unwritable one is bypassed
     (one-line warning, the model is de-quantised from its GGUF on every load).
 
-    Raises ValueError (unknown name / backend / dtype; :class:`~speculum.models.cache.ModelCacheError` when
+    Raises ValueError (unknown name / backend / dtype; :class:`~speculum.models.checkpoints.ModelCacheError` when
     the embedded model loads neither from its rebuilt cache nor from its GGUF), FileNotFoundError (missing
     path), ImportError (missing optional dependency). Never contacts a model hub.
 
@@ -193,7 +193,7 @@ def _progress_callback(progress: Any) -> ProgressCallback | None:
 
 def _load_embedded(key: str, *, dtype: str, prepack: bool, progress: ProgressCallback | None,
                    verify: bool) -> Any:
-    """An embedded model through its self-checking cache (:func:`speculum.models.cache.load_cached`)."""
+    """An embedded model through the checkpoint cache (:func:`speculum.models.checkpoints.load_cached`)."""
     gguf = embedded_gguf_path(key)
 
     def write(folder: Path) -> None:

@@ -1,4 +1,5 @@
-"""A self-checking on-disk cache of a converted model: atomic writes, a manifest, detection and repair.
+"""The checkpoint cache: a converted model kept on disk (not a KV cache), self-checking: atomic writes, a
+manifest, detection and repair.
 
 A cache folder holds the converted files plus ``speculum-manifest.json``: the format version, each file's
 size and sha256, the identity of the source file (size and a sha256 of its first and last MiB), and
