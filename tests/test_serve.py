@@ -170,7 +170,8 @@ def test_bad_requests_get_openai_shaped_errors(server):
         (json.dumps({"max_tokens": 3}).encode(), 400),               # no prompt
         (json.dumps({"prompt": "ab", "logprobs": 21}).encode(), 400),
         (json.dumps({"prompt": "ab", "logprobs": -1}).encode(), 400),
-        (json.dumps({"prompt": "ab", "echo": True}).encode(), 400),
+        (json.dumps({"prompt": "ab", "echo": True, "stream": True}).encode(), 400),
+        (json.dumps({"prompt": "ab", "max_tokens": 0}).encode(), 400),        # 0 only with echo
     ]
     for body, status in cases:
         reply = httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=10)
@@ -330,7 +331,8 @@ def test_smollm2_served_greedy_chat_equals_plain_greedy_decoding():
 
 
 @pytest.mark.parametrize("module", ["speculum.serving.engine", "speculum.serving.openai_api",
-                                    "speculum.serving.schema", "speculum.serving.render", "speculum.serving.guards"])
+                                    "speculum.serving.schema", "speculum.serving.render", "speculum.serving.guards",
+                                    "speculum.serving.scoring", "speculum.serving.completions"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib
@@ -562,7 +564,7 @@ def test_served_logprobs_completions_and_chat_streamed_and_not(server):
 @given(st.lists(st.integers(-3, 3), min_size=1, max_size=30), st.integers(1, 35))
 @settings(max_examples=200, deadline=None)
 def test_likeliest_tokens_equal_a_stable_sort_ties_included(values, k):
-    from speculum.serving.engine import _likeliest
+    from speculum.serving.scoring import likeliest as _likeliest
 
     row = np.array(values, dtype=float)
     assert list(_likeliest(row, k)) == list(np.argsort(-row, kind="stable")[:k])

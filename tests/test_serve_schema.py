@@ -49,7 +49,9 @@ def test_a_body_becomes_the_engines_request():
     ({"prompt": []}, "prompt", 400),
     ({"prompt": "x", "model": "other"}, "model", 404),
     ({"prompt": "x", "n": 2}, "n", 400),
-    ({"prompt": "x", "echo": True}, "echo", 400),
+    ({"prompt": "x", "echo": True, "stream": True}, "stream", 400),
+    ({"prompt": ["x", "y"], "stream": True}, "stream", 400),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", 400),
     ({"prompt": "x", "logprobs": 21}, "logprobs", 400),
     ({"prompt": "x", "logprobs": -1}, "logprobs", 400),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
@@ -61,13 +63,14 @@ def test_refusals_name_the_field(body, param, status):
 
 
 def test_chat_refusals_name_the_field():
+    assert refused({"messages": [{"role": "user", "content": "hi"}], "echo": True}, cls=ChatBody).param == "echo"
     assert refused({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, cls=ChatBody).param == \
         "top_logprobs"
     assert refused({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30},
                    cls=ChatBody).param == "top_logprobs"
 
 
-@pytest.mark.parametrize("body", [{"prompt": "x", "max_tokens": "3"}, {"prompt": "x", "max_tokens": 0},
+@pytest.mark.parametrize("body", [{"prompt": "x", "max_tokens": "3"}, {"prompt": "x", "max_tokens": -1},
                                   {"prompt": "x", "temperature": -1}, {"prompt": "x", "top_p": 0},
                                   {"max_tokens": 3}, {"messages": []}])
 def test_strict_fields(body):

@@ -19,6 +19,7 @@ from speculum.cli.checks import CLIError, check_at_least, check_draft
 from speculum.drafts import make_draft
 from speculum.models.vocabulary import token_bytes
 from speculum.serving import Engine, create_app, serve_on_this_thread
+from speculum.serving.scoring import DEFAULT_CACHE_TOKENS
 from speculum.validation import InputError
 from speculum.cli.generate import (add_draft_argument, add_gamma_argument, add_model_arguments, drafts_help,
                                    load_target)
@@ -72,6 +73,9 @@ def register(subparsers: Any) -> None:
                         help=f"stop strings a request may give (default: {MAX_STOP_STRINGS}, as OpenAI)")
     parser.add_argument("--max-stop-chars", type=int, default=MAX_STOP_CHARS, metavar="N",
                         help=f"characters of one stop string at most (default: {MAX_STOP_CHARS})")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS, metavar="N",
+                        help="tokens of recently scored echo prompts kept for reuse by prompts sharing their "
+                             f"prefix (their KV caches; least recently used evicted; default: {DEFAULT_CACHE_TOKENS})")
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_SECONDS, metavar="SECONDS",
                         help="on SIGINT / SIGTERM, seconds the open responses may still take; those left then "
                              "end with an error event and [DONE] (default: 5)")
@@ -89,6 +93,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_at_least(args.max_body_bytes, 1024, "--max-body-bytes")
     check_at_least(args.max_stop, 0, "--max-stop")
     check_at_least(args.max_stop_chars, 1, "--max-stop-chars")
+    check_at_least(args.prefix_cache_tokens, 0, "--prefix-cache-tokens")
     if not args.shutdown_timeout >= 0:
         raise CLIError(f"--shutdown-timeout must be at least 0 seconds, got {args.shutdown_timeout}")
 
@@ -105,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     # The engine runs on this thread, which loaded the model (see Engine's `background`); HTTP on another.
     engine = Engine(target, draft=draft, gamma=args.gamma, max_batch=args.max_batch, max_waiting=args.max_waiting,
                     batch_invariant=args.batch_invariant, prompt_tokens_per_step=args.prompt_tokens_per_step,
-                    background=False)
+                    prefix_cache_tokens=args.prefix_cache_tokens, background=False)
     name = args.served_model_name or args.target
     pieces = _token_bytes(target)
     # The HTTP side encodes with a tokenizer of its own: a long prompt never waits for, nor blocks, the
@@ -114,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, name, encode_text=lambda text: encoder.encode(text, chat=False),
                      encode_chat=chat_encoder(encoder), default_max_tokens=args.default_max_tokens,
                      token_bytes=pieces, limits=server_limits(args, target, pieces),
-                     encode_lock=threading.Lock() if encoder is not target else None)
+                     encode_lock=threading.Lock() if encoder is not target else None,
+                     decode_text=encoder.decode, **tokenizer_routes(encoder))
     # SIGINT / SIGTERM: refuse new requests, let open responses end within --shutdown-timeout, end the rest
     # with an error event; uvicorn waits a little longer so that those last events reach their clients.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
@@ -132,6 +138,22 @@ def server_limits(args: argparse.Namespace, target: Any, pieces: Any) -> Any:
     limits = default_body_limit(getattr(target, "max_context", None), longest)
     return dataclasses.replace(limits, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
                                max_body_bytes=args.max_body_bytes or limits.max_body_bytes)
+
+
+def tokenizer_routes(model: Any) -> dict:
+    """``tokenize`` and ``tokenizer_info`` for ``create_app`` (the routes evaluators probe, e.g.
+    lm-evaluation-harness' remote tokenizer), from a Hugging Face tokenizer; none for another backend."""
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None or not hasattr(tokenizer, "backend_tokenizer"):
+        return {}
+    info = {"eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": getattr(model, "max_context", None)}
+
+    def tokenize(text: str, add_special_tokens: bool) -> list[int]:
+        return [int(t) for t in tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]]
+
+    return {"tokenize": tokenize, "tokenizer_info": info}
 
 
 def _encoding_twin(target: Any) -> Any:

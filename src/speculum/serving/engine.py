@@ -26,15 +26,17 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..decoding.scheduler import Scheduler
 from ..decoding.plan import Plan, plan_generation
+from ..decoding.scheduler import Scheduler
 from ..decoding.text import StopMatcher, TextStream
+from ..models.base import check_token_ids
 from ..validation import InputError, check_int
+from .scoring import DEFAULT_CACHE_TOKENS, MAX_TOP, PromptScorer, ScoreJob, likeliest
 
 __all__ = ["Engine", "EngineBusy", "EngineClosed", "GenerationRequest", "Delta", "Job", "EngineMetrics",
            "TokenLogprob"]
 
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = MAX_TOP
 
 
 class EngineBusy(RuntimeError):
@@ -107,6 +109,11 @@ class EngineMetrics:
     busy_seconds: float = 0.0
     prefill_seconds: float = 0.0       # admitting jobs: their prompts' own forwards, part of busy_seconds
     #                                    (a prompt packed into a step's forward counts in that step)
+    prompts_scored: int = 0            # echo requests' prompts scored
+    scored_tokens_forwarded: int = 0   # tokens their scoring fed to the target
+    scored_tokens_reused: int = 0      # positions answered from a resident prompt sharing the prefix
+    prefix_cache_tokens: int = 0       # tokens held by resident scored prompts (gauge)
+    prefix_cache_capacity: int = 0     # the cap on them (``prefix_cache_tokens`` of the engine)
 
     @property
     def acceptance_rate(self) -> float:
@@ -121,16 +128,6 @@ _DONE = object()
 _WAKE = object()        # wakes a worker waiting for jobs; not a job
 
 
-def _likeliest(row: np.ndarray, k: int) -> np.ndarray:
-    """The ids of the ``k`` largest entries of ``row``, largest first, ties by id (a partition, not a sort
-    of the whole vocabulary)."""
-    if k >= len(row):
-        return np.argsort(-row, kind="stable")
-    kth = np.partition(row, len(row) - k)[len(row) - k]           # the k-th largest value
-    candidates = np.flatnonzero(row >= kth)
-    return candidates[np.lexsort((candidates, -row[candidates]))][:k]
-
-
 class Job:
     """One submitted request: iterate it for its :class:`Delta` events (blocking), or ``cancel()`` it."""
 
@@ -141,7 +138,7 @@ class Job:
         self.events: queue.Queue = queue.Queue()
         self._on_event = on_event
         self._cancelled = threading.Event()
-        self._ended = True                                   # set False by Engine.submit while admitted
+        self.ended = True                                    # False while the engine holds it (set by the engine)
         self.disconnected = False                            # cancelled because its reader went away
         self.text = TextStream(decode)
         self.stops = StopMatcher(request.stop)
@@ -159,7 +156,7 @@ class Job:
             return
         for token, row in zip(tokens, target_logprobs):
             # The likeliest among the possible tokens: an impossible one (-inf) is no alternative.
-            top = [t for t in _likeliest(row, k) if row[t] > -np.inf] if k else ()
+            top = likeliest(row, k)
             self._scored.append((int(token), float(row[token]),
                                  tuple((int(t), self._decode([int(t)]), float(row[t])) for t in top)))
 
@@ -226,6 +223,8 @@ class Engine:
         prompt_tokens_per_step: prompt tokens the worker feeds per step at most, inside the packed forward
             of the running jobs' blocks (a target with ``deferred_prefill``): a longer prompt is fed over
             several steps, so a long prompt joining delays the others' next tokens by one bounded step.
+        prefix_cache_tokens: tokens of recently scored prompts kept for reuse by :meth:`score` (their KV
+            caches; least recently used evicted beyond it; 0: none kept).
         background: run the jobs on a thread of the engine's own; False: the caller runs them by calling
             :meth:`run` (blocking until :meth:`close`). On CPU, PyTorch's OpenMP runtime throttles its
             spin-waiting as soon as a second thread runs parallel work, which makes every small operation
@@ -239,7 +238,8 @@ class Engine:
     def __init__(self, target: Any, *, draft: Any = None, gamma: int | str = "auto",
                  decode: Callable[[Sequence[int]], str] | None = None, eos_token_id: Any = ...,
                  max_batch: int = 8, max_waiting: int = 64, batch_invariant: bool = False,
-                 prompt_tokens_per_step: int = 512, background: bool = True) -> None:
+                 prompt_tokens_per_step: int = 512, prefix_cache_tokens: int = DEFAULT_CACHE_TOKENS,
+                 background: bool = True) -> None:
         self.target = target
         self.draft = draft
         self.gamma = gamma
@@ -253,6 +253,8 @@ class Engine:
                                     prompt_tokens_per_step=prompt_tokens_per_step)
         self.max_batch = min(check_int(max_batch, "max_batch", minimum=1), self._scheduler.capacity or max_batch)
         self.max_waiting = check_int(max_waiting, "max_waiting", minimum=0)
+        self.scorer = PromptScorer(target, max_tokens=prefix_cache_tokens)
+        self.metrics.prefix_cache_capacity = self.scorer.max_tokens
         self._waiting: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
@@ -276,6 +278,31 @@ class Engine:
                                max_new_tokens=request.max_tokens, gamma=self.gamma, temperature=request.temperature,
                                top_k=None, top_p=request.top_p, eos_token_id=self.eos_token_id, seed=request.seed)
         job = Job(request, plan, self._locked_decode, on_event)
+        self._enqueue(job)
+        return job
+
+    def score(self, prompt_ids: Sequence[int], *, top: int = 0,
+              on_done: Callable[[ScoreJob], None] | None = None) -> ScoreJob:
+        """Queue ``prompt_ids`` for scoring (OpenAI's ``echo``): the worker teacher-forces it between
+        steps (:class:`~speculum.serving.scoring.PromptScorer`, sharing prefixes with recently scored
+        prompts) and the job's :meth:`~speculum.serving.scoring.ScoreJob.result` gives its exact log-probs
+        and ``top`` likeliest tokens per position. Counts toward the engine's bound like a generation.
+
+        Guarantee: exact, and bitwise the same whatever else is scored or generated."""
+        check_int(top, "logprobs", minimum=0)
+        if top > MAX_TOP:
+            raise InputError(f"logprobs must be at most {MAX_TOP}, got {top}")
+        ids = check_token_ids(prompt_ids, self.target.vocab_size, name="prompt")
+        if not ids:
+            raise InputError("prompt is empty: echo needs at least one token")
+        max_context = getattr(self.target, "max_context", None)
+        if max_context is not None and len(ids) > max_context:
+            raise InputError(f"the prompt has {len(ids)} tokens, more than the target's max_context {max_context}")
+        job = ScoreJob(ids, top, on_done)
+        self._enqueue(job)
+        return job
+
+    def _enqueue(self, job: Any) -> None:
         with self._lock:
             if self._closed or self._deadline is not None:
                 raise EngineClosed("the server is shutting down")
@@ -286,10 +313,9 @@ class Engine:
                 raise EngineBusy(f"the server holds {self._admitted} requests ({self.max_batch} running and "
                                  f"{self.max_waiting} waiting at most); retry later")
             self._admitted += 1
-            job._ended = False
+            job.ended = False
             self._waiting.put(job)
             self.metrics.requests_waiting = self._waiting.qsize()
-        return job
 
     @property
     def admitted(self) -> int:
@@ -352,6 +378,9 @@ class Engine:
             if job.cancelled:
                 self._end(job, cancelled=True)
                 continue
+            if isinstance(job, ScoreJob):
+                self._score(job)
+                continue
             self._admitting = 1
             started = time.perf_counter()
             try:
@@ -409,6 +438,22 @@ class Engine:
                 self._end(job, finished=True)
         self.metrics.busy_seconds += time.perf_counter() - started
 
+    def _score(self, job: ScoreJob) -> None:
+        started = time.perf_counter()
+        try:
+            scores = self.scorer.score(job.tokens, top=job.top)
+        except Exception as exc:  # a model failing on this prompt fails this request only
+            job.finish(error=exc)
+        else:
+            metrics = self.metrics
+            metrics.prompts_scored += 1
+            metrics.scored_tokens_forwarded += scores.forwarded
+            metrics.scored_tokens_reused += len(scores.tokens) - scores.forwarded
+            metrics.prefix_cache_tokens = self.scorer.resident_tokens
+            job.finish(scores)
+        self.metrics.busy_seconds += time.perf_counter() - started
+        self._end(job, finished=True)
+
     def _account(self, chunk: Any) -> None:
         metrics = self.metrics
         metrics.completion_tokens += len(chunk.tokens)
@@ -416,16 +461,20 @@ class Engine:
         metrics.draft_accepted += chunk.accepted
         metrics.target_forwards += 1
 
-    def _end(self, job: Job, *, cancelled: bool = False, finished: bool = False) -> None:
+    def _end(self, job: Job | ScoreJob, *, cancelled: bool = False, finished: bool = False) -> None:
         if cancelled:
             self.metrics.requests_cancelled += 1
             self.metrics.requests_disconnected += job.disconnected
         if finished:
             self.metrics.requests_finished += 1
-        job.put(None)
+        if isinstance(job, ScoreJob):
+            if not job.done:
+                job.finish(error=EngineClosed("the request was cancelled"))
+        else:
+            job.put(None)
         with self._lock:
-            if not job._ended:
-                job._ended = True
+            if not job.ended:
+                job.ended = True
                 self._admitted -= 1
             self.metrics.requests_running = len(self._running)
 
@@ -441,7 +490,10 @@ class Engine:
                 job = self._waiting.get_nowait()
             except queue.Empty:
                 break
-            if job is not None and job is not _WAKE:
+            if isinstance(job, ScoreJob):
+                job.finish(error=EngineClosed(reason))
+                self._end(job, cancelled=True)
+            elif job is not None and job is not _WAKE:
                 job.put(Delta("", "error", error=reason))
                 self._end(job, cancelled=True)
         with self._lock:

@@ -29,7 +29,7 @@ Example:
 # No `from __future__ import annotations`: FastAPI reads the handlers' request models from their annotations.
 import asyncio
 import json
-import threading
+import time
 import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -39,12 +39,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..models.base import check_token_ids
 from ..validation import InputError
-from .engine import Delta, Engine, EngineBusy, EngineClosed, Job
+from .completions import answer_prompt, collect, render_choices
+from .engine import Engine, EngineBusy, EngineClosed, Job
 from .guards import BodyLimit, client_gone
 from .lifecycle import serve_on_this_thread
 from .render import ChatRenderer, CompletionRenderer
-from .schema import ChatBody, CompletionBody, RequestError, ServerLimits, check_prompt_size, error_body, to_request
+from .schema import (ChatBody, CompletionBody, DetokenizeBody, RequestError, ServerLimits, TextCodec, TokenizeBody,
+                     check_prompt_size, error_body, to_request)
 
 __all__ = ["create_app", "serve_on_this_thread", "prometheus_text"]
 
@@ -56,7 +59,9 @@ def create_app(engine: Engine, model_name: str, *, encode_text: Callable[[str], 
                encode_chat: Callable[[list[dict]], list[int]] | None = None,
                default_max_tokens: int = DEFAULT_MAX_TOKENS, close_engine: bool = True,
                token_bytes: Sequence[bytes | None] | None = None, limits: ServerLimits | None = None,
-               encode_lock: Any = None) -> FastAPI:
+               encode_lock: Any = None, decode_text: Callable[[Sequence[int]], str] | None = None,
+               tokenize: Callable[[str, bool], list[int]] | None = None,
+               tokenizer_info: dict | None = None) -> FastAPI:
     """The FastAPI application serving ``engine`` under ``model_name``.
 
     ``encode_text`` turns a completion prompt into token ids; ``encode_chat`` turns chat messages
@@ -66,10 +71,16 @@ def create_app(engine: Engine, model_name: str, *, encode_text: Callable[[str], 
     with a tokenizer of their own may take a lock of their own, so that encoding never waits for decoding).
     ``close_engine``: close the engine when the app shuts down. ``token_bytes``: each token id's bytes, the
     ``bytes`` of chat log-probs. ``limits``: what one request may ask (:class:`ServerLimits`).
+    ``decode_text``: ids -> text for echoed prompts and ``/detokenize`` (default: the engine's decode),
+    under ``encode_lock`` too; ``tokenize(text, add_special_tokens)`` answers ``/tokenize`` (default:
+    ``encode_text``); ``tokenizer_info`` is what ``/tokenizer_info`` returns (``eos_token``,
+    ``chat_template``, ...; None: those three routes answer 404).
     """
-    api = _Api(engine, model_name, encode_text=encode_text, encode_chat=encode_chat, token_bytes=token_bytes,
-               default_max_tokens=default_max_tokens, limits=limits or ServerLimits(),
-               encode_lock=encode_lock if encode_lock is not None else engine.tokenizer_lock)
+    lock = encode_lock if encode_lock is not None else engine.tokenizer_lock
+    codec = TextCodec(encode=encode_text, decode=decode_text or engine.decode, encode_chat=encode_chat,
+                      tokenize=tokenize or (lambda text, special: encode_text(text)), info=tokenizer_info,
+                      lock=lock, token_bytes=token_bytes)
+    api = _Api(engine, model_name, codec, default_max_tokens=default_max_tokens, limits=limits or ServerLimits())
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -86,6 +97,9 @@ def create_app(engine: Engine, model_name: str, *, encode_text: Callable[[str], 
     app.get("/v1/models")(api.models)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics)
+    app.get("/tokenizer_info")(api.tokenizer_info)
+    app.post("/tokenize")(api.tokenize)
+    app.post("/detokenize")(api.detokenize)
     return app
 
 
@@ -118,25 +132,51 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 class _Api:
     """The endpoints' handlers over one engine."""
 
-    def __init__(self, engine: Engine, model_name: str, *, encode_text: Callable, encode_chat: Callable | None,
-                 token_bytes: Sequence[bytes | None] | None, default_max_tokens: int, limits: ServerLimits,
-                 encode_lock: Any) -> None:
-        self.engine, self.model_name, self.limits = engine, model_name, limits
-        self.encode_text, self.encode_chat, self.token_bytes = encode_text, encode_chat, token_bytes
+    def __init__(self, engine: Engine, model_name: str, codec: TextCodec, *, default_max_tokens: int,
+                 limits: ServerLimits) -> None:
+        self.engine, self.model_name, self.codec, self.limits = engine, model_name, codec, limits
         self.default_max_tokens = default_max_tokens
-        self.encode_lock: threading.Lock = encode_lock
 
     async def completions(self, body: CompletionBody, request: Request) -> Any:
+        if body.echo or body.batched:
+            return await self._answer_each(body, request)
         prompt = body.prompt
-        encode = (lambda: list(prompt)) if isinstance(prompt, list) else (lambda: self.encode_text(prompt))
+        encode = (lambda: list(prompt)) if isinstance(prompt, list) else (lambda: self.codec.encode(prompt))
         return await self._answer(body, request, encode, CompletionRenderer(self.model_name, logprobs=body.logprobs))
 
     async def chat_completions(self, body: ChatBody, request: Request) -> Any:
-        if self.encode_chat is None:
+        if self.codec.encode_chat is None:
             return _error(400, f"{self.model_name} has no chat template: use /v1/completions", param="messages")
         messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
-        renderer = ChatRenderer(self.model_name, logprobs=body.logprobs, token_bytes=self.token_bytes)
-        return await self._answer(body, request, lambda: self.encode_chat(messages), renderer)
+        renderer = ChatRenderer(self.model_name, logprobs=body.logprobs, token_bytes=self.codec.token_bytes)
+        return await self._answer(body, request, lambda: self.codec.encode_chat(messages), renderer)
+
+    async def tokenizer_info(self) -> Any:
+        if self.codec.info is None:
+            return _error(404, "this server has no tokenizer to describe")
+        return self.codec.info
+
+    async def tokenize(self, body: TokenizeBody) -> Any:
+        if self.codec.info is None:
+            return _error(404, "this server has no tokenizer")
+        try:
+            check_prompt_size(CompletionBody(prompt=body.prompt or " "), self.limits)
+            tokens = await asyncio.to_thread(self._encode, lambda: self.codec.tokenize(body.prompt,
+                                                                                      body.add_special_tokens))
+        except RequestError as exc:
+            return _error(exc.status, str(exc), param=exc.param)
+        except InputError as exc:
+            return _error(400, str(exc), param="prompt")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.codec.info.get("model_max_length")}
+
+    async def detokenize(self, body: DetokenizeBody) -> Any:
+        if self.codec.info is None:
+            return _error(404, "this server has no tokenizer")
+        try:
+            check_token_ids(body.tokens, self.engine.target.vocab_size, name="tokens")
+        except InputError as exc:
+            return _error(400, str(exc), param="tokens")
+        return {"prompt": await asyncio.to_thread(self._encode, lambda: self.codec.decode(body.tokens))}
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
@@ -149,8 +189,8 @@ class _Api:
         return PlainTextResponse(prometheus_text(self.engine), media_type="text/plain; version=0.0.4")
 
     # -------------------------------------------------------------------------------------------------
-    def _encode(self, encode: Callable[[], list[int]]) -> list[int]:
-        with self.encode_lock:
+    def _encode(self, encode: Callable[[], Any]) -> Any:
+        with self.codec.lock:
             try:
                 return encode()
             except InputError:
@@ -168,45 +208,79 @@ class _Api:
             events: asyncio.Queue = asyncio.Queue()
             job = self.engine.submit(generation, on_event=lambda event: loop.call_soon_threadsafe(events.put_nowait,
                                                                                                    event))
-        except RequestError as exc:
-            return _error(exc.status, str(exc), kind=exc.kind, param=exc.param, code=exc.code)
-        except InputError as exc:
-            return _error(400, str(exc))
-        except EngineBusy as exc:
-            return _error(429, str(exc), kind="rate_limit_error", code="rate_limit_exceeded",
-                          headers={"Retry-After": "1"})
-        except EngineClosed as exc:
-            return _error(503, str(exc), kind="server_error")
+        except (InputError, EngineBusy, EngineClosed) as exc:
+            return _refusal(exc)
         ident = uuid.uuid4().hex[:24]
         if body.stream:
             return StreamingResponse(_stream(job, events, renderer, ident), media_type="text/event-stream")
         return await _whole(job, events, renderer, ident, request.receive)
 
 
-async def _collect(events: asyncio.Queue) -> tuple[list[str], list, Delta]:
-    pieces, scored, last = [], [], Delta("")
-    while (event := await events.get()) is not None:
-        pieces.append(event.text)
-        scored += event.logprobs
-        last = event if event.finish_reason else last
-    return pieces, scored, last
+    async def _answer_each(self, body: CompletionBody, request: Request) -> Any:
+        """``echo`` or several prompts: each prompt answered as if alone, in order (non-streamed)."""
+        prompts = body.prompts()
+
+        def encode() -> tuple[list[list[int]], list[str]]:
+            ids = [list(p) if isinstance(p, list) else self.codec.encode(p) for p in prompts]
+            return ids, [p if isinstance(p, str) else self.codec.decode(p) for p in prompts]
+
+        try:
+            check_prompt_size(body, self.limits)
+            ids, texts = await asyncio.to_thread(self._encode, encode)
+            generations = [to_request(body, prompt_ids, self.limits, model_name=self.model_name,
+                                      default_max_tokens=self.default_max_tokens) for prompt_ids in ids]
+        except (InputError, EngineBusy, EngineClosed) as exc:
+            return _refusal(exc)
+        answers = asyncio.gather(*(answer_prompt(self.engine, generation, echo=body.echo, prompt_text=text,
+                                                 decode=self.codec.decode)
+                                   for generation, text in zip(generations, texts)))
+        gone = asyncio.ensure_future(client_gone(request.receive))
+        try:
+            await asyncio.wait({answers, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not answers.done():
+                answers.cancel()
+        if answers.cancelled():
+            return Response(status_code=499)
+        try:
+            results = answers.result()
+        except (InputError, EngineBusy, EngineClosed) as exc:
+            return _refusal(exc)
+        failed = next((a for a in results if a.error), None)
+        if failed is not None:
+            return _error(503 if failed.error == SHUTTING_DOWN else 500, failed.error, kind="server_error")
+        ident = uuid.uuid4().hex[:24]
+        return await asyncio.to_thread(self._encode, lambda: render_choices(
+            self.model_name, ident, int(time.time()), results, logprobs=body.logprobs, decode=self.codec.decode))
+
+
+def _refusal(exc: Exception) -> JSONResponse:
+    """The answer to a request refused before it runs."""
+    if isinstance(exc, RequestError):
+        return _error(exc.status, str(exc), kind=exc.kind, param=exc.param, code=exc.code)
+    if isinstance(exc, EngineBusy):
+        return _error(429, str(exc), kind="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineClosed):
+        return _error(503, str(exc), kind="server_error")
+    return _error(400, str(exc))
 
 
 async def _whole(job: Job, events: asyncio.Queue, renderer: Any, ident: str, receive: Callable) -> Any:
     """The non-streamed answer; a client that disconnects meanwhile cancels the job at the next step."""
-    collect, gone = asyncio.ensure_future(_collect(events)), asyncio.ensure_future(client_gone(receive))
+    collecting, gone = asyncio.ensure_future(collect(events)), asyncio.ensure_future(client_gone(receive))
     answered = False
     try:
-        done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        answered = collect in done
+        done, _ = await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        answered = collecting in done
     finally:
         gone.cancel()
         if not answered:
             job.cancel(disconnected=True)
-            collect.cancel()
+            collecting.cancel()
     if not answered:
         return Response(status_code=499)          # nobody reads it (nginx's "client closed request")
-    pieces, scored, last = collect.result()
+    pieces, scored, last = collecting.result()
     if last.finish_reason == "error":
         closing = last.error == SHUTTING_DOWN
         return _error(503 if closing else 500, last.error or "generation failed", kind="server_error")
@@ -257,6 +331,14 @@ def prometheus_text(engine: Engine) -> str:
          m.prefill_seconds),
         ("generation_tokens_per_busy_second", "gauge", "tokens per second while generating",
          m.tokens_per_busy_second),
+        ("prompts_scored_total", "counter", "echo requests' prompts scored", m.prompts_scored),
+        ("scored_tokens_forwarded_total", "counter", "tokens the scoring of echoed prompts fed to the target",
+         m.scored_tokens_forwarded),
+        ("scored_tokens_reused_total", "counter", "echoed prompt positions answered from a shared prefix",
+         m.scored_tokens_reused),
+        ("prefix_cache_tokens", "gauge", "tokens of recently scored prompts kept for reuse", m.prefix_cache_tokens),
+        ("prefix_cache_capacity_tokens", "gauge", "the cap on them (--prefix-cache-tokens)",
+         m.prefix_cache_capacity),
     ]
     out = []
     for name, kind, text, value in rows:

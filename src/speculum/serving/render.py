@@ -14,7 +14,16 @@ from typing import Sequence
 
 from .engine import Delta, TokenLogprob
 
-__all__ = ["CompletionRenderer", "ChatRenderer"]
+__all__ = ["CompletionRenderer", "ChatRenderer", "by_text"]
+
+
+def by_text(top: Sequence[tuple[int, str, float]]) -> dict[str, float]:
+    """Alternatives keyed by their text, likeliest first; two tokens with one text keep the likelier's
+    log-prob (so the likeliest token's entry is its own)."""
+    out: dict[str, float] = {}
+    for _, text, logprob in top:
+        out.setdefault(text, logprob)
+    return out
 
 
 def _usage(event: Delta) -> dict:
@@ -65,7 +74,7 @@ class CompletionRenderer(_Renderer):
         if not self.wants_logprobs:
             return None
         return {"tokens": [t.text for t in scored], "token_logprobs": [t.logprob for t in scored],
-                "top_logprobs": [{text: lp for _, text, lp in t.top} for t in scored],
+                "top_logprobs": [by_text(t.top) for t in scored],
                 "text_offset": [t.offset for t in scored]}
 
     def _choice(self, text, finish, scored, *, first, whole) -> dict:

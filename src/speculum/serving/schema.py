@@ -17,14 +17,14 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..validation import InputError
 from .engine import MAX_TOP_LOGPROBS, GenerationRequest
 
-__all__ = ["CompletionBody", "ChatBody", "Message", "ServerLimits", "RequestError", "error_body", "to_request",
+__all__ = ["CompletionBody", "ChatBody", "Message", "TokenizeBody", "DetokenizeBody", "TextCodec", "ServerLimits", "RequestError", "error_body", "to_request",
            "check_prompt_size", "default_body_limit"]
 
 # OpenAI's own limit on stop sequences; a longer list costs the generating thread for every request.
@@ -77,7 +77,7 @@ def error_body(message: str, *, kind: str = "invalid_request_error", param: str 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)          # 0: only with echo
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -88,11 +88,23 @@ class _Body(BaseModel):
 
 
 class CompletionBody(_Body):
-    """``POST /v1/completions``: ``prompt`` is text or token ids."""
+    """``POST /v1/completions``: ``prompt`` is text, token ids, or a batch of either (a list of texts or of
+    token-id lists: one choice each, in order)."""
 
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the body, one per choice."""
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def batched(self) -> bool:
+        return len(self.prompts()) > 1 or (isinstance(self.prompt, list) and bool(self.prompt)
+                                            and not isinstance(self.prompt[0], int))
 
 
 class Message(BaseModel):
@@ -111,12 +123,44 @@ class ChatBody(_Body):
     top_logprobs: int | None = None
 
 
+class TokenizeBody(BaseModel):
+    """``POST /tokenize``."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    """``POST /detokenize``."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class TextCodec:
+    """The HTTP side's text functions: ``encode`` (a completion prompt), ``decode``, ``encode_chat`` (None:
+    no chat), ``tokenize(text, add_special_tokens)``, the ``/tokenizer_info`` answer ``info`` (None: no
+    tokenizer routes), the ``lock`` every call holds (tokenizers refuse concurrent use), and ``token_bytes``
+    (each id's bytes, for chat log-probs)."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[Sequence[int]], str]
+    encode_chat: Callable[[list[dict]], list[int]] | None
+    tokenize: Callable[[str, bool], list[int]]
+    info: dict | None
+    lock: Any
+    token_bytes: Sequence[bytes | None] | None = None
+
+
 def check_prompt_size(body: _Body, limits: ServerLimits) -> None:
     """Refuse a prompt that is empty, or whose text cannot fit the context window, before any tokenizing."""
     if isinstance(body, CompletionBody):
-        if not body.prompt:
+        prompts = body.prompts()
+        if not all(prompts):
             raise RequestError("prompt is empty: send at least one token or character", param="prompt")
-        texts = [body.prompt] if isinstance(body.prompt, str) else []
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
     else:
         texts = [message.content for message in body.messages]
     size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
@@ -148,10 +192,13 @@ def to_request(body: _Body, prompt_ids: Sequence[int], limits: ServerLimits, *, 
     if body.n != 1:
         raise RequestError(f"n={body.n} is not supported: send one request per completion", param="n")
     if isinstance(body, CompletionBody):
-        if body.echo:
-            raise RequestError("echo is not supported", param="echo")
         logprobs, field = body.logprobs, "logprobs"
+        if body.stream and (body.echo or body.batched):
+            raise RequestError("stream goes with one prompt and no echo: send one request per prompt, or "
+                               "stream: false", param="stream")
     else:
+        if (body.model_extra or {}).get("echo"):
+            raise RequestError("echo is not supported on chat completions: use /v1/completions", param="echo")
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs, field = ((body.top_logprobs or 0) if body.logprobs else None), "top_logprobs"
@@ -159,6 +206,9 @@ def to_request(body: _Body, prompt_ids: Sequence[int], limits: ServerLimits, *, 
         raise RequestError(f"{field} must be in 0..{MAX_TOP_LOGPROBS}, got {logprobs}", param=field)
     if not prompt_ids:
         raise RequestError("the prompt encodes to no token", param="prompt")
-    max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens
+    max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), default_max_tokens)
+    if max_tokens == 0 and not getattr(body, "echo", False):
+        raise RequestError("max_tokens must be at least 1 (0 only with echo: the prompt's log-probs alone)",
+                           param="max_tokens")
     return GenerationRequest(prompt_ids=list(prompt_ids), max_tokens=max_tokens, temperature=body.temperature,
                              top_p=body.top_p, seed=body.seed, stop=_stops(body.stop, limits), logprobs=logprobs)
