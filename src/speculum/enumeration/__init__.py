@@ -3,7 +3,8 @@
 ``AutoregressiveEnumerable`` / ``SeekIndex`` (exact order), ``AREnvelopeIndex`` (very deep ranks,
 approximate rank coordinate, exact scores), ``RescoredIndex`` (draft-built, target-scored, certified).
 ``Regex`` / ``Choices`` constrain an index to a format or a label set (``StringIndex``: its strings over
-all their tokenizations). ``Support`` says which continuations an index enumerates; ``EnumerationIndex`` is what every index offers.
+all their tokenizations). ``sample_format`` draws members of a format with their laws, and
+``rank_from_sample`` estimates a rank from them (``estimate_ranks(method="auto")``). ``Support`` says which continuations an index enumerates; ``EnumerationIndex`` is what every index offers.
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ _LAZY = {
     "ChoiceScores": ".labels",
     "estimate_ranks": ".exposure",
     "ScoringIndex": ".index",
+    "sample_format": ".sampling",
+    "FormatSample": ".sampling",
+    "rank_from_sample": ".estimate",
+    "RankEstimate": ".estimate",
 }
 
 __all__ = list(_LAZY)

@@ -5,9 +5,10 @@ how much more likely the model makes this continuation than a uniformly random m
 space is every continuation of the same token length (``V^L``), or, with a ``constraint``, the format's
 language (``Regex(r" \\d{4}-\\d{4}")``: |space| is its number of strings). Unconstrained, the rank is
 exact (the exact index) when it is shallow enough to count, and otherwise estimated by the sampled envelope
-with a bracket. Constrained, the rank is exact while the index it needs fits in ``max_forwards``, and
-beyond that a sound bracket: the stored members above it, plus at most (unexplored mass) / p(canary)
-unseen ones. The report says which.
+with a bracket. Constrained, ``method="auto"`` gives the exact rank while the index it needs fits a small
+forward budget, and beyond that an importance-sampled estimate with a 95% interval
+(:mod:`speculum.enumeration.estimate`) beside a certified bracket: the stored members above it, plus at
+most (unexplored mass) / p(canary) unseen ones. The report says which (``method``).
 
 Example:
     >>> from speculum.models import MarkovModel
@@ -19,19 +20,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..models.base import as_model, check_prompt, check_token_ids
 from ..validation import InputError, check_int
 from .envelope import DEFAULT_RESOLUTION, AREnvelopeIndex
+from .estimate import rank_from_sample
+from .sampling import DEFAULT_SAMPLES, DEFAULT_UNIFORM_SHARE, sample_format
 from .support import Support
 
-__all__ = ["RankReport", "estimate_rank", "estimate_ranks", "DEFAULT_EXACT_RANK_LIMIT", "DEFAULT_MAX_FORWARDS"]
+__all__ = ["RankReport", "estimate_rank", "estimate_ranks", "DEFAULT_EXACT_RANK_LIMIT", "DEFAULT_MAX_FORWARDS",
+           "DEFAULT_AUTO_FORWARDS", "METHODS"]
 
 DEFAULT_EXACT_RANK_LIMIT = 1_000  # count exactly when the envelope says the rank is at most this
-DEFAULT_MAX_FORWARDS = 200_000    # constrained: most prefixes an exact rank may forward before a bracket
+DEFAULT_MAX_FORWARDS = 200_000    # constrained, method="exact": most prefixes an exact rank may forward
+# Constrained, method="auto" / "sampled": the exact index gives up (and the bracket stops) after about this
+# many forwarded prefixes, a few seconds of a 135M model; past it sampling is far cheaper per bit.
+DEFAULT_AUTO_FORWARDS = 2_048
+METHODS = ("auto", "exact", "sampled")
 
 
 @dataclass(frozen=True)
@@ -41,8 +49,14 @@ class RankReport:
 
     ``method`` is ``"exact"`` (``rank_lo == rank == rank_hi``; ties count lexicographically smaller
     sequences as before it), ``"envelope"`` (approximate: ``rank`` estimated, ``[rank_lo, rank_hi]``
-    sound when every prefix's sorted next-token row lies within the sampled envelopes) or ``"bracket"``
-    (constrained, certified: ``rank_lo <= true rank <= rank_hi``, ``rank`` their geometric middle).
+    sound when every prefix's sorted next-token row lies within the sampled envelopes), ``"bracket"``
+    (constrained, certified: ``rank_lo <= true rank <= rank_hi``, ``rank`` their geometric middle) or
+    ``"sampled"`` (constrained, estimated: ``estimate`` is the importance-sampled rank from ``samples``
+    draws, ``rank`` it rounded into the bracket, ``[ci_lo, ci_hi]`` its 95% interval within the certified
+    bracket ``[rank_lo, rank_hi]``).
+
+    ``[ci_lo, ci_hi]``: the rank itself when exact, the certified bracket for ``"bracket"`` (it holds the
+    rank with certainty), the 95% interval for ``"sampled"``, None for ``"envelope"``.
     """
 
     rank: int  # number of continuations strictly more probable
@@ -54,6 +68,11 @@ class RankReport:
     vocab_size: int
     space_size: float | None = None   # size of the ranked space (None: vocab_size ** length); inf allowed
     item: Any = None                  # what was ranked (token ids, or text in string mode)
+    ci_lo: float | None = None        # 95% interval on the rank (see the class doc)
+    ci_hi: float | None = None
+    samples: int = 0                  # draws behind a sampled estimate (0: none)
+    estimate: float | None = None     # the unbiased sampled rank, before rounding (method "sampled")
+    standard_error: float | None = None
 
     @property
     def space_bits(self) -> float:
@@ -62,13 +81,22 @@ class RankReport:
             return self.length * math.log2(self.vocab_size)
         return math.inf if self.space_size == math.inf else math.log2(self.space_size)
 
-    def _exposure(self, rank: int) -> float:
+    def _exposure(self, rank: float) -> float:
         return self.space_bits - math.log2(rank + 1)
 
     @property
     def exposure_bits(self) -> float:
-        """``log2(V^L) - log2(rank + 1)`` (Carlini et al., "The Secret Sharer")."""
-        return self._exposure(self.rank)
+        """``log2 |space| - log2(rank + 1)`` (Carlini et al., "The Secret Sharer"); from the unrounded
+        ``estimate`` when the rank is sampled."""
+        return self._exposure(self.rank if self.estimate is None else self.estimate)
+
+    @property
+    def exposure_interval(self) -> tuple[float, float] | None:
+        """``(low, high)`` exposure from ``[ci_lo, ci_hi]`` (95%, or certain: see the class doc); None
+        without an interval."""
+        if self.ci_lo is None or self.ci_hi is None:
+            return None
+        return self._exposure(self.ci_hi), self._exposure(self.ci_lo)
 
     @property
     def exposure_bracket(self) -> tuple[float, float]:
@@ -77,19 +105,25 @@ class RankReport:
 
 
 def estimate_rank(model: Any, continuation: Sequence[int] | str, *, prompt: Sequence[int] = (),
-                  exact_limit: int = DEFAULT_EXACT_RANK_LIMIT, n_paths: int = 16, seed: int = 0,
-                  resolution: float = DEFAULT_RESOLUTION, constraint: Any = None, **constrained: Any) -> RankReport:
+                  exact_limit: int = DEFAULT_EXACT_RANK_LIMIT, n_paths: int = 16, seed: int | np.random.Generator = 0,
+                  resolution: float = DEFAULT_RESOLUTION, constraint: Any = None, method: str = "auto",
+                  **constrained: Any) -> RankReport:
     """Rank and exposure of ``continuation`` after ``prompt``, exact when cheap, else enveloped.
 
     The exact index is used when the whole space (every continuation of the same length) or the
-    envelope's upper bracket is at most ``exact_limit``; otherwise the envelope's estimate and bracket are
-    reported (APPROXIMATE). With a ``constraint`` (``Regex`` / ``Choices``) the space is the format's
-    language: see :func:`estimate_ranks` (``strings``, ``eos``, ``max_len``, ``max_forwards`` go there).
+    envelope's upper bracket is at most ``exact_limit`` (or always, with ``method="exact"``); otherwise the
+    envelope's estimate and bracket are reported (APPROXIMATE). With a ``constraint`` (``Regex`` /
+    ``Choices``) the space is the format's language: see :func:`estimate_ranks` (``method``, ``strings``,
+    ``eos``, ``max_len``, ``max_forwards``, ``samples``, ``seed``, ``sample`` go there).
     """
+    method = _check_method(method)
     if constraint is not None:
-        return estimate_ranks(model, [continuation], constraint=constraint, prompt=prompt, **constrained)[0]
+        return estimate_ranks(model, [continuation], constraint=constraint, prompt=prompt, method=method, seed=seed,
+                              **constrained)[0]
     if constrained:
         raise InputError(f"{', '.join(sorted(constrained))} only apply with a constraint")
+    if method == "sampled":
+        raise InputError("method='sampled' samples the members of a format: give a constraint (Regex or Choices)")
     model = as_model(model, name="model")
     exact_limit = check_int(exact_limit, "exact_limit", minimum=0)
     seq = check_token_ids(continuation, model.vocab_size, name="continuation")
@@ -100,7 +134,7 @@ def estimate_rank(model: Any, continuation: Sequence[int] | str, *, prompt: Sequ
     log_prob = float(model.score_sequences([seq], prompt=prompt)[0])
     if log_prob == -math.inf:
         raise InputError("continuation has zero probability under the model")
-    if Support(max_len=length).size(vocab_size) > exact_limit:
+    if method == "auto" and Support(max_len=length).size(vocab_size) > exact_limit:
         envelope = AREnvelopeIndex(model, max_len=length, prompt=prompt, n_paths=n_paths, seed=seed,
                                    resolution=resolution, exact_limit=0)
         estimate, lo, hi = envelope.rank_estimate(seq)
@@ -109,20 +143,38 @@ def estimate_rank(model: Any, continuation: Sequence[int] | str, *, prompt: Sequ
     from .exact import AutoregressiveEnumerable
 
     rank = AutoregressiveEnumerable(model, max_len=length, prompt=prompt).rank(seq)
-    return RankReport(rank, rank, rank, "exact", log_prob, length, vocab_size)
+    return RankReport(rank, rank, rank, "exact", log_prob, length, vocab_size, ci_lo=rank, ci_hi=rank)
 
 
 def estimate_ranks(model: Any, items: Sequence[Any], *, constraint: Any, prompt: Sequence[int] = (),
                    strings: bool = False, eos: int | bool | None = None, max_len: int | None = None,
-                   max_forwards: int = DEFAULT_MAX_FORWARDS, index: Any = None, **index_options: Any
-                   ) -> list[RankReport]:
-    """Rank and exposure of each of ``items`` within the language of ``constraint``, all on one shared index.
+                   method: str = "auto", max_forwards: int | None = None, samples: int | None = None,
+                   seed: int | np.random.Generator = 0, sample: Any = None,
+                   uniform_share: float = DEFAULT_UNIFORM_SHARE, index: Any = None,
+                   progress: Callable[[Any], None] | None = None, **index_options: Any) -> list[RankReport]:
+    """Rank and exposure of each of ``items`` within the language of ``constraint``, all on one shared index
+    and, when sampled, one shared set of draws.
 
     ``items`` are token-id sequences (token mode) or texts (``strings=True``: ranked over all their
     tokenizations; a text is also accepted in token mode and then means its canonical tokenization only if
-    given as ids, so pass ids there). The rank is EXACT when the index certifies down to the item within
-    ``max_forwards`` forwarded prefixes, else a CERTIFIED bracket (``method="bracket"``). Exposure uses
-    ``log2`` of the language's number of strings (string mode) or token sequences (token mode).
+    given as ids, so pass ids there). Exposure uses ``log2`` of the language's number of strings (string
+    mode) or token sequences (token mode). ``method``:
+
+    * ``"auto"`` (default): EXACT when the index certifies down to the item within ``max_forwards`` forwarded
+      prefixes (default :data:`DEFAULT_AUTO_FORWARDS`), else ESTIMATED (``"sampled"``): the importance-sampled
+      rank with a 95% interval from ``samples`` draws (default 4,096), beside the CERTIFIED bracket of that
+      index. ``max_forwards`` given without ``samples`` or ``sample`` asks for the exact answer within that
+      budget: auto then answers as ``"exact"`` does.
+    * ``"exact"``: EXACT within ``max_forwards`` (default :data:`DEFAULT_MAX_FORWARDS`), else the CERTIFIED
+      bracket alone (``"bracket"``).
+    * ``"sampled"``: always the sampled estimate, beside the bracket of an index grown to ``max_forwards``
+      (default :data:`DEFAULT_AUTO_FORWARDS`).
+
+    The draws are made once, on the first item that needs them (``seed``: an int or a
+    ``numpy.random.Generator``; ``uniform_share``: see :mod:`speculum.enumeration.sampling`), or taken from
+    ``sample`` (a :class:`~speculum.enumeration.sampling.FormatSample` of the same format, prompt and mode):
+    each further item costs the scoring of its own tokens. ``progress`` receives the sampler's
+    :class:`~speculum.enumeration.sampling.SampleProgress` events.
 
     Example:
         >>> from speculum.models import MarkovModel
@@ -132,20 +184,49 @@ def estimate_ranks(model: Any, items: Sequence[Any], *, constraint: Any, prompt:
         ...                           constraint=Regex("[78]{3}", vocabulary=vocab))
         >>> report.method, report.space_size, 0 <= report.rank < 8
         ('exact', 8, True)
+        >>> [deep] = estimate_ranks(MarkovModel.random(6, seed=0), ["787"], strings=True, prompt=[3],
+        ...                         constraint=Regex("[78]{3}", vocabulary=vocab), method="sampled", seed=1)
+        >>> deep.method, deep.ci_lo <= deep.estimate <= deep.ci_hi, deep.samples
+        ('sampled', True, 4096)
     """
     from .exact import AutoregressiveEnumerable
 
-    max_forwards = check_int(max_forwards, "max_forwards", minimum=0)
+    method = _check_method(method)
+    if method == "exact" and (samples is not None or sample is not None):
+        raise InputError("samples and sample go with method='auto' or 'sampled' (method='exact' never samples)")
+    if method == "auto" and max_forwards is not None and samples is None and sample is None:
+        method = "exact"
+    default_budget = DEFAULT_MAX_FORWARDS if method == "exact" else DEFAULT_AUTO_FORWARDS
+    max_forwards = check_int(default_budget if max_forwards is None else max_forwards, "max_forwards", minimum=0)
+    samples = check_int(DEFAULT_SAMPLES if samples is None else samples, "samples", minimum=2)
     if index is None:
         index = AutoregressiveEnumerable(model, prompt=prompt, constraint=constraint, strings=strings, eos=eos,
                                          max_len=max_len, **index_options)
     seek = index.seek_index()
+    if sample is not None and not sample.matches(seek.support, seek.prompt, strings):
+        raise InputError("the sample was drawn from another format, prompt or mode than the one ranked")
     size = index.size() if strings else seek.support.size(seek.vocab_size)
     size = math.inf if size is None else size
-    return [_rank_one(index, seek, item, strings=strings, size=size, max_forwards=max_forwards) for item in items]
+    drawn = [sample]
+
+    def draws() -> Any:
+        if drawn[0] is None:
+            drawn[0] = sample_format(model, constraint, samples=samples, seed=seed, strings=strings,
+                                     uniform_share=uniform_share, index=index, progress=progress)
+        return drawn[0]
+
+    return [_rank_one(index, seek, item, strings=strings, size=size, max_forwards=max_forwards, method=method,
+                      draws=draws) for item in items]
 
 
-def _rank_one(index, seek, item, *, strings: bool, size, max_forwards: int) -> RankReport:
+def _check_method(method: Any) -> str:
+    if method not in METHODS:
+        raise InputError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
+    return method
+
+
+def _rank_one(index, seek, item, *, strings: bool, size, max_forwards: int, method: str,
+              draws: Callable[[], Any]) -> RankReport:
     if strings:
         if not isinstance(item, str):
             raise InputError(f"in string mode an item is text, got {type(item).__name__}")
@@ -171,11 +252,22 @@ def _rank_one(index, seek, item, *, strings: bool, size, max_forwards: int) -> R
     common = dict(log_prob=log_prob, length=length, vocab_size=seek.vocab_size, space_size=size, item=item)
     if seek.certified_logprob <= budget or seek.tree.exhausted:
         rank = index.rank(item)
-        return RankReport(rank, rank, rank, "exact", **common)
-    lo, hi = _rank_bracket(index, seek, item, log_prob, strings=strings)
-    hi = min(hi, size - 1) if size != math.inf else hi
-    middle = int(round(math.sqrt((lo + 1) * (hi + 1)))) - 1
-    return RankReport(min(max(middle, lo), hi), lo, hi, "bracket", **common)
+        if method != "sampled":
+            return RankReport(rank, rank, rank, "exact", ci_lo=rank, ci_hi=rank, **common)
+        lo = hi = rank
+    else:
+        lo, hi = _rank_bracket(index, seek, item, log_prob, strings=strings)
+        hi = min(hi, size - 1) if size != math.inf else hi
+    if method == "exact":
+        middle = int(round(math.sqrt((lo + 1) * (hi + 1)))) - 1
+        return RankReport(min(max(middle, lo), hi), lo, hi, "bracket", ci_lo=lo, ci_hi=hi, **common)
+    # The true rank lies in the certified bracket: clamping the estimate and its interval into it only
+    # brings them closer to it.
+    guess = rank_from_sample(draws(), item, log_prob)
+    estimate = min(max(guess.rank, lo), hi)
+    ci_lo, ci_hi = min(max(guess.ci_lo, lo), hi), max(min(guess.ci_hi, hi), lo)
+    return RankReport(min(max(int(round(estimate)), lo), hi), lo, hi, "sampled", ci_lo=ci_lo, ci_hi=ci_hi,
+                      samples=guess.samples, estimate=estimate, standard_error=guess.standard_error, **common)
 
 
 def _rank_bracket(index, seek, item, log_prob: float, *, strings: bool) -> tuple[int, int]:

@@ -1,0 +1,270 @@
+"""The sampled rank of a canary within a format against brute force over every member: the sampler's laws,
+the estimator's bias, the 95% interval's coverage, in token mode and in string mode (a vocabulary that
+spells many strings several ways), and ``method="auto"``'s choice between exact and sampled.
+
+Models are order-2 Markov chains over digit tokens, peaked (logit scale 3) like a language model writing a
+number; the format ``\\d{4}`` has 10^4 members, all scored here.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from speculum.enumeration import AutoregressiveEnumerable, Regex, estimate_rank, estimate_ranks
+from speculum.enumeration.estimate import rank_from_sample
+from speculum.enumeration.sampling import FormatSample, _Walk, path_logprobs, sample_format
+from speculum.models import MarkovModel
+from speculum.validation import InputError
+
+DIGITS = [str(d) for d in range(10)]
+VOCAB = DIGITS + ["x", "y"]                           # token mode: one spelling per member
+SPELLED = DIGITS + ["12", "34", "00", "x"]            # string mode: "1234" has four spellings
+PROMPT = [10]
+FORMAT = r"\d{4}"
+
+
+def chain(vocab, seed=3):
+    return MarkovModel.random(len(vocab), order=2, scale=3.0, seed=seed)
+
+
+def token_truth(model, vocab, pattern=FORMAT, **support):
+    """Every token sequence of the format with its exact log-prob, and each one's exact rank."""
+    index = AutoregressiveEnumerable(model, prompt=PROMPT, constraint=Regex(pattern, vocabulary=vocab), **support)
+    items = index.top_k(10 ** 6)
+    return index, {seq: (rank, lp) for rank, (seq, lp) in enumerate(items)}
+
+
+def string_truth(model, vocab):
+    """Every string of the format with its probability over all its spellings (brute force), and its rank."""
+    _, tokens = token_truth(model, vocab)
+    mass: dict[str, list[float]] = {}
+    for seq, (_, lp) in tokens.items():
+        mass.setdefault("".join(vocab[t] for t in seq), []).append(lp)
+    scored = sorted(((text, float(np.logaddexp.reduce(lps))) for text, lps in mass.items()),
+                    key=lambda item: (-item[1], item[0].encode()))
+    return {text: (rank, lp) for rank, (text, lp) in enumerate(scored)}
+
+
+@pytest.fixture(scope="module")
+def tokens_case():
+    model = chain(VOCAB)
+    index, truth = token_truth(model, VOCAB)
+    return model, index, truth
+
+
+@pytest.fixture(scope="module")
+def strings_case():
+    model = chain(SPELLED, seed=4)
+    index = AutoregressiveEnumerable(model, prompt=PROMPT, constraint=Regex(FORMAT, vocabulary=SPELLED), strings=True)
+    return model, index, string_truth(model, SPELLED)
+
+
+def canaries(truth, count, seed):
+    """Half uniformly random members (deep ranks), half drawn from the model (shallow ones)."""
+    rng = np.random.default_rng(seed)
+    members = list(truth)
+    lps = np.array([truth[m][1] for m in members])
+    weights = np.exp(lps - np.logaddexp.reduce(lps))
+    picks = list(rng.choice(len(members), count // 2, replace=False)) + list(rng.choice(len(members), count - count // 2, p=weights))
+    return [members[i] for i in picks]
+
+
+# --------------------------------------------------------------------------------------------- the laws
+@pytest.mark.parametrize("pattern,support", [(FORMAT, {}), ("[0-3x]{1,4}", {"eos": 11, "max_len": 3}),
+                                             ("x[0-2]{1,3}y", {})])
+def test_both_laws_sum_to_one_over_the_support_and_draws_record_them(pattern, support):
+    """Each stratum's law is a distribution over exactly the support (a length cap included), and every
+    draw carries its own path's laws."""
+    model = chain(VOCAB)
+    index, truth = token_truth(model, VOCAB, pattern, **support)
+    walk = _Walk(model, index.support, PROMPT, 64)
+    members = list(truth)
+    target, model_law, uniform_law = path_logprobs(walk, members)
+    assert np.allclose(target, [truth[m][1] for m in members], atol=1e-12)
+    assert math.isclose(np.exp(np.logaddexp.reduce(model_law)), 1.0, rel_tol=1e-9)
+    assert math.isclose(np.exp(np.logaddexp.reduce(uniform_law)), 1.0, rel_tol=1e-9)
+    sample = sample_format(model, Regex(pattern, vocabulary=VOCAB), prompt=PROMPT, samples=300, seed=2, **support)
+    laws = {m: row for m, row in zip(members, zip(target, model_law, uniform_law))}
+    for item, *recorded in zip(sample.items, sample.target_logprob, sample.model_logprob, sample.uniform_logprob):
+        assert np.allclose(recorded, laws[item], atol=1e-12)
+    n_model, n_uniform = sample.stratum_sizes
+    mixture = np.logaddexp(np.log(n_model / 300) + model_law, np.log(n_uniform / 300) + uniform_law)
+    assert math.isclose(np.exp(np.logaddexp.reduce(mixture)), 1.0, rel_tol=1e-9)
+
+
+def test_draws_follow_their_stratum_laws(tokens_case):
+    """Chi-square goodness of fit of each stratum's draws to its law (bins of expected count >= 5)."""
+    model, index, truth = tokens_case
+    members = list(truth)
+    _, model_law, uniform_law = path_logprobs(_Walk(model, index.support, PROMPT, 512), members)
+    sample = sample_format(model, Regex(FORMAT, vocabulary=VOCAB), prompt=PROMPT, samples=40_000, seed=5,
+                           index=index)
+    for stratum, law in ((0, model_law), (1, uniform_law)):
+        counts = Counter(item for item, s in zip(sample.items, sample.stratum) if s == stratum)
+        observed = np.array([counts.get(m, 0) for m in members], dtype=float)
+        expected = np.exp(law) * observed.sum()
+        order = np.argsort(expected)                      # pool the rarest members into bins of >= 5
+        _, bins = np.unique(np.cumsum(expected[order]) // 5.0, return_inverse=True)
+        pooled_obs = np.bincount(bins, weights=observed[order])
+        pooled_exp = np.bincount(bins, weights=expected[order])
+        assert chisquare(pooled_obs, pooled_exp * pooled_obs.sum() / pooled_exp.sum()).pvalue > 1e-3
+
+
+def test_the_same_seed_draws_the_same_set_whatever_the_batch(tokens_case):
+    model, index, _ = tokens_case
+    first = sample_format(model, Regex(FORMAT, vocabulary=VOCAB), prompt=PROMPT, samples=200, seed=9, batch_size=7)
+    again = sample_format(model, Regex(FORMAT, vocabulary=VOCAB), prompt=PROMPT, samples=200, seed=9, index=index)
+    other = sample_format(model, Regex(FORMAT, vocabulary=VOCAB), prompt=PROMPT, samples=200, seed=10, index=index)
+    assert first.items == again.items and np.array_equal(first.proposal_logprob, again.proposal_logprob)
+    assert first.items != other.items
+
+
+# ------------------------------------------------------------------------------------- the estimator
+@pytest.mark.parametrize("which", [0, 30, 400, 5_000, 9_000])
+def test_the_estimate_is_unbiased(tokens_case, which):
+    """Mean of 300 independent estimates within 4 standard errors of the true rank, shallow to deep."""
+    model, index, truth = tokens_case
+    item = next(m for m, (rank, _) in truth.items() if rank == which)
+    estimates = np.array([rank_from_sample(sample_format(model, Regex(FORMAT, vocabulary=VOCAB), prompt=PROMPT,
+                                                         samples=128, seed=1000 + k, index=index),
+                                           item, truth[item][1]).rank for k in range(300)])
+    spread = estimates.std(ddof=1) / math.sqrt(len(estimates))
+    assert abs(estimates.mean() - which) <= 4 * spread + 1e-9
+    if which:
+        assert spread > 0                                 # the test could fail: the estimates do vary
+
+
+def coverage(model, index, truth, constraint, *, count, samples, strings=False):
+    covered, errors = 0, []
+    for k, item in enumerate(canaries(truth, count, seed=77)):
+        rank, lp = truth[item]
+        sample = sample_format(model, constraint, prompt=PROMPT, samples=samples, seed=k, index=index, strings=strings)
+        guess = rank_from_sample(sample, item, lp)
+        covered += guess.ci_lo <= rank <= guess.ci_hi
+        errors.append(abs(math.log2(guess.rank + 1) - math.log2(rank + 1)))
+    return covered / count, float(np.median(errors))
+
+
+def test_the_95_percent_interval_covers_the_true_rank(tokens_case):
+    """200 canaries, each with its own draws (fixed seeds): coverage between 88% and 99%."""
+    model, index, truth = tokens_case
+    share, median_error = coverage(model, index, truth, Regex(FORMAT, vocabulary=VOCAB), count=200, samples=512)
+    assert 0.88 <= share <= 0.99
+    assert median_error < 0.15
+
+
+def test_string_mode_counts_each_string_once_and_covers(strings_case):
+    """Strings spelled several ways: the string law sums to one over the strings, the estimate of a string
+    rank is unbiased and its interval covers."""
+    model, index, truth = strings_case
+    constraint = Regex(FORMAT, vocabulary=SPELLED)
+    sample = sample_format(model, constraint, prompt=PROMPT, samples=400, seed=3, index=index, strings=True)
+    for text, lp in zip(sample.items, sample.target_logprob):
+        assert lp == pytest.approx(truth[text][1], abs=1e-9)
+    assert any(len(index._queries.tokenizations(text)) > 1 for text in sample.items)
+    laws = dict(zip(sample.items, sample.proposal_logprob))
+    spelled = [text for text in truth if "12" in text or "34" in text or "00" in text]
+    assert spelled and any(text in laws for text in spelled)
+    item = next(text for text, (rank, _) in truth.items() if rank == 700)
+    estimates = [rank_from_sample(sample_format(model, constraint, prompt=PROMPT, samples=128, seed=500 + k,
+                                                index=index, strings=True), item, truth[item][1]).rank
+                 for k in range(150)]
+    spread = np.std(estimates, ddof=1) / math.sqrt(len(estimates))
+    assert abs(np.mean(estimates) - 700) <= 4 * spread and spread > 0
+    share, _ = coverage(model, index, truth, constraint, count=100, samples=256, strings=True)
+    assert 0.88 <= share <= 1.0
+
+
+def test_the_string_law_sums_to_one_over_strings(strings_case):
+    model, index, truth = strings_case
+    walk = _Walk(model, index.support, PROMPT, 512)
+    members = {}
+    for text in truth:
+        for seq in index._queries.tokenizations(text):
+            members[seq] = text
+    _, model_law, uniform_law = path_logprobs(walk, list(members))
+    assert math.isclose(np.exp(np.logaddexp.reduce(model_law)), 1.0, rel_tol=1e-9)
+    assert math.isclose(np.exp(np.logaddexp.reduce(uniform_law)), 1.0, rel_tol=1e-9)
+
+
+# ------------------------------------------------------------------------------------ method="auto"
+def test_auto_is_exact_when_cheap_and_sampled_beyond_with_the_bracket_beside(tokens_case):
+    model, _, truth = tokens_case
+    constraint = Regex(FORMAT, vocabulary=VOCAB)
+    by_rank = {rank: item for item, (rank, _) in truth.items()}
+    items = [by_rank[r] for r in (0, 3, 40, 2_000, 7_000, 9_999)]
+    reports = estimate_ranks(model, items, constraint=constraint, prompt=PROMPT, samples=2_000, seed=1,
+                             max_forwards=50)
+    methods = [r.method for r in reports]
+    assert methods[0] == "exact" and methods[-1] == "sampled"
+    for item, report in zip(items, reports):
+        rank = truth[item][0]
+        assert report.rank_lo <= rank <= report.rank_hi               # the certified bracket, always sound
+        assert report.rank_lo <= report.ci_lo <= report.ci_hi <= report.rank_hi
+        low, high = report.exposure_interval
+        assert low <= report.exposure_bits <= high
+        if report.method == "exact":
+            assert report.rank == rank and report.samples == 0
+        else:
+            assert report.samples == 2_000 and report.ci_lo <= report.estimate <= report.ci_hi
+            assert abs(math.log2(report.estimate + 1) - math.log2(rank + 1)) < 0.5
+    default = estimate_rank(model, items[-1], constraint=constraint, prompt=PROMPT)
+    assert default.method == "sampled" and default.samples == 4096
+
+
+def test_exact_method_keeps_the_exact_or_bracket_answer(tokens_case):
+    model, _, truth = tokens_case
+    item = next(m for m, (rank, _) in truth.items() if rank == 5_000)
+    options = dict(constraint=Regex(FORMAT, vocabulary=VOCAB), prompt=PROMPT)
+    bracket = estimate_rank(model, item, method="exact", max_forwards=0, **options)
+    assert bracket.method == "bracket" and (bracket.ci_lo, bracket.ci_hi) == (bracket.rank_lo, bracket.rank_hi)
+    assert estimate_rank(model, item, max_forwards=0, **options).method == "bracket"     # no samples asked
+    assert estimate_rank(model, item, method="exact", max_forwards=10 ** 6, **options).rank == 5_000
+
+
+def test_many_canaries_share_one_set_of_draws(tokens_case, monkeypatch):
+    import speculum.enumeration.exposure as exposure
+
+    model, index, truth = tokens_case
+    calls = []
+    draw = exposure.sample_format
+    monkeypatch.setattr(exposure, "sample_format", lambda *a, **k: calls.append(1) or draw(*a, **k))
+    items = canaries(truth, 20, seed=1)
+    reports = estimate_ranks(model, items, constraint=Regex(FORMAT, vocabulary=VOCAB), prompt=PROMPT,
+                             method="sampled", samples=600, max_forwards=0)
+    assert len(calls) == 1 and all(r.method == "sampled" for r in reports)
+    given = sample_format(model, Regex(FORMAT, vocabulary=VOCAB), prompt=PROMPT, samples=600, index=index)
+    again = estimate_ranks(model, items, constraint=Regex(FORMAT, vocabulary=VOCAB), prompt=PROMPT, sample=given,
+                           method="sampled", max_forwards=0)
+    assert len(calls) == 1
+    assert [r.estimate for r in again] == [r.estimate for r in reports]
+
+
+# ------------------------------------------------------------------------------------------- errors
+def test_bad_input_is_named(tokens_case):
+    model, index, truth = tokens_case
+    constraint = Regex(FORMAT, vocabulary=VOCAB)
+    item = next(iter(truth))
+    with pytest.raises(InputError, match="method must be one of"):
+        estimate_rank(model, item, constraint=constraint, prompt=PROMPT, method="fast")
+    with pytest.raises(InputError, match="give a constraint"):
+        estimate_rank(model, item, prompt=PROMPT, method="sampled")
+    with pytest.raises(InputError, match="never samples"):
+        estimate_rank(model, item, constraint=constraint, prompt=PROMPT, method="exact", samples=10)
+    other = sample_format(model, constraint, prompt=[11], samples=10)
+    with pytest.raises(InputError, match="another format"):
+        estimate_rank(model, item, constraint=constraint, prompt=PROMPT, sample=other)
+    with pytest.raises(InputError, match="not a member"):
+        estimate_rank(model, (1, 2, 3), constraint=constraint, prompt=PROMPT, method="sampled", samples=10)
+    with pytest.raises(InputError, match="pass max_len"):
+        sample_format(model, Regex(r"\d+", vocabulary=VOCAB), prompt=PROMPT, eos=11, samples=10)
+    with pytest.raises(InputError, match="samples must be"):
+        sample_format(model, constraint, prompt=PROMPT, samples=1)
+    with pytest.raises(InputError, match="one draw"):
+        sample_format(model, constraint, prompt=PROMPT, samples=3, uniform_share=0.2)
+    assert isinstance(other, FormatSample)
