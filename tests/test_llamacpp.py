@@ -179,6 +179,19 @@ def test_vocabulary_check_rejects_a_foreign_draft(model):
         llamacpp_module.check_same_vocabulary(model, OtherVocabulary())
 
 
+def test_the_model_spells_its_tokens_with_llama_cpps_pieces(model):
+    """``token_bytes()`` is llama.cpp's piece of every token: the pieces of a text's encoding join to the
+    text, special tokens add nothing, and the vocabulary module and the tokenizer alone give the same."""
+    from speculum.models.vocabulary import token_bytes, tokenizer_bytes
+
+    pieces = model.token_bytes()
+    assert len(pieces) == model.vocab_size and pieces[model.eos_token_id] is None
+    for text in ("Hello world!", " 4821-9935", "Naïve café, 😀 ok?\n\tdone"):
+        ids = model.tokenizer.encode(text, add_special_tokens=False)
+        assert b"".join(pieces[t] for t in ids) == text.encode("utf-8"), text
+    assert token_bytes(model) == pieces == tokenizer_bytes(model.tokenizer, model.vocab_size)
+
+
 def test_second_gguf_draft_by_name_pairs_with_a_llamacpp_target(model):
     drafts = pytest.importorskip("speculum.drafts")
     draft = drafts.make_draft("smollm2-135m", model)  # what `--backend llamacpp --draft PATH` does

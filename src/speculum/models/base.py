@@ -30,6 +30,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from ..validation import InputError
+from .vocabulary import tokenizer_bytes
 
 __all__ = [
     "Capabilities",
@@ -326,7 +327,8 @@ class BaseModel(ABC):
     """Convenience base: subclasses implement ``start``; batched calls default to one session each.
 
     Backends with real batching (Hugging Face, TinyTransformer) override ``next_logprobs`` and
-    ``score_sequences``. Attributes every model may set: ``bos_token_id``, ``eos_token_id``,
+    ``score_sequences``; one that spells its tokens itself (llama.cpp) overrides ``token_bytes``.
+    Attributes every model may set: ``bos_token_id``, ``eos_token_id``,
     ``accepts_empty_prompt`` (an initial distribution exists without BOS), ``max_context``, ``tokenizer``,
     ``capabilities`` (see :class:`Capabilities`) and ``prefix_of`` (with ``shares_prefix_cache``).
     """
@@ -364,6 +366,14 @@ class BaseModel(ABC):
             rows = np.vstack([first[None, :], rows])
             out[b] = float(rows[np.arange(len(seq)), seq].sum())
         return out
+
+    def token_bytes(self) -> list[bytes | None]:
+        """``(vocab_size,)`` the bytes each token id adds to the decoded text, None for a token that adds
+        none, as the model's ``tokenizer`` spells them (:func:`~speculum.models.vocabulary.tokenizer_bytes`).
+        ``InputError`` for a model without a tokenizer, such as the reference models. Read on every call;
+        :func:`speculum.models.vocabulary.token_bytes` caches it per model."""
+        name = getattr(self, "name", None) or type(self).__name__
+        return tokenizer_bytes(self.tokenizer, self.vocab_size, name=str(name))
 
 
 class RecomputeSession:

@@ -1,8 +1,10 @@
 """The bytes each token id adds to the decoded text: what a byte-level automaton (a regex constraint) needs.
 
-``token_bytes(model)`` reads the model's tokenizer and returns, for every token id, the exact bytes that
-token contributes in the middle of a text, or None for a token that adds no text (special / control tokens
-such as bos, eos or ``<|im_start|>``, ids past the tokenizer's end, tokens that decode to nothing).
+``token_bytes(model)`` returns, for every token id, the exact bytes that token contributes in the middle of
+a text, or None for a token that adds no text (special / control tokens such as bos, eos or
+``<|im_start|>``, ids past the tokenizer's end, tokens that decode to nothing). Every speculum model spells
+its own tokens (``model.token_bytes()``: llama.cpp's pieces, or its tokenizer read here); for any other
+object its ``tokenizer`` is read. The result is cached per model.
 
 Exact for the tokenizer families whose decoder is a per-token byte mapping:
 
@@ -12,7 +14,7 @@ Exact for the tokenizer families whose decoder is a per-token byte mapping:
   Metaspace): ``"▁"`` is a space and ``"<0xNN>"`` is the single byte 0xNN. The decoder's strip of the
   text's first space is ignored on purpose: a token's bytes are those it adds mid-text, so a tokenizer
   that prepends ``"▁"`` to the text yields ``b" " + text`` over its encoding;
-* llama.cpp models: llama.cpp's own piece of every token (``llama_token_to_piece``).
+* llama.cpp models and tokenizers: llama.cpp's own piece of every token (their ``token_bytes()``).
 
 For byte-level tokenizers, ``b"".join(token_bytes(model)[t] for t in ids) == text.encode()`` for
 ``ids = tokenizer(text, add_special_tokens=False)``. Any other decoder (WordLevel, WordPiece, ...) falls
@@ -38,7 +40,7 @@ from typing import Any, Sequence
 
 from ..validation import InputError
 
-__all__ = ["token_bytes"]
+__all__ = ["token_bytes", "tokenizer_bytes", "hf_token_bytes"]
 
 # model -> (the tokenizer it was read from, the bytes by id); building it for 49k tokens takes about half a
 # second, and a regex constraint asks for it once per compile. The tokenizer itself (not its id, which a
@@ -55,8 +57,9 @@ def token_bytes(model: Any, vocabulary: Sequence[str | bytes | None] | None = No
     """``(vocab_size,)`` the bytes each token id adds to the decoded text; None for a token that adds no text.
 
     Args:
-        model: any model with ``vocab_size``; without ``vocabulary`` it must have a tokenizer (a Hugging
-            Face tokenizer as ``model.tokenizer``, or be a llama.cpp model).
+        model: any model with ``vocab_size``; without ``vocabulary`` it must spell its tokens
+            (``model.token_bytes()``, as every speculum model does) or carry a tokenizer
+            (``model.tokenizer``, read by :func:`tokenizer_bytes`).
         vocabulary: overrides the tokenizer: one entry per token id, a ``str`` (its UTF-8 encoding),
             ``bytes``, or None (no text).
 
@@ -81,7 +84,7 @@ def token_bytes(model: Any, vocabulary: Sequence[str | bytes | None] | None = No
         cached = None
     if cached is not None and cached[0] is tokenizer and len(cached[1]) == size:
         return list(cached[1])
-    pieces = tuple(_read_tokenizer(model, tokenizer, size))
+    pieces = tuple(_read(model, tokenizer, size))
     try:
         _CACHE[model] = (tokenizer, pieces)
     except TypeError:
@@ -133,15 +136,44 @@ def _from_vocabulary(vocabulary: Any, size: int) -> list[bytes | None]:
 
 
 # ----------------------------------------------------------------------------------- tokenizer kinds
-def _read_tokenizer(model: Any, tokenizer: Any, size: int) -> list[bytes | None]:
-    llama = getattr(model, "llama", None)
-    if getattr(model, "backend", None) == "llamacpp" and llama is not None:
-        return _llamacpp_bytes(llama, size)
-    if tokenizer is not None and hasattr(tokenizer, "_llama"):  # the llama.cpp tokenizer on its own
-        return _llamacpp_bytes(tokenizer._llama, size)
+def _read(model: Any, tokenizer: Any, size: int) -> list[bytes | None]:
+    """The model's own spelling where it gives one (checked like an explicit vocabulary), else its tokenizer's."""
+    own = getattr(model, "token_bytes", None)
+    if callable(own):
+        return _from_vocabulary(own(), size)
+    return tokenizer_bytes(tokenizer, size, name=_model_name(model))
+
+
+def tokenizer_bytes(tokenizer: Any, size: int, *, name: str = "the model") -> list[bytes | None]:
+    """``(size,)`` the bytes each token id adds to the decoded text, read from ``tokenizer``: a transformers
+    tokenizer (:func:`hf_token_bytes`) or one that spells its tokens itself (``tokenizer.token_bytes()``,
+    llama.cpp's). Ids past the tokenizer's end add nothing. ``InputError`` naming ``name`` for anything else
+    (None included).
+
+    Example:
+        >>> tokenizer_bytes(None, 3, name="toy")   # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        ...
+        InputError: toy has no tokenizer: pass vocabulary=[token text by id]
+    """
     if _is_transformers_tokenizer(tokenizer):
-        return _hf_bytes(tokenizer, size, _model_name(model))
-    raise InputError(f"{_model_name(model)} has no tokenizer: pass vocabulary=[token text by id]")
+        return _hf_bytes(tokenizer, size, name)
+    own = getattr(tokenizer, "token_bytes", None)
+    if callable(own):
+        pieces = list(own())[:size]
+        return _from_vocabulary(pieces + [None] * (size - len(pieces)), size)
+    raise InputError(f"{name} has no tokenizer: pass vocabulary=[token text by id]")
+
+
+def hf_token_bytes(tokenizer: Any, size: int | None = None, *, name: str = "the model") -> list[bytes | None]:
+    """``(size,)`` the bytes each token id of a transformers tokenizer adds to the decoded text (``size``:
+    the model's logits width, default the tokenizer's length; ids past the tokenizer add nothing). Exact
+    for byte-level and SentencePiece-style decoders (module docstring); ``InputError`` naming ``name`` for
+    an object that is not a transformers tokenizer, or a byte-level one whose tokens do not spell its own
+    encoding back."""
+    if not _is_transformers_tokenizer(tokenizer):
+        raise InputError(f"{name} has no transformers tokenizer: pass vocabulary=[token text by id]")
+    return _hf_bytes(tokenizer, len(tokenizer) if size is None else size, name)
 
 
 def _is_transformers_tokenizer(tokenizer: Any) -> bool:
@@ -149,36 +181,6 @@ def _is_transformers_tokenizer(tokenizer: Any) -> bool:
     transformers = sys.modules.get("transformers")
     base = getattr(transformers, "PreTrainedTokenizerBase", None) if transformers is not None else None
     return base is not None and isinstance(tokenizer, base)
-
-
-def _llamacpp_bytes(llama: Any, size: int) -> list[bytes | None]:
-    """llama.cpp's piece of every token; control, end-of-generation, unknown and unused tokens add no text."""
-    import ctypes
-
-    import llama_cpp
-
-    vocab = llama_cpp.llama_model_get_vocab(llama.model)
-    count = min(size, int(llama_cpp.llama_vocab_n_tokens(vocab)))
-    no_text = 0
-    for flag in ("LLAMA_TOKEN_ATTR_CONTROL", "LLAMA_TOKEN_ATTR_UNKNOWN", "LLAMA_TOKEN_ATTR_UNUSED"):
-        no_text |= int(getattr(llama_cpp, flag, 0))
-    get_attr = getattr(llama_cpp, "llama_vocab_get_attr", None)
-    is_control = getattr(llama_cpp, "llama_vocab_is_control", None)
-    is_eog = getattr(llama_cpp, "llama_vocab_is_eog", None)
-    buffer = ctypes.create_string_buffer(256)
-    out: list[bytes | None] = [None] * size
-    for token_id in range(count):
-        if ((get_attr is not None and int(get_attr(vocab, token_id)) & no_text)
-                or (is_control is not None and is_control(vocab, token_id))
-                or (is_eog is not None and is_eog(vocab, token_id))):
-            continue
-        # lstrip=0: the piece as it appears mid-text; special=False: control text is never rendered.
-        length = llama_cpp.llama_token_to_piece(vocab, token_id, buffer, len(buffer), 0, False)
-        if length < 0:  # the piece is longer than the buffer: -length is the size it needs
-            buffer = ctypes.create_string_buffer(-length)
-            length = llama_cpp.llama_token_to_piece(vocab, token_id, buffer, len(buffer), 0, False)
-        out[token_id] = buffer.raw[:length] or None
-    return out
 
 
 @lru_cache(maxsize=1)

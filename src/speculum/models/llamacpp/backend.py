@@ -250,6 +250,11 @@ class LlamaCppModel(BaseModel):
         """Text of ``tokens`` (special tokens skipped)."""
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
+    def token_bytes(self) -> list[bytes | None]:
+        """``(vocab_size,)`` the bytes each token id adds to the decoded text, None for a token that adds
+        none: llama.cpp's own piece of every token (:meth:`LlamaCppTokenizer.token_bytes`), exact."""
+        return self.tokenizer.token_bytes()
+
     def __repr__(self) -> str:
         return f"LlamaCppModel({os.path.basename(self.model_path)!r}, n_ctx={self.max_context})"
 

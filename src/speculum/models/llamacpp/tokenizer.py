@@ -3,9 +3,13 @@
 A :class:`LlamaCppTokenizer` wraps the ``llama_cpp.Llama`` object of a loaded model: token ids are
 llama.cpp's, text round-trips through llama.cpp's own tokenize / detokenize, and the chat template is the
 one stored in the GGUF. It exists only beside a loaded model, so ``llama_cpp`` is imported where used.
+
+:meth:`LlamaCppTokenizer.token_bytes` gives the bytes each token adds to a text: llama.cpp's own piece of
+every token (``llama_token_to_piece``), exact for every tokenizer a GGUF can hold.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Sequence
 
 from ...validation import InputError
@@ -45,6 +49,34 @@ class LlamaCppTokenizer:
                 for token_id in range(self.vocab_size)
             }
         return self._vocab_map
+
+    def token_bytes(self) -> list[bytes | None]:
+        """``(vocab_size,)`` the bytes each token id adds mid-text: llama.cpp's piece of the token, or None
+        for a token that adds no text (control, end-of-generation, unknown and unused tokens, empty pieces)."""
+        import llama_cpp  # the optional [llamacpp] extra: present whenever a Llama object is
+
+        vocab = llama_cpp.llama_model_get_vocab(self._llama.model)
+        count = min(self.vocab_size, int(llama_cpp.llama_vocab_n_tokens(vocab)))
+        no_text = 0
+        for flag in ("LLAMA_TOKEN_ATTR_CONTROL", "LLAMA_TOKEN_ATTR_UNKNOWN", "LLAMA_TOKEN_ATTR_UNUSED"):
+            no_text |= int(getattr(llama_cpp, flag, 0))
+        get_attr = getattr(llama_cpp, "llama_vocab_get_attr", None)
+        is_control = getattr(llama_cpp, "llama_vocab_is_control", None)
+        is_eog = getattr(llama_cpp, "llama_vocab_is_eog", None)
+        buffer = ctypes.create_string_buffer(256)
+        out: list[bytes | None] = [None] * self.vocab_size
+        for token_id in range(count):
+            if ((get_attr is not None and int(get_attr(vocab, token_id)) & no_text)
+                    or (is_control is not None and is_control(vocab, token_id))
+                    or (is_eog is not None and is_eog(vocab, token_id))):
+                continue
+            # lstrip=0: the piece as it appears mid-text; special=False: control text is never rendered.
+            length = llama_cpp.llama_token_to_piece(vocab, token_id, buffer, len(buffer), 0, False)
+            if length < 0:  # the piece is longer than the buffer: -length is the size it needs
+                buffer = ctypes.create_string_buffer(-length)
+                length = llama_cpp.llama_token_to_piece(vocab, token_id, buffer, len(buffer), 0, False)
+            out[token_id] = buffer.raw[:length] or None
+        return out
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds BOS only where the GGUF asks for it."""
