@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 # llamacpp compiles llama-cpp-python from source once per .venv (~7 min on 2 cores).
-EXTRAS ?= llm,serve,test,bench,ray,llamacpp,eval
+EXTRAS ?= llm,serve,test,bench,ray,llamacpp,eval,audit
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 

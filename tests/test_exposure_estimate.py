@@ -7,7 +7,6 @@ number; the format ``\\d{4}`` has 10^4 members, all scored here.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter
 
@@ -70,7 +69,8 @@ def canaries(truth, count, seed):
     members = list(truth)
     lps = np.array([truth[m][1] for m in members])
     weights = np.exp(lps - np.logaddexp.reduce(lps))
-    picks = list(rng.choice(len(members), count // 2, replace=False)) + list(rng.choice(len(members), count - count // 2, p=weights))
+    picks = list(rng.choice(len(members), count // 2, replace=False))
+    picks += list(rng.choice(len(members), count - count // 2, p=weights))
     return [members[i] for i in picks]
 
 

@@ -1,4 +1,4 @@
-"""Command-line interface: ``speculum generate | enumerate | rank | serve | demo``.
+"""Command-line interface: ``speculum generate | enumerate | rank | audit | serve | demo``.
 
 Each sub-command lives in its own module exposing ``register(subparsers)``; this module builds the
 parser and runs the chosen handler. Every flag is checked before a model loads (``cli/checks.py``).
@@ -27,7 +27,7 @@ from speculum.validation import InputError
 __all__ = ["main", "build_parser", "CLIError", "USER_ERRORS", "BROKEN_PIPE_EXIT"]
 
 # Sub-command modules, in the order shown by --help.
-_COMMANDS = ("generate", "enumerate", "serve", "demo")
+_COMMANDS = ("generate", "enumerate", "audit", "serve", "demo")
 # Enumeration's two resource limits (node budget, band size) are the user's to raise, not bugs.
 USER_ERRORS = (CLIError, InputError, ModelCacheError, FileNotFoundError, ImportError, IndexBudgetError,
                BandTooLargeError)

@@ -38,7 +38,7 @@ DEFAULT_EXACT_RANK_LIMIT = 1_000  # count exactly when the envelope says the ran
 DEFAULT_MAX_FORWARDS = 200_000    # constrained, method="exact": most prefixes an exact rank may forward
 # Constrained, method="auto" / "sampled": the exact index gives up (and the bracket stops) after about this
 # many forwarded prefixes, a few seconds of a 135M model; past it sampling is far cheaper per bit.
-DEFAULT_AUTO_FORWARDS = 2_048
+DEFAULT_AUTO_FORWARDS = 1_024
 METHODS = ("auto", "exact", "sampled")
 
 
@@ -264,8 +264,9 @@ def _rank_one(index, seek, item, *, strings: bool, size, max_forwards: int, meth
     # The true rank lies in the certified bracket: clamping the estimate and its interval into it only
     # brings them closer to it.
     guess = rank_from_sample(draws(), item, log_prob)
-    estimate = min(max(guess.rank, lo), hi)
-    ci_lo, ci_hi = min(max(guess.ci_lo, lo), hi), max(min(guess.ci_hi, hi), lo)
+    floor = min(max(lo, guess.seen_before), hi)       # the distinct members drawn before it are surely before
+    estimate = min(max(guess.rank, floor), hi)
+    ci_lo, ci_hi = min(max(guess.ci_lo, floor), hi), max(min(guess.ci_hi, hi), floor)
     return RankReport(min(max(int(round(estimate)), lo), hi), lo, hi, "sampled", ci_lo=ci_lo, ci_hi=ci_hi,
                       samples=guess.samples, estimate=estimate, standard_error=guess.standard_error, **common)
 

@@ -179,8 +179,9 @@ class _Walk:
 
 def _step_laws(rows: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(target, model)``: each row's log-prob at ``tokens`` and the model stratum's step law there (the
-    rows renormalised over ``tokens``; uniform where the model gives them no mass at all)."""
-    target = rows[:, tokens]
+    rows renormalised over ``tokens``; uniform where the model gives them no mass at all). Steps are
+    clipped at 0, as the prefix tree clips them, so that a member's log-prob is the index's."""
+    target = np.minimum(rows[:, tokens], 0.0)
     top = target.max(axis=1, keepdims=True)
     safe = np.where(np.isfinite(top), top, 0.0)
     with np.errstate(divide="ignore"):
