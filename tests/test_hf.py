@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 import speculum  # noqa: E402
 from hf_tiny import WORDS, save_tiny_model  # noqa: E402
-from speculum.models import hf as hf_module  # noqa: E402
+from speculum.models.hf import model as hf_module  # noqa: E402
 from speculum.models.default import cache_dir, load_model  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.drafts import check_same_tokenizer, make_draft  # noqa: E402
@@ -202,8 +202,8 @@ def test_layer_draft_reads_the_targets_cache_instead_of_catching_up(tiny, monkey
     np.testing.assert_allclose(target_session.extend([7]), tiny.start([1, 3, 4, 5, 6]).extend([7]), atol=1e-5)
     # In the decoding loop the draft never runs over accepted tokens: each of its forwards is one token.
     fed = []
-    real_forward = draft._forward
-    monkeypatch.setattr(draft, "_forward", lambda ids, cache, keep=0: fed.append(ids.shape[1]) or
+    real_forward = draft.forward
+    monkeypatch.setattr(draft, "forward", lambda ids, cache, keep=0: fed.append(ids.shape[1]) or
                         real_forward(ids, cache, keep))
     prompt = [1, 3, 4, 5]
     plain = speculum.generate(tiny, prompt, max_new_tokens=30, temperature=0)
@@ -296,12 +296,13 @@ def test_smollm_fused_forward_agrees_with_transformers_forward(smollm):
     fused = session.extend(tokens)
     fused_batch = smollm.next_logprobs([prompt + tokens[:2], prompt + tokens[:5]])
     fused_model, smollm._fused = smollm._fused, None
+    smollm._shared_caches.clear()          # the reference's prompt is encoded by transformers' forward too
     try:
         reference = smollm.start(prompt).extend(tokens)
         reference_batch = smollm.next_logprobs([prompt + tokens[:2], prompt + tokens[:5]])
     finally:
         smollm._fused = fused_model
-        smollm._shared_tokens, smollm._shared_cache = (), None
+        smollm._shared_caches.clear()
     assert np.abs(fused - reference).max() < 1e-4
     assert np.abs(fused_batch - reference_batch).max() < 1e-4
     assert (fused.argmax(axis=1) == reference.argmax(axis=1)).all()

@@ -1,8 +1,8 @@
 """Packed forwards of the PyTorch backend: the KV store shared by packed sessions
-(speculum.models.kv_arena) and prompts deferred into the packed forward (``start_deferred``).
+(speculum.models.hf.kv_arena) and prompts deferred into the packed forward (``start_deferred``).
 
-Invariants: a slot holds exactly what a DynamicCache fed the same appends and rollbacks holds, whatever the
-other slots do and however often the store grows; sessions verified in one packed forward over the store
+Invariants: a slot holds exactly what a cache of its own fed the same appends and trims holds, whatever the
+other slots do and however often the store grows (tests/test_kv_cache.py); sessions verified in one packed forward over the store
 get the rows and states of their own forwards (joins, leaves, ragged blocks, rollbacks); slots come back
 when sessions go, and the store's memory with the last one; a session whose prompt is deferred gives the
 rows of a prefilled one, alone or packed; a scheduler that packs prompts keeps every greedy output.
@@ -22,9 +22,10 @@ pytest.importorskip("transformers")
 
 import speculum  # noqa: E402
 from hf_tiny import save_tiny_model  # noqa: E402
-from speculum.models import hf as hf_module  # noqa: E402
+from speculum.models.base import Feed  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
-from speculum.models.kv_arena import KVArena, SlotCache  # noqa: E402
+from speculum.models.hf import model as hf_module  # noqa: E402
+from speculum.models.hf.kv_arena import KVArena  # noqa: E402
 from speculum.drafts.twins import truncated_draft  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 
@@ -44,59 +45,6 @@ def small_store(model: HFModel) -> KVArena:
     return KVArena(layers=config.num_hidden_layers, kv_heads=config.num_key_value_heads,
                    head_dim=config.hidden_size // config.num_attention_heads, dtype=torch.float32,
                    first_slots=1, first_capacity=2)
-
-
-# ------------------------------------------------------------------------------ the store on its own
-@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["append", "rollback", "renew"]), st.integers(0, 5)),
-                max_size=30), st.integers(0, 2**31))
-@settings(max_examples=60, deadline=None)
-def test_slots_hold_what_dynamic_caches_hold(operations, seed):
-    """Three sessions' appends, rollbacks and replacements interleaved on a store that starts at one slot
-    of 2 tokens: every slot always equals its DynamicCache twin, and a released store frees its buffers."""
-    from transformers import DynamicCache
-
-    generator = torch.Generator().manual_seed(seed)
-    arena = KVArena(layers=2, kv_heads=2, head_dim=3, dtype=torch.float32, first_slots=1, first_capacity=2)
-    pairs = [(SlotCache(arena), DynamicCache()) for _ in range(3)]
-    for which, kind, n in operations:
-        slot_cache, dynamic = pairs[which]
-        if kind == "append":
-            for layer in range(2):
-                keys, values = torch.randn(2, 1, 2, n, 3, generator=generator)
-                got = slot_cache.update(keys, values, layer)
-                want = dynamic.update(keys, values, layer)
-                assert all(torch.equal(g, w) for g, w in zip(got, want))
-        elif kind == "rollback":
-            n = min(n, slot_cache.get_seq_length())
-            slot_cache.crop(-n), dynamic.crop(-n)
-        else:                                  # the session ends: its slot is free for the next one
-            slot_cache = dynamic = pairs[which] = None
-            pairs[which] = (SlotCache(arena), DynamicCache())
-        assert all(holds_the_same(arena, *pair) for pair in pairs)
-    assert arena.in_use == 3 and len({cache.slot for cache, _ in pairs}) == 3
-    pairs = slot_cache = dynamic = None
-    gc.collect()
-    assert arena.in_use == 0 and arena.keys == [] and arena.slots == 0
-
-
-def holds_the_same(arena: KVArena, slot_cache: SlotCache, dynamic) -> bool:
-    length = slot_cache.get_seq_length()
-    if length != dynamic.get_seq_length():
-        return False
-    return all(torch.equal(arena.keys[layer][slot_cache.slot, :, :length], dynamic.layers[layer].keys[0]) and
-               torch.equal(arena.values[layer][slot_cache.slot, :, :length], dynamic.layers[layer].values[0])
-               for layer in range(2 if length else 0))
-
-
-def test_crop_refuses_to_go_below_zero():
-    arena = KVArena(layers=1, kv_heads=1, head_dim=2, dtype=torch.float32)
-    cache = SlotCache(arena)
-    cache.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), 0)
-    cache.crop(0)
-    assert cache.get_seq_length() == 2
-    for bad in (-3, 1):
-        with pytest.raises(ValueError, match="holding 2 tokens"):
-            cache.crop(bad)
 
 
 # ----------------------------------------------------------------------- packed forwards over the store
@@ -126,7 +74,7 @@ def test_packed_sessions_on_the_store_equal_their_own_forwards(tiny, requests, s
                 blocks = [rng.integers(3, tiny.vocab_size, size=max(1, live[i][2][0][1])).tolist()
                           for i in taking_part]
                 got = tiny.extend_sessions([live[i][1] for i in taking_part], blocks)
-                assert all(isinstance(live[i][1]._cache, SlotCache) for i in taking_part)
+                assert all(live[i][1].cache.store is tiny._arena for i in taking_part)
                 for i, block, rows in zip(taking_part, blocks, got):
                     solo, packed, rounds = live[i]
                     want = solo.extend(block)
@@ -151,7 +99,7 @@ def test_sessions_keep_their_own_caches_beyond_the_store_budget(tiny, monkeypatc
     monkeypatch.setattr(hf_module, "ARENA_BUDGET_BYTES", 0)
     solo, packed = [tiny.start([3, 4, 5]), tiny.start([6])], [tiny.start([3, 4, 5]), tiny.start([6])]
     got = tiny.extend_sessions(packed, [[7, 8], [9]])
-    assert not any(isinstance(session._cache, SlotCache) for session in packed)
+    assert all(session.cache.store is None for session in packed)
     for session, block, rows in zip(solo, [[7, 8], [9]], got):
         assert np.abs(session.extend(block) - rows).max() < 1e-4
 
@@ -161,7 +109,7 @@ def test_a_layer_draft_reads_a_session_on_the_store(tiny):
     draft = truncated_draft(tiny, 2)
     target_sessions = [tiny.start([3, 4, 5, 6]), tiny.start([7, 8])]
     tiny.extend_sessions(target_sessions, [[9, 10], [11]])
-    assert isinstance(target_sessions[0]._cache, SlotCache)
+    assert target_sessions[0].cache.store is tiny._arena
     shared = draft.start_sharing(target_sessions[0])
     assert shared is not None
     np.testing.assert_allclose(shared.advance([12]), draft.start([3, 4, 5, 6, 9, 10]).advance([12]), atol=1e-5)
@@ -301,19 +249,24 @@ def test_a_cancelled_generation_gives_its_slot_back(tiny):
 
 
 def test_a_long_prompt_is_fed_in_parts_across_packed_forwards(tiny):
-    """prompt_limits feed part of a deferred prompt (no rows) beside other sessions' blocks; the session
-    then answers as a prefilled one. Bad limits are refused."""
+    """A feed's prompt_limit feeds part of a deferred prompt (no rows) beside other sessions' blocks; the
+    session then answers as a prefilled one. The parallel form (prompt_limits) is the same call. Bad limits
+    are refused in either form."""
     prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11]
     long, running = tiny.start_deferred(prompt), tiny.start([12, 13])
     solo_long, solo_running = tiny.start(prompt), tiny.start([12, 13])
     for limit, block in ((4, [14]), (3, [15])):
-        got = tiny.extend_sessions([long, running], [[], block], [limit, None])
+        got = tiny.extend_sessions([Feed(long, [], limit), Feed(running, block)])
         assert got[0].shape == (0, tiny.vocab_size) and np.abs(got[1] - solo_running.extend(block)).max() < 1e-4
     assert long.unfed == 2 and long.tokens == prompt
     rows = tiny.extend_sessions([long, running], [[16], [17]], [5, None])   # the rest fits: fed with the block
     assert long.unfed == 0 and np.abs(rows[0] - solo_long.extend([16])).max() < 1e-4
     with pytest.raises(InputError, match="prompt_limits"):
         tiny.extend_sessions([running], [[1]], [0])
+    with pytest.raises(InputError, match=r"feeds\[0\]\.prompt_limit"):
+        tiny.extend_sessions([Feed(running, [1], 0)])
+    with pytest.raises(InputError, match=r"feeds\[1\] must be a Feed"):
+        tiny.extend_sessions([Feed(running, [1]), long])
     with pytest.raises(InputError, match="part of its deferred prompt"):
         tiny.extend_sessions([tiny.start_deferred(prompt), running], [[1], [2]], [2, None])
 

@@ -49,6 +49,7 @@ __all__ = [
     "check_token_ids",
     "check_logits",
     "check_prompt",
+    "Feed",
     "check_session_blocks",
     "common_prefix_length",
 ]
@@ -165,19 +166,56 @@ def check_prompt(model: "AutoregressiveModel", prompt: Sequence[int], *, name: s
     return ids
 
 
-def check_session_blocks(model: Any, sessions: Sequence[Any], token_lists: Sequence[Sequence[int]],
-                         session_type: type) -> list[list[int]]:
-    """The arguments of ``model.extend_sessions``: one token list per session, each session a distinct
-    ``session_type`` session of ``model`` (its ``model`` attribute), every token in its vocabulary. Returns
-    the token lists as lists of ints; ``InputError`` naming what is wrong otherwise."""
-    if len(sessions) != len(token_lists):
-        raise InputError(f"extend_sessions got {len(sessions)} sessions and {len(token_lists)} token lists")
-    if len({id(session) for session in sessions}) != len(sessions):
+@dataclass(frozen=True)
+class Feed:
+    """One session's part of a packed ``extend_sessions`` call: extend ``session`` by ``tokens``; with
+    ``Capabilities.deferred_prefill``, feed at most ``prompt_limit`` tokens of its deferred prompt (None: all
+    of it, before ``tokens``)."""
+
+    session: Any
+    tokens: Sequence[int] = ()
+    prompt_limit: int | None = None
+
+
+def check_session_blocks(model: Any, session_type: type, feeds: Sequence[Any],
+                         token_lists: Sequence[Sequence[int]] | None = None,
+                         prompt_limits: Sequence[int | None] | None = None) -> list[Feed]:
+    """The arguments of ``model.extend_sessions``, checked, as :class:`Feed` records with token lists of
+    ints: ``feeds`` holds Feed records, or (the parallel form) the sessions, with ``token_lists`` and
+    optionally ``prompt_limits`` beside them. Every session is a distinct ``session_type`` session of
+    ``model`` (its ``model`` attribute), every token in its vocabulary, every prompt limit a positive int
+    or None. ``InputError`` naming what is wrong otherwise (in the form the caller used)."""
+    if token_lists is None:
+        records = list(feeds)
+        for i, feed in enumerate(records):
+            if not isinstance(feed, Feed):
+                raise InputError(f"feeds[{i}] must be a Feed(session, tokens, prompt_limit), got "
+                                 f"{type(feed).__name__} (or pass token_lists beside the sessions)")
+            if not _is_prompt_limit(feed.prompt_limit):
+                raise InputError(f"feeds[{i}].prompt_limit must be a positive int or None, got {feed.prompt_limit!r}")
+        names = [(f"feeds[{i}].session", f"feeds[{i}].tokens") for i in range(len(records))]
+    else:
+        sessions = list(feeds)
+        if len(sessions) != len(token_lists):
+            raise InputError(f"extend_sessions got {len(sessions)} sessions and {len(token_lists)} token lists")
+        limits = [None] * len(sessions) if prompt_limits is None else list(prompt_limits)
+        if len(limits) != len(sessions) or not all(_is_prompt_limit(limit) for limit in limits):
+            raise InputError(f"prompt_limits must hold one positive int or None per session, got {prompt_limits!r}")
+        records = [Feed(session, tokens, limit) for session, tokens, limit in zip(sessions, token_lists, limits)]
+        names = [(f"sessions[{i}]", f"token_lists[{i}]") for i in range(len(records))]
+    if len({id(feed.session) for feed in records}) != len(records):
         raise InputError("a session appears twice in one extend_sessions call")
-    for i, session in enumerate(sessions):
-        if not isinstance(session, session_type) or session.model is not model:
-            raise InputError(f"sessions[{i}] is not a session of this model")
-    return [check_token_ids(tokens, model.vocab_size, name=f"token_lists[{i}]") for i, tokens in enumerate(token_lists)]
+    checked = []
+    for feed, (session_name, tokens_name) in zip(records, names):
+        if not isinstance(feed.session, session_type) or feed.session.model is not model:
+            raise InputError(f"{session_name} is not a session of this model")
+        tokens = check_token_ids(feed.tokens, model.vocab_size, name=tokens_name)
+        checked.append(Feed(feed.session, tokens, feed.prompt_limit))
+    return checked
+
+
+def _is_prompt_limit(limit: Any) -> bool:
+    return limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1)
 
 
 def common_prefix_length(*sequences: Sequence[int]) -> int:
@@ -268,15 +306,16 @@ class Capabilities:
     ``shares_prefix_cache``: ``start_sharing(source_session)`` starts a session on the cache of a session of
     ``prefix_of`` (a model whose computation this one's is a prefix of, such as its first K layers), or
     returns None when it cannot.
-    ``batched_extend``: ``extend_sessions(sessions, token_lists) -> [rows]``, the ``extend`` of several of its
-    sessions (each by its own tokens) in one forward, each result equal to that session's own ``extend``
-    (the decoding scheduler then verifies many generations' blocks in one call).
+    ``batched_extend``: ``extend_sessions(feeds) -> [rows]``, the ``extend`` of several of its sessions
+    (each by its own tokens, one :class:`Feed` each; ``extend_sessions(sessions, token_lists)`` is the same
+    call in parallel lists) in one forward, each result equal to that session's own ``extend`` (the
+    decoding scheduler then verifies many generations' blocks in one call).
     ``deferred_prefill``: ``start_deferred(prompt)`` returns a session after ``prompt`` whose prompt is
     consumed by its first forward (``extend``, ``advance``, ``next_logprobs`` or a packed
     ``extend_sessions``) rather than at once, with the same rows; a scheduler packs a new generation's
     prompt into the forward that verifies the others' blocks. Such a session says how many prompt tokens
-    it has not fed (``unfed``), and ``extend_sessions(..., prompt_limits)`` can feed a part of them (a long
-    prompt over several forwards).
+    it has not fed (``unfed``), and a feed's ``prompt_limit`` (``extend_sessions(..., prompt_limits)``)
+    can feed a part of them (a long prompt over several forwards).
     ``independent_sessions`` (default True): each session keeps its own state, so several can advance in
     turn. False (llama.cpp's single resident KV cache: switching sessions re-evaluates the context): the
     serving engine and ``generate_batch`` run one generation at a time.

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from ..validation import InputError
-from .base import BaseModel, Capabilities, check_logits, check_session_blocks, check_token_ids, log_softmax
+from .base import BaseModel, Capabilities, Feed, check_logits, check_session_blocks, check_token_ids, log_softmax
 
 __all__ = ["MarkovModel", "NGramModel", "TinyTransformer"]
 
@@ -117,18 +117,22 @@ class MarkovModel(BaseModel):
     def start(self, prompt: Sequence[int]) -> MarkovSession:
         return MarkovSession(self, prompt)
 
-    def extend_sessions(self, sessions: Sequence[MarkovSession], token_lists: Sequence[Sequence[int]]
-                        ) -> list[np.ndarray]:
-        """``[session.extend(tokens) ...]`` for several of this chain's sessions in one gather: every row of
-        every block is a row of the transition table, looked up together. Exact: the same rows.
+    def extend_sessions(self, feeds: Sequence[Feed] | Sequence[MarkovSession],
+                        token_lists: Sequence[Sequence[int]] | None = None,
+                        prompt_limits: Sequence[int | None] | None = None) -> list[np.ndarray]:
+        """Each feed's ``session.extend(tokens)`` for several of this chain's sessions in one gather: every
+        row of every block is a row of the transition table, looked up together. Exact: the same rows.
+        ``feeds``: :class:`~speculum.models.base.Feed` records, or the sessions with ``token_lists`` beside
+        them (prompt limits have nothing to limit: no prompt is deferred).
 
         Example:
             >>> m = MarkovModel.random(4, seed=0)
             >>> a, b = m.start([1]), m.start([2, 3])
-            >>> [rows.shape for rows in m.extend_sessions([a, b], [[0, 2], [1]])]
+            >>> [rows.shape for rows in m.extend_sessions([Feed(a, [0, 2]), Feed(b, [1])])]
             [(2, 4), (1, 4)]
         """
-        checked = check_session_blocks(self, sessions, token_lists, MarkovSession)
+        feeds = check_session_blocks(self, MarkovSession, feeds, token_lists, prompt_limits)
+        sessions, checked = [feed.session for feed in feeds], [feed.tokens for feed in feeds]
         contexts = [session.tokens + tokens for session, tokens in zip(sessions, checked)]
         # Row j of a block follows its context up to the block's j-th token: (previous, last) table indices.
         last = np.array([t for tokens in checked for t in tokens], dtype=np.int64)

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..validation import InputError, check_int, check_number
-from .base import BaseModel, Capabilities, check_prompt, check_session_blocks, check_token_ids, log_softmax
+from .base import BaseModel, Capabilities, Feed, check_prompt, check_session_blocks, check_token_ids, log_softmax
 
 __all__ = ["TinyTransformer", "TransformerWeights", "LayerWeights", "TransformerSession"]
 
@@ -262,19 +262,23 @@ class TinyTransformer(BaseModel):
         """A KV-cached session after ``prompt`` (``[]`` means ``[bos]``; without a BOS it is an error)."""
         return TransformerSession(self, prompt)
 
-    def extend_sessions(self, sessions: Sequence["TransformerSession"], token_lists: Sequence[Sequence[int]]
-                        ) -> list[np.ndarray]:
-        """``[session.extend(tokens) ...]`` for several of this model's sessions in one ragged forward (each
-        session's own cache and positions; padding masked). Exact: each result equals that session's own
-        ``extend`` to float64 rounding (the batched products may round the last bits differently).
+    def extend_sessions(self, feeds: Sequence[Feed] | Sequence["TransformerSession"],
+                        token_lists: Sequence[Sequence[int]] | None = None,
+                        prompt_limits: Sequence[int | None] | None = None) -> list[np.ndarray]:
+        """Each feed's ``session.extend(tokens)`` for several of this model's sessions in one ragged forward
+        (each session's own cache and positions; padding masked). Exact: each result equals that session's
+        own ``extend`` to float64 rounding (the batched products may round the last bits differently).
+        ``feeds``: :class:`~speculum.models.base.Feed` records, or the sessions with ``token_lists`` beside
+        them (prompt limits have nothing to limit: no prompt is deferred).
 
         Example:
             >>> m = TinyTransformer(8, seed=0)
             >>> a, b = m.start([1]), m.start([2, 3])
-            >>> [rows.shape for rows in m.extend_sessions([a, b], [[4, 5], [6]])]
+            >>> [rows.shape for rows in m.extend_sessions([Feed(a, [4, 5]), Feed(b, [6])])]
             [(2, 8), (1, 8)]
         """
-        checked = check_session_blocks(self, sessions, token_lists, TransformerSession)
+        feeds = check_session_blocks(self, TransformerSession, feeds, token_lists, prompt_limits)
+        sessions, checked = [feed.session for feed in feeds], [feed.tokens for feed in feeds]
         for session, tokens in zip(sessions, checked):
             self._check_length(session.length + len(tokens), "tokens")
         out = [np.zeros((0, self.vocab_size)) for _ in sessions]
@@ -292,17 +296,11 @@ class TinyTransformer(BaseModel):
         keys = [np.zeros(shape) for _ in self.weights.layers]
         values = [np.zeros(shape) for _ in self.weights.layers]
         for b, i in enumerate(live):
-            for layer in range(len(keys)):
-                keys[layer][b, :, : offsets[b]] = sessions[i]._keys[layer][0, :, : offsets[b]]
-                values[layer][b, :, : offsets[b]] = sessions[i]._values[layer][0, :, : offsets[b]]
+            sessions[i].copy_cache_into(keys, values, b)
         hidden = self._forward_ragged(tokens, offsets, keys, values)                # (batch, n, d)
         for b, i in enumerate(live):
-            session, count, start = sessions[i], len(checked[i]), int(offsets[b])
-            for layer in range(len(keys)):
-                session._keys[layer][0, :, start: start + count] = keys[layer][b, :, start: start + count]
-                session._values[layer][0, :, start: start + count] = values[layer][b, :, start: start + count]
-            session._hidden[start: start + count] = hidden[b, :count]
-            session.tokens.extend(checked[i])
+            count = len(checked[i])
+            sessions[i].record_forward(checked[i], keys, values, b, hidden[b, :count])
             out[i] = self._logprobs(hidden[b, :count])
         return out
 
@@ -374,6 +372,26 @@ class TransformerSession:
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    def copy_cache_into(self, keys: list[np.ndarray], values: list[np.ndarray], row: int) -> None:
+        """Copy this session's keys and values (its ``length`` positions) into row ``row`` of a batched
+        forward's caches ``keys[layer]`` / ``values[layer]`` ``(batch, heads, capacity, d_head)``."""
+        held = len(self.tokens)
+        for layer_keys, layer_values, own_keys, own_values in zip(keys, values, self._keys, self._values):
+            layer_keys[row, :, :held] = own_keys[0, :, :held]
+            layer_values[row, :, :held] = own_values[0, :, :held]
+
+    def record_forward(self, tokens: list[int], keys: list[np.ndarray], values: list[np.ndarray], row: int,
+                       hidden: np.ndarray) -> None:
+        """Take ``tokens`` as consumed by a batched forward that wrote their keys and values in row ``row``
+        of ``keys[layer]`` / ``values[layer]`` ``(batch, heads, capacity, d_head)``, after this session's
+        positions, and computed their final hidden states ``hidden (len(tokens), d)``."""
+        start, end = len(self.tokens), len(self.tokens) + len(tokens)
+        for layer_keys, layer_values, own_keys, own_values in zip(keys, values, self._keys, self._values):
+            own_keys[0, :, start:end] = layer_keys[row, :, start:end]
+            own_values[0, :, start:end] = layer_values[row, :, start:end]
+        self._hidden[start:end] = hidden
+        self.tokens.extend(tokens)
 
     def _run(self, tokens: list[int]) -> np.ndarray:
         start, end = len(self.tokens), len(self.tokens) + len(tokens)

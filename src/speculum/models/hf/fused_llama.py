@@ -3,7 +3,7 @@
 Why: on a small model the Python around the matrix products is a large share of a decode step: on
 SmolLM2-135M (30 blocks) transformers' ``LlamaForCausalLM`` spends about a third of a step outside its
 kernels (module calls, mask building, cache bookkeeping, seven separate projections per block). This
-forward runs the same operations from one function on pre-packed oneDNN weights (``models/prepack.py``)
+forward runs the same operations from one function on pre-packed oneDNN weights (``prepack.py``)
 with the query/key/value and gate/up projections fused into one product each: 4 matrix calls per block
 instead of 7 (``benchmarks/decoding_llm.py`` measures the effect end to end).
 
@@ -13,22 +13,24 @@ length), on the same float32 weights; the fused products compute every output el
 product. Log-probs agree with transformers' forward to float32 rounding (tested ≤ 1e-4 nats). Plain and
 speculative decoding both run it, so greedy speculative output equals plain greedy output.
 
-The int8 twin (``models/twins.py``: every Linear int8 dynamically quantised) runs it too: its products call
+The int8 twin (``speculum.drafts.twins``: every Linear int8 dynamically quantised) runs it too: its products call
 the twin's own ``quantized::linear_dynamic`` ops on the same inputs, so its log-probs equal the twin's
 transformers forward, at less cost per draft step. Mixed or other quantisation, bf16 and biases keep
 transformers' forward.
 
-It reads and writes transformers' own ``DynamicCache`` (``cache.update``), so cropping, batch selection and
-the layer-truncated draft's adoption of the target's cache work unchanged. Only what it reproduces exactly
-is accepted (:func:`unsupported_reason`), and only after a load-time probe agrees with transformers' own
-forward (:meth:`FusedLlama.self_check`); anything else keeps transformers' forward.
+It reads and writes any :class:`~speculum.models.hf.kv_cache.KVCache` through its protocol (``length``,
+``append``, ``exclusive``): a cache of its own, which transformers' forward reads too, or a slot of the
+model's KV store. Only what it reproduces exactly is accepted (:func:`unsupported_reason`), and only after
+a load-time probe agrees with transformers' own forward (:meth:`FusedLlama.self_check`); anything else
+keeps transformers' forward.
 
 Example:
     >>> fused = FusedLlama.build(model.module)          # doctest: +SKIP  (None if not applicable)
-    >>> logits = fused(torch.tensor([[1, 2, 3]]), DynamicCache(config=model.config), keep=1)  # doctest: +SKIP
+    >>> logits = fused(torch.tensor([[1, 2, 3]]), OwnCache(model.config), keep=1)  # doctest: +SKIP
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import warnings
 import weakref
@@ -38,7 +40,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .kv_arena import KVArena, SlotCache
+from .kv_arena import KVArena
+from .kv_cache import KVCache, OwnCache, SlotCache
 from .prepack import onednn_available, pack_weight, packed_linear
 
 __all__ = ["FusedLlama", "unsupported_reason"]
@@ -141,7 +144,7 @@ def unsupported_reason(module: torch.nn.Module) -> str | None:
 
 
 class FusedLlama:
-    """``(input_ids (batch, n), DynamicCache, keep) -> logits (batch, keep or n, vocab)``: the forward of a
+    """``(input_ids (batch, n), KVCache, keep) -> logits (batch, keep or n, vocab)``: the forward of a
     Llama ``*ForCausalLM`` module, exact to float32 rounding (see the module docstring). Build it with
     :meth:`build`, which returns None when the module is not one it reproduces. Build it after the weights
     are final: the packed copies do not see later in-place changes of the module's weights."""
@@ -192,12 +195,12 @@ class FusedLlama:
 
         vocab = int(module.config.vocab_size)
         probe = torch.randint(0, vocab, (1, 5), generator=torch.Generator().manual_seed(0))
-        caches = DynamicCache(config=module.config), DynamicCache(config=module.config)
+        ours_cache, theirs_cache = OwnCache(module.config), DynamicCache(config=module.config)
         worst = 0.0
         with torch.inference_mode():
             for chunk in (probe[:, :3], probe[:, 3:]):
-                ours = self(chunk, caches[0])
-                theirs = module(input_ids=chunk, cache=caches[1], use_cache=True).logits
+                ours = self(chunk, ours_cache)
+                theirs = module(input_ids=chunk, cache=theirs_cache, use_cache=True).logits
                 scale = float(theirs.abs().max()) or 1.0
                 if ours.shape != theirs.shape:
                     return float("inf")
@@ -221,15 +224,13 @@ class FusedLlama:
         return _PACKED[block]
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, cache: Any, keep: int = 0) -> torch.Tensor:
-        if isinstance(cache, SlotCache):
-            with cache.arena.lock:            # the store's buffers must not be replaced mid-forward
-                return self._call(input_ids, cache, keep)
-        return self._call(input_ids, cache, keep)
+    def __call__(self, input_ids: torch.Tensor, cache: KVCache, keep: int = 0) -> torch.Tensor:
+        with cache.exclusive():               # a store's buffers must not be replaced mid-forward
+            return self._call(input_ids, cache, keep)
 
-    def _call(self, input_ids: torch.Tensor, cache: Any, keep: int) -> torch.Tensor:
+    def _call(self, input_ids: torch.Tensor, cache: KVCache, keep: int) -> torch.Tensor:
         batch, n = input_ids.shape
-        past = cache.get_seq_length()
+        past = cache.length
         x = F.embedding(input_ids, self.embed)                                      # (batch, n, hidden)
         positions = (torch.arange(n) + past).unsqueeze(0)                           # (1, n)
         cos, sin = (t.unsqueeze(1) for t in self.rotary(x, positions))              # (1, 1, n, head_dim)
@@ -237,43 +238,46 @@ class FusedLlama:
         mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
         for index, block in enumerate(self.blocks):
             q, k, v = self._qkv(block, x, cos, sin)
-            k, v = cache.update(k, v, index)                                        # (batch, kv, past+n, d)
+            k, v = cache.append(k, v, index)                                        # (batch, kv, past+n, d)
             x = self._after_attention(block, x, self._attend(q, k, v, mask))
         if keep:
             x = x[:, -keep:]
         return self._head(x)
 
-    def forward_packed(self, token_lists: list[list[int]], caches: list[Any], keep: list[int] | None = None
+    def forward_packed(self, token_lists: list[list[int]], caches: list[KVCache], keep: list[int] | None = None
                        ) -> list[torch.Tensor]:
         """Several sequences in one forward, each extending its own cache (updated in place): logits
         ``(keep[b], vocab)`` for each, those of its last ``keep[b]`` positions (default: all of them).
 
         The per-token work (embedding, norms, projections, MLP, vocabulary head) runs once over every
         token packed into one matrix, without padding. Attention: when every cache is a slot of one
-        :class:`~speculum.models.kv_arena.KVArena`, one call per layer over the store, each sequence's
+        :class:`~speculum.models.hf.kv_arena.KVArena`, one call per layer over the store, each sequence's
         queries masked to its own keys (:meth:`_forward_store`); otherwise one call per sequence on its own
         cache, with the shapes of a lone forward."""
         lengths = [len(tokens) for tokens in token_lists]
-        pasts = [cache.get_seq_length() for cache in caches]
+        pasts = [cache.length for cache in caches]
         bounds = [0, *itertools.accumulate(lengths)]                                # sequence b: bounds[b]:bounds[b+1]
         ids = torch.tensor([[t for tokens in token_lists for t in tokens]])        # (1, T)
         x = F.embedding(ids, self.embed)                                            # (1, T, hidden)
         position = torch.cat([torch.arange(n) + past for n, past in zip(lengths, pasts)])   # (T,) in its sequence
         cos, sin = (t.unsqueeze(1) for t in self.rotary(x, position.unsqueeze(0)))  # (1, 1, T, head_dim)
-        arena = getattr(caches[0], "arena", None) if caches else None
-        if arena is not None and all(isinstance(c, SlotCache) and c.arena is arena for c in caches):
-            with arena.lock:
-                return self._forward_store(x, cos, sin, position, pasts, bounds, caches, arena, keep)
+        store = caches[0].store if caches else None
+        if store is not None and all(cache.store is store for cache in caches):
+            with store.lock:
+                return self._forward_store(x, cos, sin, position, pasts, bounds, caches, store, keep)
         masks = [None if n == 1 else torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
                  for n, past in zip(lengths, pasts)]
-        for index, block in enumerate(self.blocks):
-            q, k, v = self._qkv(block, x, cos, sin)                                 # (1, heads, T, d)
-            parts = []
-            for b, cache in enumerate(caches):
-                at = slice(bounds[b], bounds[b + 1])
-                keys, values = cache.update(k[:, :, at], v[:, :, at], index)
-                parts.append(self._attend(q[:, :, at], keys, values, masks[b]))
-            x = self._after_attention(block, x, torch.cat(parts, dim=2))
+        with contextlib.ExitStack() as held:
+            for cache in caches:
+                held.enter_context(cache.exclusive())
+            for index, block in enumerate(self.blocks):
+                q, k, v = self._qkv(block, x, cos, sin)                             # (1, heads, T, d)
+                parts = []
+                for b, cache in enumerate(caches):
+                    at = slice(bounds[b], bounds[b + 1])
+                    keys, values = cache.append(k[:, :, at], v[:, :, at], index)
+                    parts.append(self._attend(q[:, :, at], keys, values, masks[b]))
+                x = self._after_attention(block, x, torch.cat(parts, dim=2))
         return self._kept_logits(x, bounds, keep)
 
     def _forward_store(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
@@ -320,7 +324,7 @@ class FusedLlama:
                 attn[at] = alone_out[0].transpose(0, 1)
             x = self._after_attention(block, x, attn.transpose(0, 1).unsqueeze(0))
         for cache, end in zip(caches, ends):
-            cache.length = end
+            cache.filled_to(end)
         return self._kept_logits(x, bounds, keep)
 
     def _kept_logits(self, x: torch.Tensor, bounds: list[int], keep: list[int] | None) -> list[torch.Tensor]:

@@ -1,4 +1,6 @@
-"""One KV store for many sessions of a model (:class:`KVArena`), and a session's part of it (:class:`SlotCache`).
+"""One KV store for many sessions of a model (:class:`KVArena`): the key and value buffers a packed forward
+writes in place and attends over once per layer; a session's part of it is a
+:class:`~speculum.models.hf.kv_cache.SlotCache`.
 
 The decoding scheduler verifies the blocks of many generations in one packed forward. With a cache per
 session, attention runs once per session per layer and every append re-copies the session's keys
@@ -14,24 +16,20 @@ replaces the buffers. The buffers are inference-mode tensors, written in inferen
 
 Example:
     >>> arena = KVArena(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32)
-    >>> cache = SlotCache(arena)
-    >>> keys, values = cache.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4), 0)
-    >>> _ = cache.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4), 1)   # the last layer: length moves
-    >>> cache.get_seq_length(), tuple(keys.shape)
-    (3, (1, 1, 3, 4))
-    >>> cache.crop(-1); cache.get_seq_length()
-    2
+    >>> slot = arena.allocate(3)
+    >>> arena.slots, arena.capacity, arena.in_use
+    (4, 256, 1)
+    >>> arena.release(slot); arena.keys
+    []
 """
 from __future__ import annotations
 
 import heapq
 import threading
-import weakref
-from typing import Any
 
 import torch
 
-__all__ = ["KVArena", "SlotCache"]
+__all__ = ["KVArena"]
 
 
 class KVArena:
@@ -91,67 +89,3 @@ class KVArena:
             heapq.heappush(self._free, slot)
         self.keys, self.values, self.slots, self.capacity = keys, values, slots, capacity
 
-
-class SlotCache:
-    """A session's KV cache as a slot of a :class:`KVArena`: the subset of transformers' ``DynamicCache``
-    interface the fused forward uses (``get_seq_length``, ``update``, ``crop``), with appends in place."""
-
-    def __init__(self, arena: KVArena, length: int = 0) -> None:
-        self.arena = arena
-        self.slot = arena.allocate(length)
-        self.length = 0
-        weakref.finalize(self, arena.release, self.slot)
-
-    @classmethod
-    @torch.inference_mode()
-    def copy_of(cls, arena: KVArena, cache: Any) -> "SlotCache":
-        """A slot holding what the ``DynamicCache`` ``cache`` holds (copied; ``cache`` is left as it is)."""
-        length = int(cache.get_seq_length())
-        slot_cache = cls(arena, length)
-        if length:
-            with arena.lock:
-                for index, layer in enumerate(cache.layers[: arena.layers]):
-                    arena.keys[index][slot_cache.slot, :, :length] = layer.keys[0]
-                    arena.values[index][slot_cache.slot, :, :length] = layer.values[0]
-        slot_cache.length = length
-        return slot_cache
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
-
-    @torch.inference_mode()
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``keys``/``values (1, kv_heads, n, head_dim)`` after the session's tokens in layer
-        ``layer_idx``; returns the layer's keys and values so far, ``(1, kv_heads, length + n, head_dim)``
-        views. The length moves once the last layer is written."""
-        arena, end = self.arena, self.length + keys.shape[2]
-        if layer_idx == 0:
-            arena.reserve(end)
-        arena.keys[layer_idx][self.slot, :, self.length:end] = keys[0]
-        arena.values[layer_idx][self.slot, :, self.length:end] = values[0]
-        if layer_idx == arena.layers - 1:
-            self.length = end
-        view = slice(self.slot, self.slot + 1)
-        return arena.keys[layer_idx][view, :, :end], arena.values[layer_idx][view, :, :end]
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """``DynamicCache.crop`` with a count <= 0: forget the last ``-tokens_to_remove`` tokens."""
-        length = self.length + tokens_to_remove
-        if tokens_to_remove > 0 or length < 0:
-            raise ValueError(f"crop({tokens_to_remove}) of a cache holding {self.length} tokens")
-        self.length = length
-
-    @torch.inference_mode()
-    def to_dynamic(self, config: Any, layers: int) -> Any:
-        """A ``DynamicCache`` holding copies of the first ``layers`` layers (for a layer-truncated draft)."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=config)
-        with self.arena.lock:
-            for index in range(layers):
-                view = slice(self.slot, self.slot + 1)
-                # DynamicCache.update concatenates: it keeps a copy, not a view of the store.
-                cache.update(self.arena.keys[index][view, :, : self.length],
-                             self.arena.values[index][view, :, : self.length], index)
-        return cache

@@ -1,9 +1,11 @@
 """Any local Hugging Face causal language model as a speculum protocol model (PyTorch).
 
 * ``HFModel.from_pretrained(path)`` reads a local model directory (never the hub: ``local_files_only``).
-* ``model.start(prompt)`` returns an ``HFSession`` holding a transformers ``DynamicCache``; ``extend``
-  runs ONE forward over all new tokens (the verification pass of speculative decoding) and ``rollback``
-  crops the cache, so a rejected draft tail costs nothing to undo.
+* ``model.start(prompt)`` returns an ``HFSession`` holding a KV cache (:mod:`~speculum.models.hf.kv_cache`);
+  ``extend`` runs ONE forward over all new tokens (the verification pass of speculative decoding) and
+  ``rollback`` trims the cache, so a rejected draft tail costs nothing to undo.
+* ``extend_sessions(feeds)`` extends many sessions in one packed forward, their caches moved into one KV
+  store (:mod:`~speculum.models.hf.kv_arena`).
 * ``next_logprobs(prefixes)`` evaluates many prefixes in a few batched forwards: their longest common
   prefix (usually the prompt) is encoded once and reused across calls, and the distinct suffixes are
   walked as a trie, one batched forward per depth, so a token shared by many prefixes is encoded once.
@@ -27,7 +29,6 @@ Example:
 """
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -35,13 +36,15 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..validation import InputError
-from .base import (BaseModel, Capabilities, check_prompt, check_session_blocks, check_token_ids,
-                   common_prefix_length)
+from ...validation import InputError
+from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_blocks, check_token_ids,
+                    common_prefix_length)
 from .fused_llama import FusedLlama
-from .hf_session import HFSession, _log_mass, _logprob_rows
-from .kv_arena import KVArena, SlotCache
+from .kv_arena import KVArena
+from .kv_cache import KVCache, OwnCache
+from .logprobs import log_mass, logprob_rows
 from .prepack import prepack_linears
+from .session import HFSession
 
 __all__ = ["HFModel", "HFSession", "parse_dtype"]
 
@@ -85,16 +88,18 @@ class HFModel(BaseModel):
         name: a label for messages and benchmarks.
         prepack: the CPU fast path for float32 models, same results to float32 rounding, one more copy
             of the weights. Llama-architecture models run the fused forward of
-            :mod:`speculum.models.fused_llama`; other models run their float32 ``nn.Linear`` layers through
-            pre-packed oneDNN weights (:mod:`speculum.models.prepack`). False keeps transformers' forward
-            with PyTorch's default kernels.
+            :mod:`speculum.models.hf.fused_llama`; other models run their float32 ``nn.Linear`` layers
+            through pre-packed oneDNN weights (:mod:`speculum.models.hf.prepack`). False keeps
+            transformers' forward with PyTorch's default kernels.
 
     Attributes: ``vocab_size`` (width of the logits), ``max_context`` (from the config),
     ``eos_token_id``, ``bos_token_id``, ``tokenizer``, ``module``, ``config``, ``dtype``,
-    ``fused_forward`` (the fused Llama forward is in use), ``prepacked_layers`` (Linear layers packed).
-    """
+    ``fused_forward`` (the fused Llama forward is in use), ``prepacked_layers`` (Linear layers packed),
+    ``capabilities`` (packed forwards of many sessions only with the fused forward).
 
-    capabilities = Capabilities(sparse_rows=True, session_advance=True, shares_prefix_cache=True)
+    Its sessions (:class:`~speculum.models.hf.session.HFSession`) run through the public calls
+    :meth:`check_context`, :meth:`check_length`, :meth:`new_cache` and :meth:`forward`.
+    """
 
     def __init__(self, module: torch.nn.Module, tokenizer: Any = None, *, name: str = "hf-model",
                  prepack: bool = True) -> None:
@@ -105,7 +110,7 @@ class HFModel(BaseModel):
         self.dtype = next(module.parameters()).dtype
         # The fused forward packs its own (fused) weights, so per-layer packing would only add a third copy.
         self._fused = FusedLlama.build(module) if prepack else None
-        # Many sessions in one forward needs the fused forward's packed variant.
+        # Declared once, here: many sessions in one forward needs the fused forward's packed variant.
         self.capabilities = Capabilities(sparse_rows=True, session_advance=True, shares_prefix_cache=True,
                                          batched_extend=self._fused is not None,
                                          deferred_prefill=self._fused is not None)
@@ -121,7 +126,7 @@ class HFModel(BaseModel):
         self.eos_token_id = _first_id(getattr(tokenizer, "eos_token_id", None), self.config.eos_token_id)
         self.bos_token_id = _first_id(getattr(tokenizer, "bos_token_id", None), self.config.bos_token_id)
         # Prefix caches shared by the rows of a batched call (the prompt, a common first token), by tokens.
-        self._shared_caches: dict[tuple[int, ...], Any] = {}
+        self._shared_caches: dict[tuple[int, ...], OwnCache] = {}
         layers, kv_heads, head_dim = _kv_geometry(self.config)
         # The sessions' KV store for packed forwards (it holds no memory until a session moves in).
         self._arena = KVArena(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=self.dtype)
@@ -129,7 +134,7 @@ class HFModel(BaseModel):
 
     @property
     def fused_forward(self) -> bool:
-        """True when forwards run the fused Llama forward (:mod:`speculum.models.fused_llama`)."""
+        """True when forwards run the fused Llama forward (:mod:`speculum.models.hf.fused_llama`)."""
         return self._fused is not None
 
     # ------------------------------------------------------------------------------------ loading
@@ -202,13 +207,11 @@ class HFModel(BaseModel):
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
     # ------------------------------------------------------------------------------------ protocol
-    def start_sharing(self, source: "HFSession") -> "HFSession | None":
+    def start_sharing(self, source: HFSession) -> HFSession | None:
         """A session on ``source``'s tokens that reuses its KV cache instead of a prefill, for a model that
-        is ``source``'s model truncated to its first blocks (see ``HFSession.adopt_prefix_layers``);
-        None when the cache layout does not allow it."""
-        session = HFSession.__new__(HFSession)
-        session.model, session.tokens = self, []
-        return session if session.adopt_prefix_layers(source) else None
+        is ``source``'s model truncated to its first blocks (see :meth:`HFSession.sharing`); None when the
+        cache layout does not allow it."""
+        return HFSession.sharing(self, source)
 
     def start(self, prompt: Sequence[int]) -> "HFSession":
         """A KV-cached session after ``prompt`` (an empty prompt starts from BOS). Exact."""
@@ -220,51 +223,52 @@ class HFModel(BaseModel):
         blocks. Exact: the same rows as :meth:`start`'s session, up to float rounding."""
         return HFSession(self, prompt, defer=True)
 
-    def extend_sessions(self, sessions: Sequence["HFSession"], token_lists: Sequence[Sequence[int]],
+    def extend_sessions(self, feeds: Sequence[Feed] | Sequence[HFSession],
+                        token_lists: Sequence[Sequence[int]] | None = None,
                         prompt_limits: Sequence[int | None] | None = None) -> list[np.ndarray]:
-        """``[session.extend(tokens) for ...]`` in one packed forward (``Capabilities.batched_extend``): the
-        decoding scheduler verifies the blocks of many generations with it. Without the fused forward,
-        one forward per session.
+        """Each feed's ``session.extend(tokens)`` in one packed forward (``Capabilities.batched_extend``),
+        rows in the order of ``feeds``: the decoding scheduler verifies the blocks of many generations with
+        it. Without the fused forward, one forward per session.
 
-        A session with a deferred prompt (:meth:`start_deferred`) feeds it first. ``prompt_limits[b]``
-        (``Capabilities.deferred_prefill``): feed at most that many of session b's deferred prompt tokens;
-        a session fed only part of its prompt must have no tokens of its own and gets no rows (a long
-        prompt is fed over several packed forwards, so the running generations keep advancing)."""
-        checked = check_session_blocks(self, sessions, token_lists, HFSession)
-        limits = [None] * len(sessions) if prompt_limits is None else list(prompt_limits)
-        if len(limits) != len(sessions) or any(limit is not None and (not isinstance(limit, int) or limit < 1)
-                                                for limit in limits):
-            raise InputError(f"prompt_limits must hold one positive int or None per session, got {prompt_limits!r}")
-        part = [limit is not None and limit < session.unfed for session, limit in zip(sessions, limits)]
-        if any(p and tokens for p, tokens in zip(part, checked)):
+        ``feeds``: :class:`~speculum.models.base.Feed` records, or the sessions with ``token_lists`` (and
+        ``prompt_limits``) beside them. A session with a deferred prompt (:meth:`start_deferred`) feeds it
+        first. A feed's ``prompt_limit`` (``Capabilities.deferred_prefill``): feed at most that many of its
+        session's deferred prompt tokens; a session fed only part of its prompt must have no tokens of its
+        own and gets no rows (a long prompt is fed over several packed forwards, so the running generations
+        keep advancing). Exact: each session's rows and state are those of its own ``extend``, up to float
+        rounding (``docs/backends.md``)."""
+        feeds = check_session_blocks(self, HFSession, feeds, token_lists, prompt_limits)
+        part = [feed.prompt_limit is not None and feed.prompt_limit < feed.session.unfed for feed in feeds]
+        if any(p and feed.tokens for p, feed in zip(part, feeds)):
             raise InputError("a session fed only part of its deferred prompt cannot take tokens of its own")
-        if self._fused is None or any(not tokens and not p for tokens, p in zip(checked, part)):
-            return [session.feed_prompt(limit) if p else session.extend(tokens)
-                    for session, tokens, limit, p in zip(sessions, checked, limits, part)]
-        for session, tokens in zip(sessions, checked):
-            self._check_length(len(session.tokens) + len(tokens), name="the session")
-        self._into_store(sessions, max(len(s.tokens) + len(t) for s, t in zip(sessions, checked)))
-        feeds = [s.unfed_tokens()[:limit] if p else s.feed(t) for s, t, limit, p in zip(sessions, checked, limits, part)]
+        if self._fused is None or any(not feed.tokens and not p for feed, p in zip(feeds, part)):
+            return [feed.session.feed_prompt(feed.prompt_limit) if p else feed.session.extend(feed.tokens)
+                    for feed, p in zip(feeds, part)]
+        for feed in feeds:
+            self.check_length(len(feed.session.tokens) + len(feed.tokens), name="the session")
+        sessions = [feed.session for feed in feeds]
+        self._into_store(sessions, max(len(feed.session.tokens) + len(feed.tokens) for feed in feeds))
+        reads = [feed.session.unfed_tokens()[:feed.prompt_limit] if p else feed.session.feed(feed.tokens)
+                 for feed, p in zip(feeds, part)]
         with torch.inference_mode():        # the head runs on the rows of the sessions' own tokens only
-            logits = self._fused.forward_packed(feeds, [session._cache for session in sessions],
-                                                keep=[len(tokens) for tokens in checked])
-        return [session._fed_prompt(len(feed)) if p else session._consumed(tokens, rows)
-                for session, tokens, feed, rows, p in zip(sessions, checked, feeds, logits, part)]
+            logits = self._fused.forward_packed(reads, [session.cache for session in sessions],
+                                                keep=[len(feed.tokens) for feed in feeds])
+        return [feed.session.record_prompt_fed(len(read)) if p else feed.session.record_forward(feed.tokens, rows)
+                for feed, read, rows, p in zip(feeds, reads, logits, part)]
 
-    def _into_store(self, sessions: Sequence["HFSession"], length: int) -> None:
-        """Move the sessions' caches into the model's KV store (:mod:`~speculum.models.kv_arena`), where the
-        packed forward attends once per layer for all of them, while the store stays within
+    def _into_store(self, sessions: Sequence[HFSession], length: int) -> None:
+        """Move the sessions' caches into the model's KV store (:mod:`~speculum.models.hf.kv_arena`), where
+        the packed forward attends once per layer for all of them, while the store stays within
         ``ARENA_BUDGET_BYTES`` with every slot ``length`` tokens long; beyond it they keep caches of their own
         (the packed forward then attends per session)."""
         arena = self._arena
         with arena.lock:
-            joining = sum(not isinstance(session._cache, SlotCache) for session in sessions)
+            joining = sum(session.cache.store is not arena for session in sessions)
             slots = max(arena.slots, arena.in_use + joining)
             if arena.bytes_for(slots, max(arena.capacity, length)) > ARENA_BUDGET_BYTES:
                 return
             for session in sessions:
-                if not isinstance(session._cache, SlotCache):
-                    session._cache = SlotCache.copy_of(arena, session._cache)
+                session.move_cache_into(arena)
 
     @torch.inference_mode()
     def next_logprobs(self, prefixes: Sequence[Sequence[int]]) -> np.ndarray:
@@ -278,7 +282,7 @@ class HFModel(BaseModel):
             >>> model.next_logprobs([prompt + [5], prompt + [9]]).shape       # doctest: +SKIP
             (2, 49152)
         """
-        contexts = [self._context(prefix, name=f"prefixes[{i}]") for i, prefix in enumerate(prefixes)]
+        contexts = [self.check_context(prefix, name=f"prefixes[{i}]") for i, prefix in enumerate(prefixes)]
         out = np.empty((len(contexts), self.vocab_size))
         if not contexts:
             return out
@@ -309,7 +313,7 @@ class HFModel(BaseModel):
         Example:
             >>> row, token, lp, finite = model.next_logprobs_above([prompt], [-5.0])   # doctest: +SKIP
         """
-        contexts = [self._context(prefix, name=f"prefixes[{i}]") for i, prefix in enumerate(prefixes)]
+        contexts = [self.check_context(prefix, name=f"prefixes[{i}]") for i, prefix in enumerate(prefixes)]
         floors = np.asarray(min_logprobs, dtype=np.float64).reshape(-1)          # (batch,)
         if len(floors) != len(contexts) or np.isnan(floors).any():
             raise InputError(f"min_logprobs must hold one number per prefix ({len(contexts)}), got {len(floors)}")
@@ -317,12 +321,12 @@ class HFModel(BaseModel):
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
         def select(rows: list[int], logits: torch.Tensor) -> None:
-            log_mass = _log_mass(logits)                                          # (k,) float64
-            cut = torch.from_numpy(floors[rows]) + log_mass                      # (k,) logit cut, float64
+            mass = log_mass(logits)                                               # (k,) float64
+            cut = torch.from_numpy(floors[rows]) + mass                          # (k,) logit cut, float64
             # float32 compare: lower the cut by far more than float32 rounding so no wanted entry is lost.
             loose = (cut - 1e-5 * (1.0 + cut.abs())).float()
             r, tok = torch.nonzero(logits >= loose[:, None], as_tuple=True)
-            values = logits[r, tok].double() - log_mass[r]
+            values = logits[r, tok].double() - mass[r]
             rows_np = np.asarray(rows)
             finite[rows_np] = torch.isfinite(logits).sum(dim=-1).numpy()
             parts.append((rows_np[r.numpy()], tok.numpy(), values.numpy()))
@@ -349,14 +353,14 @@ class HFModel(BaseModel):
         Example:
             >>> model.score_sequences([[5, 6], [7]], prompt=prompt_ids)       # doctest: +SKIP
         """
-        context = self._context(prompt, name="prompt")
+        context = self.check_context(prompt, name="prompt")
         seqs = [check_token_ids(s, self.vocab_size, name=f"sequences[{i}]") for i, s in enumerate(sequences)]
         out = np.zeros(len(seqs))
         live = [i for i, s in enumerate(seqs) if s]
         if not live:
             return out
         longest = max(len(seqs[i]) for i in live)
-        self._check_length(len(context) + longest - 1, name="prompt + sequence")
+        self.check_length(len(context) + longest - 1, name="prompt + sequence")
         root = self._cache_for(context[:-1])
         chunk = self._chunk_rows(len(context) + longest, longest)
         for lo in range(0, len(live), chunk):
@@ -370,39 +374,45 @@ class HFModel(BaseModel):
                 inputs[r, : len(seq)] = torch.tensor([context[-1], *seq[:-1]])
                 targets[r, : len(seq)] = torch.tensor(seq)
                 valid[r, : len(seq)] = True
-            logits = self._forward(inputs, _gather(root, torch.zeros(len(rows), dtype=torch.long), self.config))
-            # (rows, longest, vocab); the float64 formula of _logprob_rows, so scores match next_logprobs rows
-            log_mass = _log_mass(logits.reshape(-1, logits.shape[-1])).reshape(logits.shape[:2])
-            picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double() - log_mass
+            logits = self.forward(inputs, root.rows(torch.zeros(len(rows), dtype=torch.long)))
+            # (rows, longest, vocab); the float64 formula of logprob_rows, so scores match next_logprobs rows
+            mass = log_mass(logits.reshape(-1, logits.shape[-1])).reshape(logits.shape[:2])
+            picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double() - mass
             out[rows] = (picked * valid).sum(dim=1).numpy()
         return out
 
-    # ------------------------------------------------------------------------------------ internals
-    def _context(self, tokens: Sequence[int], *, name: str) -> list[int]:
+    # ------------------------------------------------------------------------------------ for its sessions
+    def check_context(self, tokens: Sequence[int], *, name: str) -> list[int]:
+        """``tokens`` as a checked context (an empty one becomes ``[bos]``); ``InputError`` naming ``name``
+        for a token outside the vocabulary or a context longer than the window."""
         ids = check_prompt(self, tokens, name=name)
-        self._check_length(len(ids), name=name)
+        self.check_length(len(ids), name=name)
         return ids
 
-    def _check_length(self, length: int, *, name: str) -> None:
+    def check_length(self, length: int, *, name: str) -> None:
+        """``InputError`` naming ``name`` when ``length`` tokens do not fit the context window."""
         if self.max_context is not None and length > self.max_context:
             raise InputError(
                 f"{name} has {length} tokens, more than the context window of {self.name} "
                 f"({self.max_context} tokens)"
             )
 
-    def _forward(self, input_ids: torch.Tensor, cache: Any, keep: int = 0) -> torch.Tensor:
-        """One forward of ``input_ids (batch, n)`` on top of ``cache`` (updated in place) ->
-        logits ``(batch, keep or n, vocab)`` in the model's dtype."""
+    def new_cache(self) -> OwnCache:
+        """An empty KV cache of its own for this model's layers (what a new session holds)."""
+        return OwnCache(self.config)
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, keep: int = 0) -> torch.Tensor:
+        """One forward of ``input_ids (batch, n)`` on top of ``cache`` (extended in place) -> logits
+        ``(batch, keep or n, vocab)`` in the model's dtype: the fused forward where it is in use, else
+        transformers' own, which reads only a cache with a ``transformers_cache`` (never a store slot: only
+        the fused forward moves sessions into the store)."""
         if self._fused is not None:
             return self._fused(input_ids, cache, keep)
-        return self.module(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep).logits
+        return self.module(input_ids=input_ids, cache=cache.transformers_cache, use_cache=True,
+                           logits_to_keep=keep).logits
 
-    def _new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.config)
-
-    def _cache_for(self, tokens: Sequence[int]) -> Any:
+    # ------------------------------------------------------------------------------------ internals
+    def _cache_for(self, tokens: Sequence[int]) -> OwnCache:
         """A batch-1 cache holding ``tokens`` (do not mutate it), kept for the next calls that share it.
 
         Always built in one fresh forward of ``tokens``, never by extending another call's cache, so that
@@ -411,9 +421,9 @@ class HFModel(BaseModel):
         tokens = tuple(tokens)
         cache = self._shared_caches.pop(tokens, None)
         if cache is None:
-            cache = self._new_cache()
+            cache = self.new_cache()
             if tokens:
-                self._forward(torch.tensor([tokens]), cache, keep=1)
+                self.forward(torch.tensor([tokens]), cache, keep=1)
         self._shared_caches[tokens] = cache                     # most recently used last
         while len(self._shared_caches) > _SHARED_CACHES:
             del self._shared_caches[next(iter(self._shared_caches))]
@@ -425,7 +435,7 @@ class HFModel(BaseModel):
         by_logits = LOGITS_BUDGET_BYTES // (logit_positions * self.vocab_size * 8)
         return max(1, min(by_kv, by_logits))
 
-    def _trie_forward(self, root: Any, suffixes: list[tuple[int, ...]], out: np.ndarray | None, rows: list[int],
+    def _trie_forward(self, root: OwnCache, suffixes: list[tuple[int, ...]], out: np.ndarray | None, rows: list[int],
                       emit: Any = None) -> None:
         """Fill ``out[rows[j]]`` with the row after ``root + suffixes[j]``, one forward per trie depth (or,
         with ``emit``, call ``emit(rows, logits)`` with those rows' raw logits instead; duplicates once)."""
@@ -441,13 +451,13 @@ class HFModel(BaseModel):
                 break
             parent_of = {node: k for k, node in enumerate(level_nodes)}
             parents = torch.tensor([parent_of[n[:-1]] for n in nodes], dtype=torch.long)
-            cache = _gather(level_cache, parents, self.config)
-            logits = self._forward(torch.tensor([[n[-1]] for n in nodes]), cache, keep=1)[:, 0, :]
+            cache = level_cache.rows(parents)
+            logits = self.forward(torch.tensor([[n[-1]] for n in nodes]), cache, keep=1)[:, 0, :]
             done = [k for k, n in enumerate(nodes) if n in wanted]
             if done and emit is not None:
                 emit([wanted[nodes[k]] for k in done], logits[done])
             elif done:
-                out[[wanted[nodes[k]] for k in done]] = _logprob_rows(logits[done])
+                out[[wanted[nodes[k]] for k in done]] = logprob_rows(logits[done])
             level_nodes, level_cache = nodes, cache
         if emit is not None:  # a prefix asked twice in one call (rare): forward its copies on their own
             for row, s in duplicates:
@@ -476,17 +486,3 @@ def _kv_geometry(config: Any) -> tuple[int, int, int]:
     head_dim = int(getattr(text, "head_dim", None) or getattr(text, "hidden_size", 4096) // heads)
     return layers, kv_heads, head_dim
 
-
-def _gather(cache: Any, index: torch.Tensor, config: Any) -> Any:
-    """A new cache whose batch row i is row ``index[i]`` of ``cache`` (which is left untouched).
-
-    Layer objects are shallow-copied (their tensors are re-bound, not written, by ``batch_select_indices``)
-    so this works for every cache-layer kind of the installed transformers."""
-    if cache.get_seq_length() == 0:  # nothing encoded yet: a fresh cache serves any batch size
-        from transformers import DynamicCache
-
-        return DynamicCache(config=config)
-    clone = copy.copy(cache)
-    clone.layers = [copy.copy(layer) for layer in cache.layers]
-    clone.batch_select_indices(index)
-    return clone

@@ -1,67 +1,99 @@
-"""The KV-cached session of a Hugging Face model (:class:`HFSession`), and the one formula of every
-log-prob the PyTorch backend returns (:func:`_logprob_rows`)."""
+"""The KV-cached session of a Hugging Face model (:class:`HFSession`): one sequence's tokens, its
+:class:`~speculum.models.hf.kv_cache.KVCache` and the rows of its last forward."""
 from __future__ import annotations
 
-import copy
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
-from ..validation import InputError
-from .base import check_token_ids
-from .kv_arena import SlotCache
+from ...validation import InputError
+from ..base import check_token_ids
+from .kv_arena import KVArena
+from .kv_cache import KVCache
+from .logprobs import logprob_rows
 
 if TYPE_CHECKING:
-    from .hf import HFModel
+    from .model import HFModel
 
 __all__ = ["HFSession"]
-
-
-def _log_mass(logits: torch.Tensor) -> torch.Tensor:
-    """``(n,)`` float64 log-sum-exp of ``(n, vocab)`` logits, rejecting NaN / +inf at the origin.
-
-    float64 because float32 rows' mass drifts by ~1e-5, which downstream normalisation checks rightly
-    reject. ``x.double() - _log_mass(x)`` is the formula of every log-prob this module returns
-    (``next_logprobs``, ``next_logprobs_above``, ``score_sequences``), so they agree bitwise on one batch."""
-    log_mass = torch.logsumexp(logits.double(), dim=-1)                     # (n,); NaN / inf propagate
-    if not bool(torch.isfinite(log_mass).all()):
-        raise InputError("the model produced NaN or infinite logits")
-    return log_mass
-
-
-def _logprob_rows(logits: torch.Tensor) -> np.ndarray:
-    """``(n, vocab)`` logits (any float dtype) -> float64 NumPy log-probs (see ``_log_mass``)."""
-    return (logits.double() - _log_mass(logits)[:, None]).numpy()
 
 
 class HFSession:
     """Incremental decoding over one sequence with a KV cache (exact up to float precision).
 
-    ``extend(tokens)`` is one forward over all tokens; ``rollback(n)`` crops the cache. Rows of the last
+    ``extend(tokens)`` is one forward over all tokens; ``rollback(n)`` trims the cache. Rows of the last
     ``extend`` are kept, so ``next_logprobs()`` after a rollback into them costs nothing. With
     ``defer=True`` (``HFModel.start_deferred``) the prompt is fed by the first forward instead of at once.
+    With ``cache`` (a cache already holding every prompt token, as :meth:`sharing` builds) no forward
+    runs, and the first ``next_logprobs`` recomputes the last position.
+
+    The session runs its forwards through the model's public calls (``check_context``, ``check_length``,
+    ``new_cache``, ``forward``); a packed forward of the model (``extend_sessions``) runs on the session's
+    ``cache`` and hands the result back through :meth:`record_forward` / :meth:`record_prompt_fed`.
     """
 
-    def __init__(self, model: HFModel, prompt: Sequence[int], *, defer: bool = False) -> None:
+    def __init__(self, model: HFModel, prompt: Sequence[int], *, defer: bool = False,
+                 cache: KVCache | None = None) -> None:
         self.model = model
-        self.tokens: list[int] = model._context(prompt, name="prompt")
-        self._cache = model._new_cache()
+        self.tokens: list[int] = model.check_context(prompt, name="prompt")
+        self._cache: KVCache = model.new_cache() if cache is None else cache
         self._rows = np.zeros((0, model.vocab_size))  # rows[j] follows tokens[: self._rows_start + j + 1]
         self._rows_start = len(self.tokens)
         self.unfed = 0                                # the last `unfed` tokens are not in the cache yet
         if defer:
             self.unfed = len(self.tokens)
             return
+        if cache is not None:
+            return
         with torch.inference_mode():
             # Prefill: logits of the last position only (skips the vocabulary projection elsewhere).
-            logits = model._forward(torch.tensor([self.tokens]), self._cache, keep=1)
-        self._rows = _logprob_rows(logits[0])
+            logits = model.forward(torch.tensor([self.tokens]), self._cache, keep=1)
+        self._rows = logprob_rows(logits[0])
         self._rows_start = len(self.tokens) - 1
+
+    @classmethod
+    def sharing(cls, model: HFModel, source: Any) -> "HFSession | None":
+        """A session of ``model`` on ``source``'s tokens that adopts its first layers' keys and values
+        instead of a prefill (see :meth:`adopt_prefix_layers`); None when that is not possible."""
+        cache = cls._prefix_cache(model, source)
+        return None if cache is None else cls(model, source.tokens, cache=cache)
+
+    def adopt_prefix_layers(self, source: Any) -> bool:
+        """Take ``source``'s tokens and its KV cache for this model's layers (the first ones): exact for a
+        draft that *is* the source model's first blocks (``truncated_draft``), whose keys and values for
+        every consumed token equal the source's there. Replaces catching up with a forward. Returns False
+        (and changes nothing) when the source's prompt is not all in its cache or the cache layout does not
+        allow it; ``source`` itself is never changed."""
+        cache = self._prefix_cache(self.model, source)
+        if cache is None:
+            return False
+        self._cache = cache
+        self.tokens, self.unfed = list(source.tokens), 0
+        self._rows = np.zeros((0, self.model.vocab_size))  # no row known: next_logprobs recomputes
+        self._rows_start = len(self.tokens)
+        return True
+
+    @staticmethod
+    def _prefix_cache(model: HFModel, source: Any) -> KVCache | None:
+        """A cache for ``model`` holding the first layers of ``source``'s cache, or None (see above)."""
+        source_cache = getattr(source, "cache", None)
+        if source_cache is None or getattr(source, "unfed", 0) or not getattr(source, "tokens", None):
+            return None
+        return source_cache.prefix_layers(int(model.config.num_hidden_layers), model.config)
 
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    @property
+    def cache(self) -> KVCache:
+        """The session's keys and values (what a packed forward of the model extends)."""
+        return self._cache
+
+    def move_cache_into(self, store: KVArena) -> None:
+        """Hold the same keys and values in a slot of ``store`` from now on (no change when already there)."""
+        self._cache = self._cache.into_store(store)
 
     def next_logprobs(self) -> np.ndarray:
         """``(vocab,)`` log-probs of the next token after the current tokens."""
@@ -107,69 +139,42 @@ class HFSession:
         part = self.unfed_tokens()[:n]
         if part:
             with torch.inference_mode():
-                self.model._forward(torch.tensor([part]), self._cache, keep=1)
-        return self._fed_prompt(len(part))
+                self.model.forward(torch.tensor([part]), self._cache, keep=1)
+        return self.record_prompt_fed(len(part))
 
-    def _fed_prompt(self, n: int) -> np.ndarray:
-        """Record that a forward fed the next ``n`` deferred prompt tokens (and computed no rows)."""
+    def record_prompt_fed(self, n: int) -> np.ndarray:
+        """Record that a forward on :attr:`cache` fed the next ``n`` deferred prompt tokens and computed no
+        rows; returns the empty ``(0, vocab)`` rows."""
         self.unfed -= n
         return np.zeros((0, self.model.vocab_size))
 
-    def _consumed(self, tokens: list[int], logits: torch.Tensor) -> np.ndarray:
-        """Record a forward of ``feed(tokens)`` that returned ``logits (n, vocab)`` for its last n positions;
-        their log-prob rows."""
+    def record_forward(self, tokens: list[int], logits: torch.Tensor) -> np.ndarray:
+        """Record that a forward on :attr:`cache` read ``feed(tokens)`` and returned ``logits (n, vocab)``
+        for its last n positions; returns (and keeps) their ``(n, vocab)`` log-prob rows."""
         self.tokens.extend(tokens)
         self.unfed = 0
-        self._rows = _logprob_rows(logits)
+        self._rows = logprob_rows(logits)
         self._rows_start = len(self.tokens) - len(self._rows)
         return self._rows
 
     def _consume(self, tokens: list[int], keep: int) -> np.ndarray:
         """One forward over ``feed(tokens)`` (checked, non-empty); keeps and returns the rows of its last
         ``keep`` positions."""
-        self.model._check_length(len(self.tokens) + len(tokens), name="the session")
+        self.model.check_length(len(self.tokens) + len(tokens), name="the session")
         with torch.inference_mode():
-            logits = self.model._forward(torch.tensor([self.feed(tokens)]), self._cache, keep=keep)
-        return self._consumed(tokens, logits[0])
-
-    def adopt_prefix_layers(self, source: "HFSession") -> bool:
-        """Take ``source``'s tokens and its KV cache for this model's layers (the first ones): exact for a
-        draft that *is* the source model's first blocks (``truncated_draft``), whose keys and values for
-        every consumed token equal the source's there. Replaces catching up with a forward. Returns False
-        (and changes nothing) when the cache layout does not allow it."""
-        source_cache = getattr(source, "_cache", None)
-        count = int(self.model.config.num_hidden_layers)
-        if getattr(source, "unfed", 0):
-            return False                          # its cache does not hold its prompt yet
-        if isinstance(source_cache, SlotCache):
-            if source_cache.arena.layers < count or not source.tokens:
-                return False
-            self._cache = source_cache.to_dynamic(self.model.config, count)
-        else:
-            layers = getattr(source_cache, "layers", None)
-            if not isinstance(layers, list) or len(layers) < count or not source.tokens:
-                return False
-            cache = self.model._new_cache()
-            if not isinstance(getattr(cache, "layers", None), list):
-                return False
-            # Shallow copies: appending or cropping re-binds a copy's tensors and leaves the source's alone.
-            cache.layers = [copy.copy(layer) for layer in layers[:count]]
-            self._cache = cache
-        self.tokens, self.unfed = list(source.tokens), 0
-        self._rows = np.zeros((0, self.model.vocab_size))  # no row known: next_logprobs recomputes
-        self._rows_start = len(self.tokens)
-        return True
+            logits = self.model.forward(torch.tensor([self.feed(tokens)]), self._cache, keep=keep)
+        return self.record_forward(tokens, logits[0])
 
     def rollback(self, n: int) -> None:
-        """Forget the last ``n`` tokens by cropping the KV cache (no recomputation)."""
+        """Forget the last ``n`` tokens by trimming the KV cache (no recomputation)."""
         if not 0 <= n <= len(self.tokens):
             raise InputError(f"rollback({n}) on a session of length {len(self.tokens)}")
         if n:
             unfed = min(n, self.unfed)            # tokens never fed leave without touching the cache
+            if n > unfed and not self._cache.is_trimmable:
+                raise InputError(f"the KV cache of {self.model.name} cannot forget tokens: its sessions do not "
+                                 "roll back")
             self.unfed -= unfed
             if n > unfed:
-                self._cache.crop(-(n - unfed))
+                self._cache.trim(n - unfed)
             del self.tokens[-n:]
-
-
-# ------------------------------------------------------------------------------------------- helpers

@@ -1,0 +1,213 @@
+"""The KV caches of the PyTorch backend (speculum.models.hf.kv_cache) and the package's boundaries.
+
+Invariants: a slot of the store and a cache of its own, fed the same appends and trims, return the same
+attention views and hold the same keys and values, bit for bit, whatever the other slots do and however
+often the store grows; moving a cache into the store and adopting a cache's first layers keep what it
+holds; slots come back when caches go, and the store's memory with the last one. No module of the
+backend reaches into another object's private members, and the old module paths still import, with a
+deprecation warning.
+"""
+from __future__ import annotations
+
+import ast
+import doctest
+import gc
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from speculum.models.hf.kv_arena import KVArena  # noqa: E402
+from speculum.models.hf.kv_cache import KVCache, OwnCache, SlotCache  # noqa: E402
+
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 3
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "speculum" / "models" / "hf"
+
+
+def small_store() -> KVArena:
+    """A store that starts with one slot of 2 tokens, so that the tests grow it often."""
+    return KVArena(layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
+                   first_slots=1, first_capacity=2)
+
+
+def hold_the_same(one: KVCache, other: KVCache, layers: int = LAYERS) -> bool:
+    """Same length and, when they hold anything, bitwise the same views of every layer."""
+    if one.length != other.length:
+        return False
+    return all(torch.equal(a, b) for layer in range(layers if one.length else 0)
+               for a, b in zip(one.view(layer), other.view(layer)))
+
+
+def append_everywhere(caches: tuple, n: int, generator: torch.Generator) -> list:
+    """Append the same n random tokens' keys and values to each cache, layer by layer; their returned views."""
+    views = []
+    for layer in range(LAYERS):
+        keys, values = torch.randn(2, 1, KV_HEADS, n, HEAD_DIM, generator=generator)
+        views.append([cache.append(keys, values, layer) for cache in caches])
+    return views
+
+
+# ------------------------------------------------------------------------------ the two kinds agree
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["append", "trim", "renew", "move"]), st.integers(0, 5)),
+                max_size=30), st.integers(0, 2**31))
+@settings(max_examples=60, deadline=None)
+def test_a_slot_and_a_cache_of_its_own_hold_the_same_under_appends_and_trims(operations, seed):
+    """Three sessions' appends, trims, replacements and moves into the store, interleaved on a store that
+    starts at one slot of 2 tokens: every append returns the same attention views from both kinds, every
+    slot always equals its own-cache twin, and a released store frees its buffers."""
+    generator = torch.Generator().manual_seed(seed)
+    arena = small_store()
+    pairs = [(SlotCache(arena), OwnCache()) for _ in range(3)]
+    for which, kind, n in operations:
+        slot_cache, own = pairs[which]
+        if kind == "append":
+            for views in append_everywhere((slot_cache, own), n, generator):
+                (slot_keys, slot_values), (own_keys, own_values) = views
+                assert torch.equal(slot_keys, own_keys) and torch.equal(slot_values, own_values)
+        elif kind == "trim":
+            n = min(n, own.length)
+            slot_cache.trim(n), own.trim(n)
+        elif kind == "move":                   # a cache of its own joins the store: the same keys in a slot
+            moved = own.into_store(arena)
+            assert moved.store is arena and hold_the_same(moved, own) and slot_cache.into_store(arena) is slot_cache
+            pairs[which] = (moved, own)
+            slot_cache = moved = None
+        else:                                  # the session ends: its slot is free for the next one
+            slot_cache = own = pairs[which] = None
+            pairs[which] = (SlotCache(arena), OwnCache())
+        assert all(hold_the_same(*pair) for pair in pairs)
+    assert arena.in_use == 3 and len({cache.slot for cache, _ in pairs}) == 3
+    pairs = slot_cache = own = None
+    gc.collect()
+    assert arena.in_use == 0 and arena.keys == [] and arena.slots == 0
+
+
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.integers(0, 3), st.integers(1, LAYERS),
+       st.integers(0, 2**31))
+@settings(max_examples=30, deadline=None)
+def test_the_first_layers_adopted_from_either_kind_are_the_same_and_independent(blocks, back, count, seed):
+    """A layer draft adopts the first ``count`` layers of a slot or of a cache of its own: both give the
+    same cache of its own, and appending to or trimming it leaves the source untouched."""
+    generator = torch.Generator().manual_seed(seed)
+    slot_cache, own = SlotCache(small_store()), OwnCache()
+    for n in blocks:
+        append_everywhere((slot_cache, own), n, generator)
+    back = min(back, own.length)
+    slot_cache.trim(back), own.trim(back)
+    before = [tuple(t.clone() for t in own.view(layer)) for layer in range(LAYERS)] if own.length else []
+    from_slot, from_own = slot_cache.prefix_layers(count, None), own.prefix_layers(count, None)
+    assert isinstance(from_slot, OwnCache) and isinstance(from_own, OwnCache)
+    assert hold_the_same(from_slot, from_own, count) and from_own.length == own.length
+    keys, values = torch.randn(2, 1, KV_HEADS, 2, HEAD_DIM, generator=generator)
+    for adopted in (from_slot, from_own):
+        for layer in range(count):
+            adopted.append(keys, values, layer)
+        adopted.trim(1)
+    assert hold_the_same(slot_cache, own)
+    assert all(torch.equal(a, b) for layer, pair in enumerate(before) for a, b in zip(own.view(layer), pair))
+    assert slot_cache.prefix_layers(LAYERS + 1, None) is None and own.prefix_layers(LAYERS + 1, None) is None
+
+
+def test_both_kinds_declare_their_capabilities():
+    arena = small_store()
+    slot_cache, own = SlotCache(arena), OwnCache()
+    assert isinstance(slot_cache, KVCache) and isinstance(own, KVCache)
+    assert slot_cache.is_trimmable and own.is_trimmable
+    assert slot_cache.store is arena and own.store is None
+    assert slot_cache.transformers_cache is None and own.transformers_cache is own.dynamic
+    assert slot_cache.exclusive() is arena.lock
+
+
+def test_trim_refuses_more_than_is_held():
+    for cache in (SlotCache(small_store()), OwnCache()):
+        for layer in range(LAYERS):
+            cache.append(torch.zeros(1, KV_HEADS, 2, HEAD_DIM), torch.zeros(1, KV_HEADS, 2, HEAD_DIM), layer)
+        cache.trim(0)
+        assert cache.length == 2
+        for bad in (3, -1):
+            with pytest.raises(ValueError, match="holding 2 tokens"):
+                cache.trim(bad)
+
+
+def test_rows_of_a_batched_cache_select_without_touching_it():
+    own = OwnCache()
+    keys = torch.arange(2 * KV_HEADS * 3 * HEAD_DIM, dtype=torch.float32).view(2, KV_HEADS, 3, HEAD_DIM)
+    for layer in range(LAYERS):
+        own.append(keys, -keys, layer)
+    picked = own.rows(torch.tensor([1, 1, 0]))
+    assert picked.length == 3 and torch.equal(picked.view(0)[0], keys[[1, 1, 0]])
+    assert torch.equal(own.view(1)[1], -keys)
+    assert OwnCache().rows(torch.tensor([0, 0])).length == 0
+
+
+# ------------------------------------------------------------------------------ the package's boundaries
+# Private members of third-party objects the backend reads on purpose, each with why.
+FOREIGN_PRIVATE = {
+    "_packed_params": "torch's dynamic int8 Linear keeps its packed weight there, with no public accessor",
+}
+
+
+def private_reaches(path: Path) -> list[str]:
+    """``x._name`` in ``path`` where ``x`` is not ``self`` / ``cls`` nor rooted at an imported module
+    (``torch.ops.mkldnn._op`` is a module's function)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    modules = {(alias.asname or alias.name).split(".")[0]
+               for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    found = []
+    for node in ast.walk(tree):
+        dunder = node.attr.startswith("__") and node.attr.endswith("__") if isinstance(node, ast.Attribute) else True
+        if dunder or not node.attr.startswith("_"):
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        root = node.value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(root, ast.Name) and root.id in modules or node.attr in FOREIGN_PRIVATE:
+            continue
+        found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_of_the_backend_reaches_into_another_objects_private_members():
+    modules = sorted(PACKAGE.glob("*.py"))
+    assert {"model.py", "session.py", "kv_cache.py", "kv_arena.py"} <= {path.name for path in modules}
+    offenders = [line for path in modules for line in private_reaches(path)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_private_reach_check_catches_what_it_is_for(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\n"
+                     "def f(self, session, model):\n"
+                     "    session._cache, self.model._forward, self._own, torch.ops._op, model.__dict__\n")
+    assert private_reaches(probe) == ["probe.py:3: session._cache", "probe.py:3: self.model._forward"]
+
+
+@pytest.mark.parametrize("module", ["speculum.models.hf.kv_cache", "speculum.models.hf.kv_arena",
+                                    "speculum.models.hf.logprobs", "speculum.models.hf.prepack"])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("old, new, names", [
+    ("speculum.models.hf_session", "speculum.models.hf", ["HFSession"]),
+    ("speculum.models.fused_llama", "speculum.models.hf.fused_llama", ["FusedLlama", "unsupported_reason"]),
+    ("speculum.models.kv_arena", "speculum.models.hf.kv_arena", ["KVArena"]),
+    ("speculum.models.kv_arena", "speculum.models.hf.kv_cache", ["SlotCache"]),
+    ("speculum.models.prepack", "speculum.models.hf.prepack", ["prepack_linears", "unpacked_copy"]),
+])
+def test_the_old_module_paths_warn_and_name_the_same_objects(old, new, names):
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(new)):
+        alias = importlib.import_module(old)
+    target = importlib.import_module(new)
+    assert all(getattr(alias, name) is getattr(target, name) for name in names)
