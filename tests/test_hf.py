@@ -122,6 +122,19 @@ def test_score_sequences_equals_sum_of_rows(tiny):
     assert scores[2] == 0.0
 
 
+def test_token_bytes_spell_each_word_and_leave_specials_out(tiny):
+    """The backend spells its tokens from its tokenizer (word-level here: each token is its word), specials
+    add no text, and the vocabulary module's cached answer is the same."""
+    from speculum.models.vocabulary import token_bytes
+
+    pieces = tiny.token_bytes()
+    assert len(pieces) == tiny.vocab_size and pieces[:3] == [None, None, None]
+    assert pieces[3:] == [word.encode() for word in WORDS]
+    assert token_bytes(tiny) == pieces
+    with pytest.raises(InputError, match="tokenizer"):
+        HFModel(tiny.module, None, prepack=False).token_bytes()
+
+
 def test_bad_inputs_fail_clearly(tiny, tiny_path, tmp_path):
     with pytest.raises(FileNotFoundError, match="no Hugging Face model directory"):
         HFModel.from_pretrained(tmp_path / "missing")

@@ -39,6 +39,7 @@ import torch
 from ...validation import InputError
 from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_blocks, check_token_ids,
                     common_prefix_length)
+from ..vocabulary import hf_token_bytes
 from .fused_llama import FusedLlama
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache
@@ -205,6 +206,14 @@ class HFModel(BaseModel):
         if self.tokenizer is None:
             raise InputError(f"{self.name} has no tokenizer")
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def token_bytes(self) -> list[bytes | None]:
+        """``(vocab_size,)`` the bytes each token id adds to the decoded text, None for a token that adds
+        none (special tokens, ids past the tokenizer's end), read from the transformers tokenizer
+        (:func:`~speculum.models.vocabulary.hf_token_bytes`): exact for byte-level and SentencePiece-style
+        decoders. ``InputError`` without a tokenizer. Read on every call;
+        :func:`speculum.models.vocabulary.token_bytes` caches it per model."""
+        return hf_token_bytes(self.tokenizer, self.vocab_size, name=self.name)
 
     # ------------------------------------------------------------------------------------ protocol
     def start_sharing(self, source: HFSession) -> HFSession | None:
