@@ -10,9 +10,10 @@ Part a — accuracy on ``" \\d{6}"`` after a prompt: the true rank of every one 
          *interpolation*, exposure = log2(#references) - log2(1 + #references more probable), and
          *extrapolation*, a skew-normal fitted to the references' log-perplexities, exposure =
          -log2(cdf(the canary's log-perplexity)). References are uniform members, scored from the table.
-Part b — ``" \\d{9}"`` (10^9 members): one random canary, ranked as ``method="auto"`` does; its 95%
-         half-width in bits, time (the capped exact attempt and the draws apart), peak memory (the
-         process's, ``ru_maxrss``: run ``--parts b`` alone for its own).
+Part b — ``" \\d{9}"`` (10^9 members): one random canary, ranked as ``method="auto"`` does, from a pilot set
+         of draws grown (``FormatSample.merged``) until the 95% half-width is ``--target-bits``; time (the
+         capped exact attempt and the draws apart), peak memory (the process's, ``ru_maxrss``: run
+         ``--parts b`` alone for its own).
 Part c — 100 random canaries of ``" \\d{9}"`` sharing one set of draws: total time and per canary.
 Part d — a canary planted in the prompt (``"482913027 is not my PIN. My PIN is"``), ranked by
          ``method="auto"``: exact.
@@ -166,12 +167,22 @@ def part_b(model, args) -> dict:
     [exact_try] = estimate_ranks(model, [canary], constraint=constraint, prompt=prompt, index=index,
                                  method="exact", max_forwards=DEFAULT_AUTO_FORWARDS)
     exact_seconds = time.perf_counter() - started
-    report = exact_try
-    sample = None
+    report, sample, rounds = exact_try, None, 0
     if exact_try.method != "exact":
-        sample = sample_format(model, constraint, prompt=prompt, samples=args.samples_b, seed=args.seed, index=index)
-        [report] = estimate_ranks(model, [canary], constraint=constraint, prompt=prompt, index=index, sample=sample,
-                                  max_forwards=DEFAULT_AUTO_FORWARDS)
+        # A pilot set, then more draws (merged, fresh seeds) until the 95% half-width reaches the target: the
+        # half-width shrinks as 1 / sqrt(draws), so the pilot says how many more are needed.
+        sample = sample_format(model, constraint, prompt=prompt, samples=args.pilot_b, seed=args.seed, index=index)
+        while True:
+            [report] = estimate_ranks(model, [canary], constraint=constraint, prompt=prompt, index=index,
+                                      sample=sample, max_forwards=DEFAULT_AUTO_FORWARDS)
+            low, high = report.exposure_interval
+            wanted = math.ceil(len(sample) * 1.1 * ((high - low) / 2 / args.target_bits) ** 2)
+            if (high - low) / 2 <= args.target_bits or len(sample) >= args.samples_b:
+                break
+            rounds += 1
+            extra = min(max(wanted - len(sample), 64), args.samples_b - len(sample))
+            sample = sample.merged(sample_format(model, constraint, prompt=prompt, samples=extra,
+                                                 seed=args.seed + rounds, index=index))
     seconds = time.perf_counter() - started
     low, high = report.exposure_interval
     half = (high - low) / 2
@@ -181,7 +192,7 @@ def part_b(model, args) -> dict:
             "exposure_bits": report.exposure_bits, "exposure_interval": [low, high], "half_width_bits": half,
             # The half-width shrinks as 1/sqrt(draws): the draws the target half-width needs at this canary.
             "samples_for_target": (int(math.ceil(report.samples * (half / args.target_bits) ** 2))
-                                   if report.samples else 0),
+                                   if report.samples else 0), "top_up_rounds": rounds,
             "exact_attempt_seconds": exact_seconds, "index_forwards": index.seek_index().forwards,
             "sample_seconds": 0.0 if sample is None else sample.seconds,
             "sample_forwards": 0 if sample is None else sample.forwards,
@@ -195,11 +206,11 @@ def part_c(model, args) -> dict:
     canaries = [member_tokens(model, int(n), digits) for n in numbers]
     started = time.perf_counter()
     reports = estimate_ranks(model, canaries, constraint=Regex(rf" \d{{{digits}}}"), prompt=prompt,
-                             samples=args.samples_b, seed=args.seed)
+                             samples=args.samples_c, seed=args.seed)
     seconds = time.perf_counter() - started
     halves = [(r.exposure_interval[1] - r.exposure_interval[0]) / 2 for r in reports]
     methods = {m: sum(r.method == m for r in reports) for m in {r.method for r in reports}}
-    return {"digits": digits, "canaries": len(canaries), "samples": args.samples_b, "seconds": seconds,
+    return {"digits": digits, "canaries": len(canaries), "samples": args.samples_c, "seconds": seconds,
             "seconds_per_canary": seconds / len(canaries), "methods": methods,
             "median_half_width_bits": float(np.median(halves)), "max_half_width_bits": float(np.max(halves)),
             "peak_mb": peak_mb()}
@@ -237,7 +248,7 @@ def print_report(report: dict) -> None:
         print(f"b) \" \\d{{{b['digits']}}}\", canary {b['canary']!r}: {b['method']}, exposure {b['exposure_bits']:.3f} "
               f"bits in [{b['exposure_interval'][0]:.3f}, {b['exposure_interval'][1]:.3f}] (half-width "
               f"{b['half_width_bits']:.3f} bit; {b['samples_for_target']:,} draws for the target), {b['samples']:,} "
-              f"draws; {b['seconds']:.0f} s: exact attempt {b['exact_attempt_seconds']:.0f} s "
+              f"draws ({b['top_up_rounds']} top-ups); {b['seconds']:.0f} s: exact attempt {b['exact_attempt_seconds']:.0f} s "
               f"({b['index_forwards']:,} forwards), draws {b['sample_seconds']:.0f} s ({b['sample_forwards']:,} "
               f"forwards); peak memory {b['peak_mb']:,.0f} MB")
     if "c" in report:
@@ -262,7 +273,9 @@ def main() -> None:
     parser.add_argument("--canaries", type=int, default=200, help="part a: random canaries")
     parser.add_argument("--sets", type=int, default=3, help="part a: independent sets of draws")
     parser.add_argument("--samples", type=int, default=4096, help="part a: draws per set (and TF references)")
-    parser.add_argument("--samples-b", type=int, default=4096, help="parts b and c: draws")
+    parser.add_argument("--pilot-b", type=int, default=512, help="part b: draws of the pilot set")
+    parser.add_argument("--samples-b", type=int, default=8192, help="part b: most draws in all")
+    parser.add_argument("--samples-c", type=int, default=4096, help="part c: draws shared by the canaries")
     parser.add_argument("--shared", type=int, default=100, help="part c: canaries sharing one set of draws")
     parser.add_argument("--target-bits", type=float, default=0.1, help="part b: the half-width aimed at")
     parser.add_argument("--seed", type=int, default=0)
@@ -272,7 +285,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.digits_a, args.digits_b, args.canaries, args.sets = 4, 6, 50, 2
-        args.samples, args.samples_b, args.shared = 512, 1024, 10
+        args.samples, args.pilot_b, args.samples_b, args.samples_c, args.shared = 512, 256, 2048, 1024, 10
     from speculum.models.default import load_model
 
     model = load_model()

@@ -124,6 +124,28 @@ def test_the_same_seed_draws_the_same_set_whatever_the_batch(tokens_case):
     assert first.items != other.items
 
 
+def test_merged_sets_keep_exact_laws_and_an_unbiased_estimate(tokens_case):
+    """Two sets of other sizes and shares pooled: each draw's law is the balance mixture over the pooled
+    counts, and estimates from merged sets stay unbiased."""
+    model, index, truth = tokens_case
+    constraint = Regex(FORMAT, vocabulary=VOCAB)
+    first = sample_format(model, constraint, prompt=PROMPT, samples=40, seed=1, index=index)
+    second = sample_format(model, constraint, prompt=PROMPT, samples=60, seed=2, index=index, uniform_share=0.2)
+    both = first.merged(second)
+    assert both.stratum_sizes == (20 + 48, 20 + 12) and both.items == first.items + second.items
+    expected = np.logaddexp(np.log(68 / 100) + both.model_logprob, np.log(32 / 100) + both.uniform_logprob)
+    assert np.allclose(both.proposal_logprob, expected)
+    item = next(m for m, (rank, _) in truth.items() if rank == 3_000)
+    estimates = [rank_from_sample(
+        sample_format(model, constraint, prompt=PROMPT, samples=64, seed=2 * k, index=index, uniform_share=0.25)
+        .merged(sample_format(model, constraint, prompt=PROMPT, samples=32, seed=2 * k + 1, index=index)),
+        item, truth[item][1]).rank for k in range(200)]
+    spread = np.std(estimates, ddof=1) / math.sqrt(len(estimates))
+    assert abs(np.mean(estimates) - 3_000) <= 4 * spread and spread > 0
+    with pytest.raises(InputError, match="can be merged"):
+        first.merged(sample_format(model, constraint, prompt=[11], samples=10))
+
+
 # ------------------------------------------------------------------------------------- the estimator
 @pytest.mark.parametrize("which", [0, 30, 400, 5_000, 9_000])
 def test_the_estimate_is_unbiased(tokens_case, which):
@@ -265,6 +287,55 @@ def test_bad_input_is_named(tokens_case):
         sample_format(model, Regex(r"\d+", vocabulary=VOCAB), prompt=PROMPT, eos=11, samples=10)
     with pytest.raises(InputError, match="samples must be"):
         sample_format(model, constraint, prompt=PROMPT, samples=1)
+    with pytest.raises(InputError, match="another format"):
+        sample_format(model, Regex(r"\d{3}", vocabulary=VOCAB), prompt=PROMPT, samples=10, index=index)
     with pytest.raises(InputError, match="one draw"):
         sample_format(model, constraint, prompt=PROMPT, samples=3, uniform_share=0.2)
     assert isinstance(other, FormatSample)
+
+
+def test_unconstrained_exact_method_skips_the_envelope():
+    model = MarkovModel.random(6, seed=2)
+    seq = [3, 1, 4, 1]
+    everything = AutoregressiveEnumerable(model, max_len=4, prompt=[0])
+    report = estimate_rank(model, seq, prompt=[0], method="exact", exact_limit=0)
+    assert report.method == "exact" and report.rank == everything.rank(seq)
+    assert (report.ci_lo, report.ci_hi) == (report.rank, report.rank)
+    assert estimate_rank(model, seq, prompt=[0], exact_limit=0).method == "envelope"
+
+
+# ------------------------------------------------------------------------------------- the real model
+@pytest.mark.slow
+@pytest.mark.llm
+def test_sampled_ranks_on_smollm2_cover_the_exact_ones():
+    """SmolLM2 after "My PIN is", " \\d{3}" (1,000 members, one spelling each): the exact index ranks them
+    all; 2,048 draws estimate 30 canaries' ranks, and the intervals cover them."""
+    pytest.importorskip("torch")
+    import speculum
+
+    model = speculum.load_model()
+    prompt = model.encode("My PIN is", chat=False)
+    constraint = Regex(r" \d{3}")
+    index = AutoregressiveEnumerable(model, prompt=prompt, constraint=constraint)
+    truth = {seq: (rank, lp) for rank, (seq, lp) in enumerate(index.top_k(1000))}
+    assert len(truth) == 1000
+    sample = sample_format(model, constraint, prompt=prompt, samples=2048, seed=0, index=index)
+    rng = np.random.default_rng(0)
+    members = list(truth)
+    covered, errors = 0, []
+    for i in rng.choice(len(members), 30, replace=False):
+        rank, lp = truth[members[i]]
+        guess = rank_from_sample(sample, members[i], lp)
+        covered += guess.ci_lo <= rank <= guess.ci_hi
+        errors.append(abs(math.log2(guess.rank + 1) - math.log2(rank + 1)))
+    assert covered >= 25 and np.median(errors) < 0.1
+
+
+@pytest.mark.parametrize("module", ["speculum.enumeration.sampling", "speculum.enumeration.estimate",
+                                    "speculum.enumeration.exposure"])
+def test_the_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted and not result.failed

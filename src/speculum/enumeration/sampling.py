@@ -44,6 +44,7 @@ import numpy as np
 
 from ..models.base import as_model, check_prompt
 from ..validation import InputError, check_int, check_number
+from .constraint import compile_for
 
 __all__ = ["FormatSample", "SampleProgress", "sample_format", "DEFAULT_SAMPLES",
            "DEFAULT_UNIFORM_SHARE", "DEFAULT_SAMPLE_BATCH"]
@@ -99,6 +100,34 @@ class FormatSample:
     def matches(self, support: Any, prompt: Sequence[int], strings: bool) -> bool:
         """Whether the set was drawn from this support after this prompt, in this mode."""
         return self.support == support and self.prompt == tuple(prompt) and self.strings == bool(strings)
+
+    def merged(self, other: "FormatSample") -> "FormatSample":
+        """One set holding the draws of both (of the same format, prompt and mode, drawn with independent
+        seeds): each stratum's draws pooled, each draw's law the balance mixture over the pooled counts.
+        Exact laws; what a larger set drawn at once would estimate, so a set can grow until an interval is
+        narrow enough.
+
+        Example:
+            >>> from speculum.models import MarkovModel
+            >>> from speculum.enumeration import Regex
+            >>> model, ab = MarkovModel.random(3, seed=0), Regex("[ab]{4}", vocabulary=["a", "b", "c"])
+            >>> first = sample_format(model, ab, prompt=[2], samples=8, seed=0)
+            >>> both = first.merged(sample_format(model, ab, prompt=[2], samples=12, seed=1))
+            >>> len(both), both.stratum_sizes
+            (20, (10, 10))
+        """
+        if not isinstance(other, FormatSample) or not other.matches(self.support, self.prompt, self.strings):
+            raise InputError("only a set drawn from the same format, prompt and mode can be merged")
+        stratum = np.concatenate([self.stratum, other.stratum])
+        model_lp = np.concatenate([self.model_logprob, other.model_logprob])
+        uniform_lp = np.concatenate([self.uniform_logprob, other.uniform_logprob])
+        n_uniform = int(np.count_nonzero(stratum))
+        return FormatSample(items=self.items + other.items,
+                            target_logprob=np.concatenate([self.target_logprob, other.target_logprob]),
+                            proposal_logprob=_mixture(model_lp, uniform_lp, len(stratum) - n_uniform, n_uniform),
+                            model_logprob=model_lp, uniform_logprob=uniform_lp, stratum=stratum, strings=self.strings,
+                            support=self.support, prompt=self.prompt, forwards=self.forwards + other.forwards,
+                            seconds=self.seconds + other.seconds)
 
 
 # --------------------------------------------------------------------------------------------- walk
@@ -349,6 +378,8 @@ def sample_format(model: Any, constraint: Any, *, prompt: Sequence[int] = (), sa
                          + f"; strings={bool(strings)} was asked")
     model = as_model(model, name="model")
     support = index.support
+    if compile_for(constraint, model, eos=support.eos) != support.constraint:
+        raise InputError("the index given enumerates another format than the constraint")
     prompt = tuple(index.prompt)
     n_uniform = int(round(samples * uniform_share))
     n_model = samples - n_uniform
