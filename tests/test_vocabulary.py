@@ -8,6 +8,7 @@ its Hugging Face tokenizer and llama.cpp (slow).
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 
@@ -210,10 +211,14 @@ def test_a_model_spells_its_own_tokens(tiny_hf):
     """Every speculum model answers ``token_bytes()``; ``token_bytes(model)`` asks it (a reference model has
     no tokenizer and says so), and a transformers tokenizer read directly gives the same bytes."""
     assert tiny_hf.token_bytes() == token_bytes(tiny_hf) == hf_token_bytes(tiny_hf.tokenizer, tiny_hf.vocab_size)
+    bare = copy.copy(tiny_hf)
+    bare.tokenizer, bare.name = None, "bare"
+    with pytest.raises(InputError, match=r"^bare has no tokenizer: pass vocabulary=\[token text by id\]$"):
+        token_bytes(bare)
     with pytest.raises(InputError, match=r"^MarkovModel has no tokenizer: pass vocabulary=\[token text by id\]$"):
         MarkovModel.random(4, seed=0).token_bytes()
-    with pytest.raises(InputError, match="has no transformers tokenizer"):
-        hf_token_bytes(None)
+    with pytest.raises(InputError, match=r"^toy has no tokenizer: pass vocabulary=\[token text by id\]$"):
+        hf_token_bytes(None, 4, name="toy")
 
 
 def test_a_models_own_spelling_is_used_and_checked():

@@ -172,7 +172,7 @@ def hf_token_bytes(tokenizer: Any, size: int | None = None, *, name: str = "the 
     an object that is not a transformers tokenizer, or a byte-level one whose tokens do not spell its own
     encoding back."""
     if not _is_transformers_tokenizer(tokenizer):
-        raise InputError(f"{name} has no transformers tokenizer: pass vocabulary=[token text by id]")
+        raise InputError(f"{name} has no tokenizer: pass vocabulary=[token text by id]")
     return _hf_bytes(tokenizer, len(tokenizer) if size is None else size, name)
 
 
