@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import speculum.decoding.speculative as speculative_module
+import speculum.decoding.generation as generation_module
 from speculum.decoding import generate, warp_logprobs
 from speculum.decoding.verify import Verdict
 from speculum.models import MarkovModel
@@ -197,7 +197,7 @@ def _residual_is_target(draft_tokens, draft_logprobs, target_logprobs, acceptanc
 @pytest.mark.parametrize("broken", [pytest.param(_accept_always, marks=pytest.mark.slow), _residual_is_target],
                          ids=["accept-always", "residual=target"])
 def test_harness_detects_a_broken_rule(monkeypatch, broken):
-    monkeypatch.setattr(speculative_module, "verify_distribution", broken)
+    monkeypatch.setattr(generation_module, "verify_distribution", broken)
     pvalue = chi_square_pvalue(TARGET, DRAFT, gamma=3, temperature=1.0, top_k=2)
     assert pvalue <= LEVEL, "the distribution test cannot fail: it did not detect a broken rule"
 

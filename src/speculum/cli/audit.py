@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from speculum.cli.checks import CLIError, check_at_least, utf8_text, warn
-from speculum.cli.generate import add_cache_argument
+from speculum.cli.generate import add_cache_argument, add_dtype_argument
 from speculum.cli.progress import index_bar
 
 __all__ = ["register", "run_audit", "split_template", "sample_bar"]
@@ -78,6 +78,7 @@ def register(subparsers: Any) -> None:
     mode.add_argument("--raw", dest="chat", action="store_false", help="use the prompt text as is")
     audit.add_argument("--seed", type=int, default=0, help="seed of the draws (default: 0)")
     audit.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_dtype_argument(audit)
     add_cache_argument(audit)
     audit.set_defaults(handler=run_audit)
 
@@ -181,7 +182,8 @@ def run_audit(args: argparse.Namespace) -> int:
     from speculum.enumeration.sampling import DEFAULT_SAMPLES
 
     constraint, canaries, prompt_text = _check(args)
-    target = enumerate_cli._load_target(args.target, verify=args.verify_cache)
+    target = enumerate_cli._load_target(args.target, verify=args.verify_cache, dtype=args.dtype,
+                                        command="audit")
     # No prompt text: an empty prompt, which the index replaces by the model's BOS (or refuses, naming it).
     prompt = enumerate_cli._encode(target, prompt_text, chat=args.chat, prompt=True) if prompt_text else []
     eos = eos_id(target) if args.eos else None

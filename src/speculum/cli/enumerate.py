@@ -20,7 +20,7 @@ from typing import Any
 
 from speculum.cli import constrained
 from speculum.cli.checks import CLIError, check_at_least, check_draft, utf8_text
-from speculum.cli.generate import add_cache_argument
+from speculum.cli.generate import add_cache_argument, add_dtype_argument, load_hf_target
 from speculum.cli.progress import index_bar, loading_progress
 from speculum.enumeration.exact import DEFAULT_MAX_NODES
 
@@ -95,15 +95,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-address", default=None, metavar="ADDR",
                         help="join the Ray cluster at ADDR (HOST:PORT, ray://HOST:PORT or auto) instead of "
                              "starting one; --workers defaults to 1 there")
+    add_dtype_argument(parser)
     add_cache_argument(parser)
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _load_target(spec: str, *, verify: bool = False) -> Any:
+def _load_target(spec: str, *, verify: bool = False, dtype: str | None = None, command: str = "enumerate") -> Any:
     """The ``--target`` model (tests replace this function to run on a tiny reference model)."""
-    from speculum.models import load_model
-
-    return load_model(spec, progress=loading_progress(), verify=verify)
+    return load_hf_target(spec, command=command, dtype=dtype, verify=verify)
 
 
 def _worker_spec(args: argparse.Namespace) -> Any:
@@ -198,7 +197,8 @@ def run_enumerate(args: argparse.Namespace) -> int:
         raise CLIError("--max-len goes with --eos or --regex (use --length for fixed-length continuations)")
     _check_workers(args)
     prompt_text = utf8_text(args.prompt, "prompt", "enumerate")
-    target = _on_workers(args, _load_target(args.target, verify=args.verify_cache))
+    target = _on_workers(args, _load_target(args.target, verify=args.verify_cache, dtype=args.dtype,
+                                                  command=args.command))
     prompt = _encode(target, prompt_text, chat=args.chat, prompt=True)
     eos = constrained.eos_id(target) if args.eos else None
     if args.regex is not None:
@@ -254,7 +254,8 @@ def run_rank(args: argparse.Namespace) -> int:
     else:
         texts = constrained.read_lines(args.file, "--file", "rank")
     _check_workers(args)
-    target = _on_workers(args, _load_target(args.target, verify=args.verify_cache))
+    target = _on_workers(args, _load_target(args.target, verify=args.verify_cache, dtype=args.dtype,
+                                                  command=args.command))
     prompt = _encode(target, prompt_text, chat=args.chat, prompt=True)
     if regex is not None:
         return constrained.rank_format(args, target, prompt, texts, regex,

@@ -50,10 +50,39 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="embedded model name or local model directory / GGUF file (default: smollm2-135m)")
     parser.add_argument("--backend", choices=("hf", "llamacpp"), default="hf",
                         help="hf: PyTorch via transformers (default); llamacpp: llama-cpp-python")
-    # Default None, read as float32: an explicit --dtype with --backend llamacpp gets a warning.
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="weights' dtype for the hf backend (default: float32)")
+    add_dtype_argument(parser)
     add_cache_argument(parser)
+
+
+DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """``--dtype`` (every command that loads a PyTorch target)."""
+    # Default None, read as float32: an explicit --dtype with --backend llamacpp gets a warning.
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="the target's precision on the hf backend: float32 (default), bfloat16, float16, or "
+                             "int8 (weight-only, one scale per output channel); each is a target of its own, "
+                             "every guarantee holds relative to it (docs/backends.md: which to pick)")
+
+
+def load_hf_target(spec: str, *, command: str, dtype: str | None = None, verify: bool = False) -> Any:
+    """``load_model(spec, dtype=...)`` with a progress line, warning (one line) where ``dtype`` is likely
+    slower than float32 on this CPU."""
+    import warnings
+
+    from speculum.models.default import load_model
+
+    dtype = dtype or "float32"
+    if dtype != "float32":
+        from speculum.models.hf.precision import dtype_advice   # torch: the [llm] extra, loaded with the model
+
+        advice = dtype_advice(dtype)
+        if advice is not None:
+            warn(command, f"--dtype {dtype}: {advice}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="dtype=", category=RuntimeWarning)   # said above, once
+        return load_model(spec, backend="hf", dtype=dtype, progress=loading_progress(), verify=verify)
 
 
 def add_cache_argument(parser: argparse.ArgumentParser) -> None:
@@ -115,8 +144,7 @@ def load_target(args: argparse.Namespace) -> Any:
 
     if args.backend == "llamacpp":
         return load_model(args.target, backend="llamacpp")
-    return load_model(args.target, backend="hf", dtype=args.dtype or "float32", progress=loading_progress(),
-                      verify=args.verify_cache)
+    return load_hf_target(args.target, command=args.command, dtype=args.dtype, verify=args.verify_cache)
 
 
 def check_args(args: argparse.Namespace) -> None:

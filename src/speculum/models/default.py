@@ -130,7 +130,9 @@ def load_model(
         name_or_path: ``"smollm2-135m"`` (the embedded default) or a local Hugging Face model directory
             (``backend="hf"``) / GGUF file (``backend="llamacpp"``).
         backend: ``"hf"`` (PyTorch via transformers) or ``"llamacpp"`` (llama-cpp-python, optional).
-        dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` — hf backend only.
+        dtype: ``"float32"`` (default), ``"bfloat16"``, ``"float16"`` or ``"int8"`` (weight-only, one scale
+            per output channel, float32 activations) — hf backend only. Each is a target of its own: every
+            guarantee holds relative to the target loaded (docs/backends.md says which to pick).
         progress: how the one-time conversion of an embedded model (~30 s) is reported: a callable
             receives a :class:`ConversionProgress` per stage (the ``speculum`` command passes one drawing a
             bar); ``True`` prints one plain line per stage on stderr (:func:`print_conversion_progress`);
@@ -239,7 +241,8 @@ def _load_gguf(gguf: Path, key: str, *, dtype: str, prepack: bool, quiet: bool) 
     from transformers import AutoTokenizer  # the [llm] extra
     from transformers.utils import logging as hf_logging  # the [llm] extra
 
-    from .hf import HFModel, parse_dtype  # imports torch, the [llm] extra
+    from .hf import HFModel  # imports torch, the [llm] extra
+    from .hf.precision import prepare_module  # the [llm] extra
 
     torch.set_num_threads(os.cpu_count() or 1)
     bars = hf_logging.is_progress_bar_enabled()
@@ -247,7 +250,7 @@ def _load_gguf(gguf: Path, key: str, *, dtype: str, prepack: bool, quiet: bool) 
         hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        module = _dequantised(gguf).to(parse_dtype(dtype))
+        module = prepare_module(_dequantised(gguf), dtype)
     finally:
         if bars:
             hf_logging.enable_progress_bar()

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache, SlotCache
+from .precision import Int8Linear
 from .prepack import onednn_available, pack_weight, packed_linear
 
 __all__ = ["FusedLlama", "unsupported_reason"]
@@ -93,6 +94,11 @@ def _is_int8_linear(layer: Any) -> bool:
             and layer.bias() is None)
 
 
+def _is_weight_int8(layer: Any) -> bool:
+    """An int8 weight-only Linear (:class:`~speculum.models.hf.precision.Int8Linear`: the ``int8`` target)."""
+    return type(layer) is Int8Linear
+
+
 def _product(layers: list) -> Product:
     """One product computing the concatenated outputs of ``layers`` (all float, or all int8 dynamic).
 
@@ -102,6 +108,11 @@ def _product(layers: list) -> Product:
     if all(_is_float_linear(layer) for layer in layers):
         packed = pack_weight(torch.cat([layer.weight for layer in layers]))
         return lambda rows: packed_linear(rows, packed)
+    if all(_is_weight_int8(layer) for layer in layers):
+        # Concatenated rows keep each output channel's own weights and scale: the same products.
+        weight = torch.cat([layer.weight_int8 for layer in layers]).contiguous()
+        scales = torch.cat([layer.scales for layer in layers]).contiguous()
+        return lambda rows: torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
     ops = [(layer._packed_params._packed_params, layer.version is not None and layer.version >= 4)
            for layer in layers]
     if len(ops) == 1:
@@ -134,9 +145,9 @@ def unsupported_reason(module: torch.nn.Module) -> str | None:
         attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
         linears += [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not (all(_is_float_linear(lin) for lin in linears) or all(_is_int8_linear(lin) for lin in linears)):
-        return ("projections are neither all plain float Linear layers nor all int8 dynamically quantised "
-                "ones (other quantisation?)")
+    if not any(all(kind(lin) for lin in linears) for kind in (_is_float_linear, _is_int8_linear, _is_weight_int8)):
+        return ("projections are neither all plain float Linear layers, nor all int8 dynamically quantised, "
+                "nor all int8 weight-only ones (other quantisation?)")
     tensors = [*module.parameters()]
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         return "not float32 on CPU"

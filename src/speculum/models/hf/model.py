@@ -44,6 +44,7 @@ from .fused_llama import FusedLlama
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache
 from .logprobs import log_mass, logprob_rows
+from .precision import parse_dtype, prepare_module, warn_if_slow
 from .prepack import prepack_linears
 from .session import HFSession
 
@@ -58,17 +59,6 @@ ARENA_BUDGET_BYTES = 1024 * 2**20
 # Shared-prefix caches kept between batched calls: enumeration alternates between the prompt and the prompt
 # plus one first token, so a few cover it.
 _SHARED_CACHES = 4
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"float32" | "bfloat16" | "float16"`` (or a torch dtype) -> torch dtype; ValueError otherwise."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise InputError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 def _one_line(exc: BaseException) -> str:
@@ -153,6 +143,9 @@ class HFModel(BaseModel):
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        parse_dtype(dtype)
+        if isinstance(dtype, str):
+            warn_if_slow(dtype)
         folder = Path(path).expanduser()
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"no Hugging Face model directory at {str(path)!r} (config.json missing)")
@@ -167,6 +160,7 @@ class HFModel(BaseModel):
             module = AutoModelForCausalLM.from_pretrained(
                 folder, dtype=parse_dtype(dtype), local_files_only=True
             )
+            module = prepare_module(module, dtype)
         except (OSError, ValueError, KeyError) as exc:
             raise InputError(f"cannot load a model from {folder}: {_one_line(exc)}") from exc
         finally:

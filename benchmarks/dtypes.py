@@ -1,0 +1,134 @@
+"""The target forward at the memory limit, per dtype, on SmolLM2-135M-Instruct (PyTorch backend).
+
+For each dtype (`float32`, `bfloat16`, `int8`, ...) side by side in one run, in alternating rounds:
+
+- **the single-token decode step**: median ms per token of plain greedy decoding, the bytes of weights the
+  step reads (every parameter once), and so the effective GB/s, beside the machine's memory bandwidth
+  measured here (a STREAM-like triad `a = b + s * c` on arrays far larger than the caches, NumPy);
+- **quality against float32** on a fixed text set: the share of positions where the greedy token (the
+  argmax of the teacher-forced row) agrees, and the mean KL(float32 || dtype) per token, in nats;
+- **enumeration**: prefixes per second of the exact index (`AutoregressiveEnumerable.top_k` of two-token
+  continuations), whose answers are exact for each dtype's own target.
+
+    .venv/bin/python benchmarks/dtypes.py                              # float32 bfloat16 int8
+    .venv/bin/python benchmarks/dtypes.py --dtypes float32 int8 --rounds 5
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from counting import CountingModel  # noqa: E402  (benchmarks/counting.py)
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
+
+import speculum  # noqa: E402
+from speculum.cli.demo import PASSAGE  # noqa: E402
+from speculum.enumeration import AutoregressiveEnumerable  # noqa: E402
+
+TEXTS = [PASSAGE, "The quick brown fox jumps over the lazy dog. " * 4,
+         "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+         "Question: What is the capital of France?\nAnswer: The capital of France is Paris, on the Seine."]
+
+
+def triad_gb_per_s(megabytes: int = 512, repeats: int = 5) -> float:
+    """STREAM's triad: three arrays of ``megabytes`` / 3 each, best of ``repeats`` (bytes moved: 3 per
+    element read or written, 8 bytes each)."""
+    n = megabytes * 1024 * 1024 // 8 // 3
+    b, c = np.random.default_rng(0).random(n), np.random.default_rng(1).random(n)
+    a = np.empty_like(b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.multiply(c, 3.0, out=a)
+        np.add(a, b, out=a)
+        best = min(best, time.perf_counter() - start)
+    # multiply reads c and writes a, add reads a and b and writes a: 5 passes of 8-byte elements.
+    return 5 * 8 * n / best / 1e9
+
+
+def weight_bytes(model) -> int:
+    module = model.module if hasattr(model, "module") else model.model
+    seen, total = set(), 0
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def decode_ms(model, ids: list[int], tokens: int) -> float:
+    start = time.perf_counter()
+    out = speculum.generate(model, ids, max_new_tokens=tokens, temperature=0, eos_token_id=None)
+    assert len(out.tokens) == tokens
+    return (time.perf_counter() - start) / tokens * 1e3
+
+
+def rows(model, text: str) -> np.ndarray:
+    ids = model.encode(text, chat=False)
+    session = model.start(ids[:1])
+    return np.vstack([session.next_logprobs()[None, :], session.extend(ids[1:])[:-1]]), ids
+
+
+def quality(reference, model) -> tuple[float, float]:
+    agree, kl, count = 0, 0.0, 0
+    for text in TEXTS:
+        base, _ = rows(reference, text)
+        other, _ = rows(model, text)
+        agree += int((base.argmax(1) == other.argmax(1)).sum())
+        p = np.exp(base)
+        kl += float(np.sum(np.where(p > 0, p * (base - other), 0.0)))
+        count += len(base)
+    return agree / count, kl / count
+
+
+def enumeration_rate(model) -> float:
+    """Prefixes forwarded per second by the exact index for the top 2,000 two-token continuations."""
+    counted = CountingModel(model)
+    prompt = model.encode("The capital of France is", chat=False)
+    ar = AutoregressiveEnumerable(counted, max_len=2, prompt=prompt)
+    start = time.perf_counter()
+    ar.top_k(2000)
+    return counted.forwards / (time.perf_counter() - start)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args()
+    bandwidth = triad_gb_per_s()
+    models = {dtype: speculum.load_model(dtype=dtype) for dtype in args.dtypes}
+    reference = models.get("float32") or speculum.load_model(dtype="float32")
+    ids = reference.encode("Summarise the following text.\n\n" + PASSAGE)
+    for model in models.values():
+        decode_ms(model, ids, 4)                                  # warm-up
+    times: dict[str, list[float]] = {dtype: [] for dtype in models}
+    for _ in range(args.rounds):
+        for dtype, model in models.items():                        # alternating: drift hits every dtype alike
+            times[dtype].append(decode_ms(model, ids, args.tokens))
+    print(f"# The target forward per dtype, SmolLM2-135M, {cpu_name()}, {os.cpu_count()} cores\n")
+    print(f"memory bandwidth (triad, NumPy): {bandwidth:.1f} GB/s\n")
+    print("| dtype | ms/token | x float32 | weights MB | effective GB/s | greedy agreement | mean KL (nats) | "
+          "enumeration prefixes/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    base = statistics.median(times[args.dtypes[0]])
+    for dtype, model in models.items():
+        ms = statistics.median(times[dtype])
+        size = weight_bytes(model)
+        agree, kl = (1.0, 0.0) if model is reference else quality(reference, model)
+        print(f"| {dtype} | {ms:.1f} | {base / ms:.2f} | {size / 1e6:.0f} | {size / ms / 1e6:.1f} | "
+              f"{agree:.4f} | {kl:.2e} | {enumeration_rate(model):.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The target's precision: ``float32``, ``bfloat16``, ``float16``, or ``int8`` weights (weight-only, one
+scale per output channel, as llama.cpp's Q8_0 keeps 8-bit weights) with float32 activations.
+
+Each precision is a target of its own: every guarantee (greedy speculative output equal to plain greedy
+output, the exact law, exact enumeration scores) holds relative to the target loaded. ``int8`` replaces
+every projection and the vocabulary head by :class:`Int8Linear`, whose product is PyTorch's CPU
+``_weight_int8pack_mm`` kernel: it reads a quarter of float32's bytes and converts the weights inside the
+product, so a decode step, which reads every weight once, moves far fewer bytes.
+
+Example:
+    >>> import torch
+    >>> layer = torch.nn.Linear(64, 32, bias=False)
+    >>> quantised = Int8Linear.from_linear(layer)
+    >>> x = torch.randn(3, 64)
+    >>> bool(torch.allclose(quantised(x), layer(x), atol=0.05))
+    True
+"""
+from __future__ import annotations
+
+import warnings
+from functools import lru_cache
+
+import torch
+
+from ...validation import InputError
+
+__all__ = ["DTYPES", "parse_dtype", "Int8Linear", "quantise_int8", "prepare_module", "dtype_advice", "cpu_flags"]
+
+# Weights' precision -> the dtype the module's float tensors (activations, norms, embeddings) are kept in.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float32}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32" | "bfloat16" | "float16" | "int8"`` (or a torch dtype) -> the dtype the module's float
+    tensors are held in (float32 for ``int8``, whose weights are converted by :func:`prepare_module`);
+    InputError otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise InputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+class Int8Linear(torch.nn.Module):
+    """A bias-free Linear with int8 weights and a float32 scale per output channel (symmetric, round to
+    nearest: ``weight ~ scales[:, None] * weight_int8``): ``x @ (scales * weight_int8).T`` computed by
+    ``torch.ops.aten._weight_int8pack_mm`` on float32 activations."""
+
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_int8.shape
+        self.register_buffer("weight_int8", weight_int8.contiguous())      # (out, in) int8
+        self.register_buffer("scales", scales.contiguous())                # (out,) float32
+
+    @classmethod
+    def from_linear(cls, layer: torch.nn.Linear) -> "Int8Linear":
+        weight = layer.weight.detach().float()                             # (out, in)
+        scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+        quantised = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(quantised, scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:              # (..., in) -> (..., out)
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantise_int8(module: torch.nn.Module) -> int:
+    """Replace every bias-free ``nn.Linear`` of ``module`` (projections and the vocabulary head; a head tied
+    to the embeddings gets an int8 copy, the embeddings stay float) by :class:`Int8Linear`, in place.
+    Returns how many were replaced."""
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and child.bias is None:
+                setattr(parent, name, Int8Linear.from_linear(child))
+                count += 1
+    if hasattr(module, "config"):
+        module.config.tie_word_embeddings = False      # the head is its own int8 tensor now
+    return count
+
+
+def prepare_module(module: torch.nn.Module, dtype: str | torch.dtype) -> torch.nn.Module:
+    """``module`` in the precision ``dtype`` (converted in place where it needs converting)."""
+    module = module.to(parse_dtype(dtype))
+    if dtype == "int8":
+        quantise_int8(module)
+    return module
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def dtype_advice(dtype: str, flags: frozenset[str] | None = None) -> str | None:
+    """Why ``dtype`` may run slower than float32 on this CPU (None: no reason known). bfloat16 products
+    pay where the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX); float16 where it has AVX-512 FP16
+    or AMX-FP16; without them PyTorch converts every weight on the fly."""
+    flags = cpu_flags() if flags is None else flags
+    if not flags:
+        return None
+    if dtype == "bfloat16" and not flags & {"avx512_bf16", "amx_bf16"}:
+        return "this CPU has neither AVX-512 BF16 nor AMX: bfloat16 products are emulated and usually slower " \
+               "than float32"
+    if dtype == "float16" and not flags & {"avx512_fp16", "amx_fp16"}:
+        return "this CPU has neither AVX-512 FP16 nor AMX-FP16: float16 products are emulated and usually " \
+               "slower than float32"
+    return None
+
+
+def warn_if_slow(dtype: str) -> None:
+    advice = dtype_advice(dtype)
+    if advice is not None:
+        warnings.warn(f"dtype={dtype}: {advice}", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,91 @@
+"""The target's precision (``dtype``): int8 weight-only targets and the advice on which dtype pays.
+
+Invariants: an :class:`Int8Linear` computes the product of its dequantised weights (to float rounding); an
+int8 target runs the fused forward with the same kernels for one session and for packed ones; greedy
+speculative output of an int8 target equals that target's plain greedy output; the batched rows equal its
+sessions' rows; a bad dtype is a clear error; bfloat16 / float16 advice follows the CPU's flags.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import speculum  # noqa: E402
+from hf_tiny import save_tiny_model  # noqa: E402
+from speculum.models import PromptLookup  # noqa: E402
+from speculum.models.base import Feed  # noqa: E402
+from speculum.models.hf import HFModel  # noqa: E402
+from speculum.models.hf.precision import Int8Linear, dtype_advice, parse_dtype, quantise_int8  # noqa: E402
+from speculum.validation import InputError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_int8(tmp_path_factory) -> HFModel:
+    return HFModel.from_pretrained(save_tiny_model(tmp_path_factory.mktemp("tiny8") / "model"), dtype="int8")
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (96, 32), (7, 16)])
+def test_int8_linear_is_the_product_of_its_dequantised_weights(shape):
+    generator = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(shape[1], shape[0], bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(shape, generator=generator))
+    quantised = Int8Linear.from_linear(layer)
+    dequantised = quantised.weight_int8.float() * quantised.scales[:, None]
+    assert (dequantised - layer.weight).abs().max() <= quantised.scales.max() / 2 + 1e-6   # round to nearest
+    x = torch.randn(5, 3, shape[1], generator=generator)
+    torch.testing.assert_close(quantised(x), x @ dequantised.T, rtol=1e-5, atol=1e-5)
+
+
+def test_quantise_int8_replaces_every_bias_free_linear():
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    assert quantise_int8(module) == 1
+    assert type(module[0]) is Int8Linear and type(module[2]) is torch.nn.Linear
+
+
+def test_an_int8_target_runs_the_fused_forward_and_speculation_is_exact(tiny_int8):
+    assert tiny_int8.fused_forward and tiny_int8.capabilities.batched_extend
+    prompt = [1, 3, 4, 5, 3, 4]
+    plain = speculum.generate(tiny_int8, prompt, max_new_tokens=20, temperature=0, eos_token_id=None)
+    fast = speculum.generate(tiny_int8, prompt, draft=PromptLookup(), gamma=3, max_new_tokens=20, temperature=0,
+                             eos_token_id=None)
+    assert fast.tokens == plain.tokens
+
+
+def test_int8_batched_calls_and_packed_sessions_equal_each_sessions_own_rows(tiny_int8):
+    prefixes = [[1, 3], [1, 3, 4], [5, 6, 7, 8]]
+    rows = tiny_int8.next_logprobs(prefixes)
+    for prefix, row in zip(prefixes, rows):
+        np.testing.assert_allclose(row, tiny_int8.start(prefix).next_logprobs(), atol=1e-4)
+    sessions = [tiny_int8.start([1, 3]), tiny_int8.start([4, 5, 6])]
+    packed = tiny_int8.extend_sessions([Feed(sessions[0], [7, 8]), Feed(sessions[1], [9])])
+    alone = [tiny_int8.start([1, 3]).extend([7, 8]), tiny_int8.start([4, 5, 6]).extend([9])]
+    for a, b in zip(packed, alone):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_int8_is_its_own_target_close_to_float32(tmp_path):
+    path = save_tiny_model(tmp_path / "model")
+    exact, small = HFModel.from_pretrained(path), HFModel.from_pretrained(path, dtype="int8")
+    row, other = exact.start([1, 3, 4]).next_logprobs(), small.start([1, 3, 4]).next_logprobs()
+    assert not np.array_equal(row, other)                                  # another target ...
+    assert float(np.sum(np.exp(row) * (row - other))) < 0.05               # ... close to float32's
+
+
+def test_a_bad_dtype_is_a_clear_error(tmp_path):
+    with pytest.raises(InputError, match="dtype must be one of float32, bfloat16, float16, int8"):
+        parse_dtype("int4")
+    with pytest.raises(InputError, match="dtype"):
+        speculum.load_model("smollm2-135m", dtype="float64")
+
+
+@pytest.mark.parametrize("dtype, flags, slow", [
+    ("bfloat16", {"avx2"}, True), ("bfloat16", {"avx512_bf16"}, False), ("bfloat16", {"amx_bf16"}, False),
+    ("float16", {"avx512f"}, True), ("float16", {"avx512_fp16"}, False), ("float32", {"avx2"}, False),
+    ("int8", {"avx2"}, False), ("bfloat16", set(), False),
+])
+def test_dtype_advice_follows_the_cpus_flags(dtype, flags, slow):
+    assert (dtype_advice(dtype, frozenset(flags)) is not None) == slow
