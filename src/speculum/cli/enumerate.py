@@ -21,7 +21,7 @@ from typing import Any
 from speculum.cli import constrained
 from speculum.cli.checks import CLIError, check_at_least, check_draft, utf8_text
 from speculum.cli.generate import add_cache_argument, add_dtype_argument, load_hf_target
-from speculum.cli.progress import index_bar, loading_progress
+from speculum.cli.progress import index_bar
 from speculum.enumeration.exact import DEFAULT_MAX_NODES
 
 DEFAULT_TARGET = "smollm2-135m"
