@@ -72,7 +72,7 @@ def pooled(pool, prompt, rank, batch) -> dict:
 
 def started_pool(spec, local, prompt, rank, batch, *, workers: int, threads: int):
     """A pool that has run the query once (the warm-up, as the local model has), and the seconds that took."""
-    from speculum.models.ray_pool import RayPool
+    from speculum.distributed.ray_pool import RayPool
 
     started = time.perf_counter()
     pool = RayPool(spec, workers=workers, threads=threads, cpus_per_worker=threads, local=local)
@@ -110,7 +110,7 @@ def main() -> None:
     import torch
 
     import speculum
-    from speculum.models.ray_pool import ModelSpec
+    from speculum.distributed.ray_pool import ModelSpec
 
     from speculum.models.allocator import keep_freed_memory
 

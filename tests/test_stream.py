@@ -190,7 +190,7 @@ def test_stream_on_a_ray_pool_equals_the_local_stream_bitwise(cluster):
     """The window does not depend on the model: the same batches go to the pool, each call runs whole on
     one actor, so every row, hence every item, is bitwise the local model's (batched float matmuls
     included); a step's batches spread over both actors."""
-    from speculum.models.ray_pool import RayPool
+    from speculum.distributed.ray_pool import RayPool
 
     tiny = partial(TinyTransformer, 12, d_model=16, n_layers=1, seed=3)
     streams = []

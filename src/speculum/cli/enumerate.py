@@ -108,7 +108,7 @@ def _load_target(spec: str, *, verify: bool = False, dtype: str | None = None, c
 def _worker_spec(args: argparse.Namespace) -> Any:
     """What each Ray actor loads for ``--target`` (tests replace this function with a reference model's
     factory, as they replace ``_load_target``)."""
-    from speculum.models.ray_pool import ModelSpec
+    from speculum.distributed.ray_pool import ModelSpec
 
     return ModelSpec(args.target)
 
@@ -122,7 +122,7 @@ def _check_workers(args: argparse.Namespace) -> None:
     try:
         importlib.import_module("ray")              # said before any model loads
     except ImportError:
-        from speculum.models.ray_pool import ray_install_hint
+        from speculum.distributed.ray_pool import ray_install_hint
 
         raise CLIError(f"--workers needs Ray. {ray_install_hint()}") from None
 
@@ -132,7 +132,7 @@ def _on_workers(args: argparse.Namespace, target: Any) -> Any:
     target stays the pool's local copy: tokenizer, sessions)."""
     if args.workers is None and args.ray_address is None:
         return target
-    from speculum.models.ray_pool import ClusterUnreachableError, RayPool
+    from speculum.distributed.ray_pool import ClusterUnreachableError, RayPool
 
     try:
         pool = RayPool(_worker_spec(args), args.workers or 1, address=args.ray_address, local=target)

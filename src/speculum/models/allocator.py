@@ -34,7 +34,7 @@ def keep_freed_memory() -> bool:
     """Serve large allocations from the heap and keep freed memory for reuse (glibc only; idempotent).
 
     Returns whether the settings are in effect: False where the C library is not glibc (nothing is changed).
-    Called by the ``speculum`` command and in every Ray worker of a :class:`~speculum.models.ray_pool.RayPool`;
+    Called by the ``speculum`` command and in every Ray worker of a :class:`~speculum.distributed.ray_pool.RayPool`;
     a program using the library calls it once itself if it wants the same.
     """
     global _applied

@@ -320,7 +320,7 @@ class Capabilities:
     turn. False (llama.cpp's single resident KV cache: switching sessions re-evaluates the context): the
     serving engine and ``generate_batch`` run one generation at a time.
     ``parallel_calls`` (default 1): how many batched calls the model runs at once. Above 1 (a pool of
-    replicas, :class:`~speculum.models.ray_pool.RayPool`) it offers ``map_calls(method, calls) -> results``,
+    replicas, :class:`~speculum.distributed.ray_pool.RayPool`) it offers ``map_calls(method, calls) -> results``,
     which runs ``getattr(model, method)(*args)`` for every ``args`` in ``calls`` concurrently, results in
     order; callers with independent batches (a level of the enumeration tree) submit that many together.
     """

@@ -420,7 +420,7 @@ class HFModel(BaseModel):
 
         Always built in one fresh forward of ``tokens``, never by extending another call's cache, so that
         every row is a function of the call alone (not of which calls came before): a pool of replicas
-        (:class:`~speculum.models.ray_pool.RayPool`) then returns bitwise what this model returns."""
+        (:class:`~speculum.distributed.ray_pool.RayPool`) then returns bitwise what this model returns."""
         tokens = tuple(tokens)
         cache = self._shared_caches.pop(tokens, None)
         if cache is None:
