@@ -157,12 +157,12 @@ def test_a_canary_outside_the_format_is_named(capsys, tmp_path, tiny_dir, string
 
 
 def test_ctrl_c_stops_cleanly(capsys, monkeypatch, tiny_dir, canaries_file):
-    import speculum.enumeration as enumeration
+    import speculum.cli.audit as audit
 
     def interrupted(*args, **options):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(enumeration, "estimate_ranks", interrupted)
+    monkeypatch.setattr(audit, "estimate_ranks", interrupted)
     assert main(["audit", canaries_file, "--prompt", PROMPT, "--regex", FORMAT, "--target", tiny_dir]) == 130
     captured = capsys.readouterr()
     assert captured.err.strip() == "interrupted" and "Traceback" not in captured.err

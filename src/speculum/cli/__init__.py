@@ -19,8 +19,10 @@ import os
 import sys
 from typing import Sequence
 
+from speculum import __version__
 from speculum.cli.checks import CLIError
 from speculum.enumeration.exact import BandTooLargeError, IndexBudgetError
+from speculum.models.allocator import keep_freed_memory
 from speculum.models.checkpoints import ModelCacheError
 from speculum.validation import InputError
 
@@ -35,8 +37,6 @@ BROKEN_PIPE_EXIT = 128 + 13  # 128 + SIGPIPE, as for `yes | head`
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from speculum import __version__
-
     parser = argparse.ArgumentParser(
         prog="speculum",
         description=(
@@ -61,7 +61,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: a COMMAND is required (see '{parser.prog} --help')", file=sys.stderr)
         return 2
-    from speculum.models.allocator import keep_freed_memory
 
     keep_freed_memory()   # large logits buffers reused instead of faulted in again on every forward
     try:

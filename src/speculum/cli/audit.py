@@ -16,14 +16,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from tqdm.auto import tqdm
+
+import speculum.cli.enumerate as enumerate_cli
 from speculum.cli.checks import CLIError, check_at_least, utf8_text, warn
+from speculum.cli.constrained import eos_id, read_lines
 from speculum.cli.generate import add_cache_argument, add_dtype_argument
 from speculum.cli.progress import index_bar
+from speculum.enumeration import AutoregressiveEnumerable, Choices, Regex, StringIndex, estimate_ranks
+from speculum.enumeration.exposure import DEFAULT_AUTO_FORWARDS, DEFAULT_MAX_FORWARDS, METHODS
+from speculum.enumeration.sampling import DEFAULT_SAMPLES
+from speculum.validation import InputError
 
 __all__ = ["register", "run_audit", "split_template", "sample_bar"]
 
@@ -32,9 +41,6 @@ DEFAULT_TARGET = "smollm2-135m"
 
 
 def register(subparsers: Any) -> None:
-    from speculum.enumeration.exposure import DEFAULT_AUTO_FORWARDS, DEFAULT_MAX_FORWARDS, METHODS
-    from speculum.enumeration.sampling import DEFAULT_SAMPLES
-
     audit = subparsers.add_parser(
         "audit", help="exposure of every canary of a file within a format, with 95%% intervals",
         description="Rank every canary of CANARIES (one per line) among the members of a format after a prompt, "
@@ -97,7 +103,6 @@ def split_template(template: str) -> tuple[str, str]:
 
 def _check(args: argparse.Namespace) -> tuple[Any, list[str], str]:
     """Every flag, before a model loads: the format, the canaries, the prompt text."""
-    from speculum.cli.constrained import read_lines
 
     check_at_least(args.samples, 2, "--samples")
     check_at_least(args.max_len, 1, "--max-len")
@@ -109,9 +114,6 @@ def _check(args: argparse.Namespace) -> tuple[Any, list[str], str]:
     if args.regex is not None:
         constraint = _regex(utf8_text(args.regex, "--regex", "audit"))
     else:
-        from speculum.enumeration import Choices
-        from speculum.validation import InputError
-
         try:
             constraint = Choices(tuple(read_lines(args.choices_file, "--choices-file", "audit")))
         except InputError as exc:
@@ -131,10 +133,6 @@ def _check(args: argparse.Namespace) -> tuple[Any, list[str], str]:
 def _regex(pattern: str) -> Any:
     """``Regex(pattern)`` with Python's syntax check (what the automaton does not support is named when the
     index compiles it)."""
-    import re
-
-    from speculum.enumeration import Regex
-    from speculum.validation import InputError
 
     try:
         regex = Regex(pattern)
@@ -158,7 +156,6 @@ def _check_plot(path: str) -> None:
 def sample_bar(**tqdm_kwargs: Any) -> Callable[[Any], None]:
     """A ``progress`` callback drawing a tqdm bar of the prefixes the sampler forwards
     (:class:`speculum.enumeration.sampling.SampleProgress` events)."""
-    from tqdm.auto import tqdm
 
     bar = tqdm(unit="prefix", desc="sampling the format", **tqdm_kwargs)
 
@@ -176,11 +173,6 @@ def _terminal_bar(make: Callable[..., Callable[[Any], None]]) -> Callable[[Any],
 
 # -------------------------------------------------------------------------------------------- audit
 def run_audit(args: argparse.Namespace) -> int:
-    import speculum.cli.enumerate as enumerate_cli
-    from speculum.cli.constrained import eos_id
-    from speculum.enumeration import AutoregressiveEnumerable, estimate_ranks
-    from speculum.enumeration.sampling import DEFAULT_SAMPLES
-
     constraint, canaries, prompt_text = _check(args)
     target = enumerate_cli._load_target(args.target, verify=args.verify_cache, dtype=args.dtype,
                                         command="audit")
@@ -222,9 +214,6 @@ def run_audit(args: argparse.Namespace) -> int:
 
 def _items(args: argparse.Namespace, target: Any, index: Any, canaries: list[str], eos: int | None) -> list[Any]:
     """Each canary as the index ranks it, checked to be a member of the format (one error naming it)."""
-    import speculum.cli.enumerate as enumerate_cli
-    from speculum.enumeration import StringIndex
-    from speculum.validation import InputError
 
     if args.strings:
         spelling = StringIndex(index.seek_index())

@@ -11,7 +11,9 @@ import argparse
 import sys
 from typing import Any
 
+import speculum
 from speculum.cli.checks import check_draft, check_sampling
+from speculum.cli.generate import TextStream, add_cache_argument, format_stats, parse_gamma
 from speculum.cli.progress import loading_progress
 from speculum.drafts import make_draft
 
@@ -34,8 +36,6 @@ DEMO_PROMPTS = (
 
 
 def register(subparsers: Any) -> None:
-    from speculum.cli.generate import add_cache_argument, parse_gamma
-
     parser = subparsers.add_parser(
         "demo",
         help="speculative vs plain greedy decoding on the embedded SmolLM2-135M (what `make demo` runs)",
@@ -57,9 +57,6 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import speculum
-    from speculum.cli.generate import TextStream, format_stats
-
     check_sampling(args)  # before the banner: a bad flag fails at once
     check_draft(args.draft)
     print("loading the embedded SmolLM2-135M-Instruct (float32, PyTorch)...", file=sys.stderr)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from typing import Any
 
+import speculum
 from speculum.cli.checks import CLIError, check_draft, check_sampling, read_stdin, utf8_text, warn
 from speculum.cli.progress import loading_progress
 from speculum.decoding.text import TextStream
 from speculum.drafts import DRAFT_KINDS, make_draft
+from speculum.models import default as model_default
 
 __all__ = ["register", "run", "format_stats", "parse_gamma", "TextStream", "add_draft_argument",
            "add_gamma_argument", "drafts_help"]
@@ -69,20 +72,17 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
 def load_hf_target(spec: str, *, command: str, dtype: str | None = None, verify: bool = False) -> Any:
     """``load_model(spec, dtype=...)`` with a progress line, warning (one line) where ``dtype`` is likely
     slower than float32 on this CPU."""
-    import warnings
-
-    from speculum.models.default import load_model
 
     dtype = dtype or "float32"
     if dtype != "float32":
-        from speculum.models.hf.precision import dtype_advice   # torch: the [llm] extra, loaded with the model
+        from speculum.models.hf.precision import dtype_advice  # torch: the [llm] extra, loaded with the model
 
         advice = dtype_advice(dtype)
         if advice is not None:
             warn(command, f"--dtype {dtype}: {advice}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="dtype=", category=RuntimeWarning)   # said above, once
-        return load_model(spec, backend="hf", dtype=dtype, progress=loading_progress(), verify=verify)
+        return model_default.load_model(spec, backend="hf", dtype=dtype, progress=loading_progress(), verify=verify)
 
 
 def add_cache_argument(parser: argparse.ArgumentParser) -> None:
@@ -140,10 +140,9 @@ def parse_gamma(value: str) -> int | str:
 
 def load_target(args: argparse.Namespace) -> Any:
     """The target model named by ``--target / --backend / --dtype``."""
-    from speculum.models.default import load_model
 
     if args.backend == "llamacpp":
-        return load_model(args.target, backend="llamacpp")
+        return model_default.load_model(args.target, backend="llamacpp")
     return load_hf_target(args.target, command=args.command, dtype=args.dtype, verify=args.verify_cache)
 
 
@@ -166,8 +165,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import speculum
-
     check_args(args)
     prompt_text = read_stdin("generate") if args.prompt == "-" else utf8_text(args.prompt, "PROMPT", "generate")
     target = load_target(args)

@@ -28,6 +28,7 @@ from ..models.base import as_model, check_prompt, check_token_ids
 from ..validation import InputError, check_int
 from .envelope import DEFAULT_RESOLUTION, AREnvelopeIndex
 from .estimate import rank_from_sample
+from .exact import AutoregressiveEnumerable
 from .sampling import DEFAULT_SAMPLES, DEFAULT_UNIFORM_SHARE, sample_format
 from .support import Support
 
@@ -140,7 +141,6 @@ def estimate_rank(model: Any, continuation: Sequence[int] | str, *, prompt: Sequ
         estimate, lo, hi = envelope.rank_estimate(seq)
         if hi > exact_limit:
             return RankReport(estimate, lo, hi, "envelope", log_prob, length, vocab_size)
-    from .exact import AutoregressiveEnumerable
 
     rank = AutoregressiveEnumerable(model, max_len=length, prompt=prompt).rank(seq)
     return RankReport(rank, rank, rank, "exact", log_prob, length, vocab_size, ci_lo=rank, ci_hi=rank)
@@ -159,7 +159,6 @@ def estimate_ranks(model: Any, items: Sequence[Any], *, constraint: Any, prompt:
     tokenizations; a text is also accepted in token mode and then means its canonical tokenization only if
     given as ids, so pass ids there). Exposure uses ``log2`` of the language's number of strings (string
     mode) or token sequences (token mode). ``method``:
-
     * ``"auto"`` (default): EXACT when the index certifies down to the item within ``max_forwards`` forwarded
       prefixes (default :data:`DEFAULT_AUTO_FORWARDS`), else ESTIMATED (``"sampled"``): the importance-sampled
       rank with a 95% interval from ``samples`` draws (default 4,096), beside the CERTIFIED bracket of that
@@ -189,7 +188,6 @@ def estimate_ranks(model: Any, items: Sequence[Any], *, constraint: Any, prompt:
         >>> deep.method, deep.ci_lo <= deep.estimate <= deep.ci_hi, deep.samples
         ('sampled', True, 4096)
     """
-    from .exact import AutoregressiveEnumerable
 
     method = _check_method(method)
     if method == "exact" and (samples is not None or sample is not None):

@@ -45,6 +45,7 @@ import numpy as np
 from ..models.base import as_model, check_prompt
 from ..validation import InputError, check_int, check_number
 from .constraint import compile_for
+from .exact import AutoregressiveEnumerable
 
 __all__ = ["FormatSample", "SampleProgress", "sample_format", "DEFAULT_SAMPLES",
            "DEFAULT_UNIFORM_SHARE", "DEFAULT_SAMPLE_BATCH"]
@@ -364,7 +365,6 @@ def sample_format(model: Any, constraint: Any, *, prompt: Sequence[int] = (), sa
         >>> set(sample.items) <= {"77", "78", "87", "88"}
         True
     """
-    from .exact import AutoregressiveEnumerable
 
     started = time.perf_counter()
     samples = check_int(samples, "samples", minimum=2)
