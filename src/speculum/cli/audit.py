@@ -265,7 +265,7 @@ def _line(row: dict) -> str:
 
 def _plot(path: str, exposures: list[float | None], space_bits: float, title: str) -> None:
     """A histogram of the canaries' exposures, with the format's maximum exposure (``log2 |format|``) marked."""
-    import matplotlib
+    import matplotlib     # the audit extra, loaded only for --plot
 
     matplotlib.use("Agg")               # files only: no display is needed or wanted
     import matplotlib.pyplot as plt

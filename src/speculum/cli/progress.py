@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+from tqdm.auto import tqdm
+
 __all__ = ["conversion_bar", "index_bar", "loading_progress", "quiet_progress_bars"]
 
 
@@ -19,8 +21,6 @@ def conversion_bar() -> Callable[[Any], None]:
     def update(event: Any) -> None:
         nonlocal bar
         if bar is None:
-            from tqdm.auto import tqdm
-
             bar = tqdm(total=event.total, desc=f"converting {event.model} (once)", unit="step")
         bar.set_postfix_str(event.stage)  # drawn at once: a stage lasts seconds
         bar.update(event.step - bar.n)
@@ -33,8 +33,6 @@ def conversion_bar() -> Callable[[Any], None]:
 def index_bar(**tqdm_kwargs: Any) -> Callable[[Any], None]:
     """An enumeration ``progress`` callback drawing a tqdm bar of forwarded prefixes
     (:class:`speculum.enumeration.exact.BuildProgress` events); ``tqdm_kwargs`` go to ``tqdm``."""
-    from tqdm.auto import tqdm
-
     bar = tqdm(unit="prefix", desc="enumeration index", **tqdm_kwargs)
 
     def update(event: Any) -> None:
@@ -53,8 +51,8 @@ def quiet_progress_bars() -> None:
     if sys.stderr.isatty():
         return
     try:
-        from huggingface_hub.utils import disable_progress_bars
-        from transformers.utils import logging as hf_logging
+        from huggingface_hub.utils import disable_progress_bars   # the llm extra: silenced where installed
+        from transformers.utils import logging as hf_logging       # the llm extra: silenced where installed
     except ImportError:  # the hf backend is not installed: nothing to silence
         return
     hf_logging.disable_progress_bar()

@@ -87,7 +87,7 @@ def _is_float_linear(layer: Any) -> bool:
 
 def _is_int8_linear(layer: Any) -> bool:
     """An int8 dynamically quantised Linear without bias (``torch.ao`` ``quantize_dynamic``: the int8 twin)."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear  # loaded only where an int8 twin is checked
 
     params = getattr(layer, "_packed_params", None)
     return (type(layer) is DynamicLinear and getattr(params, "dtype", None) == torch.qint8
@@ -202,7 +202,7 @@ class FusedLlama:
         the cached length), each against transformers' forward on its own cache: a guard against a
         transformers release whose Llama math this module no longer mirrors, at the cost of one short
         forward at load."""
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # transformers loads after torch, with the first model
 
         vocab = int(module.config.vocab_size)
         probe = torch.randint(0, vocab, (1, 5), generator=torch.Generator().manual_seed(0))

@@ -141,7 +141,7 @@ class HFModel(BaseModel):
         Example:
             >>> model = HFModel.from_pretrained("~/models/SmolLM2-135M-Instruct")   # doctest: +SKIP
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: loaded with the first model
 
         parse_dtype(dtype)
         if isinstance(dtype, str):
@@ -149,7 +149,7 @@ class HFModel(BaseModel):
         folder = Path(path).expanduser()
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"no Hugging Face model directory at {str(path)!r} (config.json missing)")
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # heavy: loaded with the first model
 
         torch.set_num_threads(threads or os.cpu_count() or 1)
         bars = hf_logging.is_progress_bar_enabled()
