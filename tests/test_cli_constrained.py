@@ -257,7 +257,7 @@ RANK = ["rank", PROMPT]
 
 @pytest.mark.parametrize("argv,needle", [
     (ENUM + ["--regex", "(12", "--top-k", "3"], "invalid --regex '(12': missing )"),
-    (ENUM + ["--regex", "^12", "--top-k", "3"], "invalid --regex '^12': unsupported"),
+    (ENUM + ["--regex", "^12", "--top-k", "3"], "invalid --regex '^12': anchors (^, $"),
     (ENUM + ["--regex", "", "--top-k", "3"], "the regex is empty"),
     (ENUM + ["--regex", PAIRS, "--top-k", "-2"], "--top-k must be >= 1"),
     (ENUM + ["--regex", PAIRS], "--top-k is required"),

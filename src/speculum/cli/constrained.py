@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import time
 from pathlib import Path
@@ -25,12 +24,18 @@ from typing import Any, Callable
 
 from speculum.cli.checks import CLIError, check_at_least, utf8_text, warn
 from speculum.cli.progress import index_bar
+from speculum.enumeration.automaton import AutomatonBudgetError
 from speculum.enumeration.exact import IndexBudgetError
 from speculum.enumeration.exposure import DEFAULT_MAX_FORWARDS
 from speculum.validation import InputError
 
 __all__ = ["add_enumerate_arguments", "add_rank_arguments", "check_enumerate", "check_rank", "parse_regex",
-           "read_lines", "eos_id", "enumerate_format", "enumerate_choices", "rank_format"]
+           "read_lines", "eos_id", "enumerate_format", "enumerate_choices", "rank_format", "MAX_LINE_CHARS"]
+
+# Longest line of a --choices-file / --file, in characters: a label or canary, not a document.
+MAX_LINE_CHARS = 1_000
+# Share of a file's characters that may be invalid UTF-8 before it counts as binary, not text.
+MAX_INVALID_SHARE = 0.05
 
 
 # -------------------------------------------------------------------------------------------- flags
@@ -96,7 +101,7 @@ def check_enumerate(args: argparse.Namespace) -> Any:
     if args.regex is not None:
         if args.top_k is None:
             raise CLIError("--top-k is required with --regex")
-        return parse_regex(args.regex, "enumerate")
+        return parse_regex(args.regex, "enumerate", eos=args.eos)
     if args.max_len is not None:
         raise CLIError("--max-len does not go with --choices-file")
     from speculum.enumeration import Choices
@@ -119,48 +124,65 @@ def check_rank(args: argparse.Namespace) -> Any:
         if given:
             raise CLIError(f"{given[0]} goes with --regex")
         return None
-    return parse_regex(args.regex, "rank")
+    return parse_regex(args.regex, "rank", eos=args.eos)
 
 
-def parse_regex(pattern: str, command: str) -> Any:
-    """``Regex(pattern)``, its syntax checked without a model (the pattern is parsed again when the index
-    compiles it against the vocabulary); CLIError naming ``--regex`` and the reason otherwise."""
+def parse_regex(pattern: str, command: str, *, eos: bool) -> Any:
+    """``Regex(pattern)``, checked without a model: its syntax, what constraints support, the size of its
+    automaton over characters, that it matches some string and, without ``--eos``, that some member is not
+    empty and none is a proper prefix of another. CLIError naming ``--regex`` and the reason otherwise."""
     from speculum.enumeration import Regex
-    from speculum.enumeration.automaton import _interegular
+    from speculum.enumeration.charfsm import compile_chars
 
     pattern = utf8_text(pattern, "--regex", command)
+    if not pattern:
+        raise CLIError("invalid --regex '': the regex is empty")
     try:
-        regex = Regex(pattern)
+        chars = compile_chars(pattern, f"--regex {pattern!r}")
+        regex = Regex(pattern)          # the automaton just built, from the cache
     except InputError as exc:
-        raise CLIError(f"invalid --regex {pattern!r}: {exc}") from None
-    try:                           # Python's own parser names what is wrong, and where
-        re.compile(pattern)
-    except re.error as exc:
-        raise CLIError(f"invalid --regex {pattern!r}: {exc}") from None
-    interegular = _interegular()
-    try:                           # what Python accepts but the automaton does not (back-references, ...)
-        interegular.parse_pattern(pattern).to_fsm()
-    except Exception as exc:       # interegular's InvalidSyntax / Unsupported and parser errors
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if type(exc).__name__ == "Unsupported":     # e.g. "'^'": say what is wrong with it
-            reason = f"unsupported: {reason}"
-        raise CLIError(f"invalid --regex {pattern!r}: {reason}") from None
+        raise CLIError(str(exc)) from None
+    if chars.empty():
+        raise CLIError(f"invalid --regex {pattern!r}: it matches no string")
+    if not eos and chars.size() == 1 and chars.initial in chars.finals:
+        raise CLIError(f"--regex {pattern!r} matches only the empty string, which has no tokens; add --eos to "
+                       "score stopping right away")
+    example = None if eos else chars.prefix_example()
+    if example is not None:
+        raise CLIError(f"--regex {pattern!r}: a member is a proper prefix of another ({example[0]!r} and "
+                       f"{example[1]!r}): without --eos the longer one could never be told apart; add --eos")
     return regex
 
 
 def read_lines(path: str, flag: str, command: str) -> list[str]:
     """The non-empty lines of the file at ``path``, each without its newline (``\\n`` or ``\\r\\n``) and
-    nothing else: a leading space is part of the text (" Paris" and "Paris" are different tokens)."""
+    nothing else: a leading space is part of the text (" Paris" and "Paris" are different tokens).
+
+    Refused (CLIError): a file that looks binary (a NUL byte, or more than :data:`MAX_INVALID_SHARE` of it
+    not UTF-8) and a line longer than :data:`MAX_LINE_CHARS` characters. A little invalid UTF-8 is
+    replaced by U+FFFD, with a warning."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise CLIError(f"{flag}: no such file: {path}" if not file.exists() else f"{flag}: {path} is not a file")
     data = file.read_bytes()
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise CLIError(f"{flag} {path!r} looks binary (a NUL byte at offset {nul:,}): give a text file, one item "
+                       "per line")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         text = data.decode("utf-8", "replace")
+        invalid = text.count("\ufffd") - data.decode("utf-8", "ignore").count("\ufffd")
+        if invalid > MAX_INVALID_SHARE * len(text):
+            raise CLIError(f"{flag} {path!r} looks binary ({invalid:,} of its {len(text):,} characters are not "
+                           f"UTF-8): give a UTF-8 text file, one item per line") from None
         warn(command, f"{flag} {path} is not valid UTF-8: invalid bytes replaced with U+FFFD")
     lines = [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+    for number, line in enumerate(lines, start=1):
+        if len(line) > MAX_LINE_CHARS:
+            raise CLIError(f"{flag} {path!r}: line {number:,} is {len(line):,} characters long, more than the "
+                           f"{MAX_LINE_CHARS:,} characters a line may have")
     lines = [line for line in lines if line]
     if not lines:
         raise CLIError(f"{flag}: {path} holds no non-empty line")
@@ -214,8 +236,11 @@ def enumerate_format(args: argparse.Namespace, target: Any, prompt: list[int], e
     except IndexBudgetError:      # the listing stands; only the bracket would need more than --max-nodes
         mass = None
     size = index.size()
-    sequences = seek.support.size(seek.vocab_size)
-    sequences = math.inf if sequences is None else sequences
+    try:
+        sequences = seek.support.size(seek.vocab_size)
+        sequences = math.inf if sequences is None else sequences
+    except AutomatonBudgetError:  # counting would build more of the token automaton than its budget allows
+        sequences = None
     seconds = time.perf_counter() - started
     automaton = seek.support.constraint
     rows = []
@@ -228,14 +253,16 @@ def enumerate_format(args: argparse.Namespace, target: Any, prompt: list[int], e
         data = {"prompt": args.prompt, "regex": args.regex, "strings": args.strings, "size": _size(size),
                 "mass": mass, "items": rows, "seconds": seconds, "forwards": seek.forwards}
         if not args.strings:
-            data["token_sequences"] = _size(sequences)
+            data["token_sequences"] = None if sequences is None else _size(sequences)
+            data["token_sequences_counted"] = sequences is not None
         _print_json(data)
         return 0
     print(f"{'rank':>4}  {'log-prob':>10}  {'probability':>11}  text" + ("" if args.strings else "  tokens"))
     for row in rows:
         tokens = "" if args.strings else f"  {row['tokens']}"
         print(f"{row['rank']:>4}  {row['log_prob']:>10.4f}  {row['probability']:>11.4e}  {row['text']!r}{tokens}")
-    spelled = "" if args.strings else f" ({_count(sequences)} token sequences)"
+    spelled = "" if args.strings else (" (token sequences: too many to count)" if sequences is None
+                                       else f" ({_count(sequences)} token sequences)")
     bracket = ("not bracketed within --max-nodes" if mass is None
                else f">= {mass[0]:.6g}, <= {mass[1]:.6g}")
     print(f"format: {_count(size)} strings{spelled}; mass of the format {bracket}")

@@ -13,6 +13,7 @@ import argparse
 import atexit
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from speculum.cli.checks import CLIError, check_at_least, check_draft, utf8_text
 from speculum.cli.generate import add_cache_argument, add_dtype_argument, load_hf_target
 from speculum.cli.progress import index_bar
 from speculum.enumeration.exact import DEFAULT_MAX_NODES
+from speculum.validation import InputError
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_WINDOW = 64
@@ -114,9 +116,16 @@ def _worker_spec(args: argparse.Namespace) -> Any:
 
 
 def _check_workers(args: argparse.Namespace) -> None:
+    """``--workers`` and ``--ray-address``, before the model loads or Ray starts: at most one worker per CPU
+    of this machine for a local cluster, Ray installed, and a cluster address that accepts a connection."""
     check_at_least(args.workers, 1, "--workers")
     if args.workers is None and args.ray_address is None:
         return
+    cpus = os.cpu_count() or 1
+    if args.ray_address is None and args.workers > cpus:
+        # The local cluster has one Ray CPU per core, and each worker takes at least one.
+        raise CLIError(f"--workers {args.workers}: at most {cpus} on this machine (one per CPU of the local Ray "
+                       f"cluster); give --ray-address to run more on a cluster")
     import importlib
 
     try:
@@ -125,6 +134,13 @@ def _check_workers(args: argparse.Namespace) -> None:
         from speculum.distributed.ray_pool import ray_install_hint
 
         raise CLIError(f"--workers needs Ray. {ray_install_hint()}") from None
+    if args.ray_address is not None:
+        from speculum.distributed.ray_pool import ClusterUnreachableError, check_address
+
+        try:
+            check_address(args.ray_address)
+        except (ClusterUnreachableError, InputError) as exc:
+            raise CLIError(f"--ray-address: {exc}") from None
 
 
 def _on_workers(args: argparse.Namespace, target: Any) -> Any:

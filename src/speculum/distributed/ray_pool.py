@@ -41,10 +41,13 @@ from ..models.allocator import keep_freed_memory
 from ..models.base import Capabilities, check_token_ids
 from ..models.default import load_model
 
-__all__ = ["RayPool", "ModelSpec", "PoolStats", "ClusterUnreachableError", "WorkerLostError", "ray_install_hint"]
+__all__ = ["RayPool", "ModelSpec", "PoolStats", "ClusterUnreachableError", "WorkerLostError", "ray_install_hint",
+           "check_address", "CONNECT_TIMEOUT"]
 
 # Replacements of a dead actor within one call before the call fails.
 DEFAULT_MAX_RETRIES = 3
+# Seconds a cluster's address gets to accept a connection (Ray's own client would retry far longer).
+CONNECT_TIMEOUT = 3.0
 
 
 def ray_install_hint() -> str:
@@ -220,7 +223,7 @@ class RayPool:
         if address is None and ray.is_initialized():
             return
         if address is not None:
-            _check_reachable(address)
+            check_address(address)
         try:
             ray.init(address=address, num_cpus=None if address else os.cpu_count(), include_dashboard=False,
                      logging_level=logging.ERROR, ignore_reinit_error=True)
@@ -397,9 +400,10 @@ def _local_threads() -> int:
     return int(torch.get_num_threads())
 
 
-def _check_reachable(address: str, timeout: float = 5.0) -> None:
-    """A one-line :class:`ClusterUnreachableError` when ``HOST:PORT`` does not accept a connection
-    (Ray's own client would retry for a long time first)."""
+def check_address(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
+    """Raise a one-line :class:`ClusterUnreachableError` unless ``HOST:PORT`` (or ``ray://HOST:PORT``) accepts a
+    TCP connection within ``timeout`` seconds, and ``InputError`` for an address of another form; ``auto`` and
+    ``local...`` pass (Ray finds those itself). Needs no Ray: the command line checks before anything starts."""
     if address == "auto" or address.startswith("local"):
         return
     hostport = address.split("://", 1)[-1]

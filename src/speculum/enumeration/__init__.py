@@ -22,6 +22,7 @@ _LAZY = {
     "Regex": ".constraint",
     "Choices": ".constraint",
     "TokenAutomaton": ".automaton",
+    "AutomatonBudgetError": ".automaton",
     "StringIndex": ".strings",
     "score_choices": ".labels",
     "ChoiceScores": ".labels",

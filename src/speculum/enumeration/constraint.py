@@ -18,8 +18,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from ..validation import InputError
-from .automaton import TokenAutomaton
+from ..validation import InputError, check_int
+from .automaton import MAX_TOKEN_MOVES, MAX_TOKEN_STATES, TokenAutomaton
+from .charfsm import MAX_CHAR_STATES, compile_chars
 
 __all__ = ["Regex", "Choices", "TokenAutomaton", "compile_for"]
 
@@ -34,10 +35,15 @@ class _Constraint:
     def describe(self) -> str:
         raise NotImplementedError
 
-    def compile(self, model: Any = None, *, vocab_size: int | None = None, exclude: Sequence[int] = ()
-                ) -> "TokenAutomaton":
+    def char_budget(self) -> int:
+        """The most states the constraint's automaton over characters may have."""
+        return MAX_CHAR_STATES
+
+    def compile(self, model: Any = None, *, vocab_size: int | None = None, exclude: Sequence[int] = (),
+                max_states: int = MAX_TOKEN_STATES, max_moves: int = MAX_TOKEN_MOVES) -> "TokenAutomaton":
         """The token automaton of this constraint over ``model``'s vocabulary (or over ``vocabulary`` with
-        ``vocab_size`` tokens). ``exclude``: token ids never allowed (the eos an index ends sequences with).
+        ``vocab_size`` tokens). ``exclude``: token ids never allowed (the eos an index ends sequences with);
+        ``max_states`` / ``max_moves``: its budget (:class:`~speculum.enumeration.automaton.TokenAutomaton`).
         Raises ``InputError`` for an invalid pattern, an empty language, or one no token sequence spells."""
         if self.vocabulary is not None:
             from ..models.vocabulary import token_bytes
@@ -50,7 +56,8 @@ class _Constraint:
             from ..models.vocabulary import token_bytes
 
             pieces = token_bytes(model)
-        return TokenAutomaton.build(self.regex(), pieces, exclude=exclude, description=self.describe())
+        return TokenAutomaton.build(self.regex(), pieces, exclude=exclude, description=self.describe(),
+                                    max_char_states=self.char_budget(), max_states=max_states, max_moves=max_moves)
 
 
 def compile_for(constraint, model: Any, *, eos: int | None) -> "TokenAutomaton | None":
@@ -89,13 +96,19 @@ def _check_vocabulary(vocabulary) -> tuple | None:
 
 @dataclass(frozen=True)
 class Regex(_Constraint):
-    """The strings matching ``pattern`` in full (Python ``re`` syntax without anchors, lookarounds or
-    back-references; ``\\d`` and ``\\w`` are ASCII).
+    """The strings matching ``pattern`` in full (Python ``re`` syntax without anchors, lookarounds,
+    back-references or unicode property classes; ``\\d`` and ``\\w`` are ASCII; ``\\uXXXX`` escapes and
+    code-point ranges such as ``[\\u4e00-\\u9fff]`` are plain characters).
+
+    The pattern is checked and its automaton over characters built here, without a model: ``InputError``
+    for a syntax error, an unsupported construct, or an automaton of more than ``max_char_states`` states
+    (default :data:`~speculum.enumeration.charfsm.MAX_CHAR_STATES`).
 
     Example: ``Regex(r" \\d{4}-\\d{4}")`` — a space, four digits, a dash, four digits."""
 
     pattern: str
     vocabulary: tuple | None = field(default=None, repr=False)
+    max_char_states: int = field(default=MAX_CHAR_STATES, repr=False, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str):
@@ -103,6 +116,11 @@ class Regex(_Constraint):
         if not self.pattern:
             raise InputError("the regex is empty")
         object.__setattr__(self, "vocabulary", _check_vocabulary(self.vocabulary))
+        object.__setattr__(self, "max_char_states", check_int(self.max_char_states, "max_char_states", minimum=1))
+        compile_chars(self.pattern, self.describe(), max_states=self.max_char_states)   # cached for compile()
+
+    def char_budget(self) -> int:
+        return self.max_char_states
 
     def regex(self) -> str:
         return self.pattern
@@ -141,6 +159,10 @@ class Choices(_Constraint):
         from .labels import score_choices
 
         return score_choices(model, self, **options)
+
+    def char_budget(self) -> int:
+        # The automaton of a label set is the trie of its labels: never more states than characters, plus one.
+        return max(MAX_CHAR_STATES, sum(len(s) for s in self.strings) + 2)
 
     def regex(self) -> str:
         return "|".join(f"({re.escape(s)})" for s in self.strings)

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..validation import InputError, check_int, check_logprob, check_number, check_optional_int
+from .automaton import AutomatonBudgetError
 from .beam import beam_logprobs
 from .histogram import DEFAULT_WIDTH_BITS, BucketIndex
 from .support import Support, SupportAttributes
@@ -67,7 +68,7 @@ class SeekIndex(SupportAttributes):
         self.max_beam_forwards = max_beam_forwards
         self.vocab_size = int(model.vocab_size)
         self.support, self.prompt = support, tuple(prompt)
-        self._support_count = support.size(self.vocab_size)   # every support sequence; None: infinite
+        self._support_count: int | None | bool = False        # every support sequence; False: not counted yet
         self.branch_cap, self.width_bits, self.max_band = branch_cap, width_bits, max_band
         self.tree = PrefixTree(model, prompt=self.prompt, support=support, branch_cap=branch_cap,
                                batch_size=batch_size, reserve_bits=reserve_bits, max_nodes=max_nodes,
@@ -126,9 +127,24 @@ class SeekIndex(SupportAttributes):
         self._last_deepening = before
         self._refresh()
 
+    def _support_sequences(self) -> int | None:
+        """Every support sequence, counted on first use; None when infinite, or for a format whose count would
+        need more of its token automaton than the automaton's budget allows."""
+        if self._support_count is False:
+            try:
+                self._support_count = self.support.size(self.vocab_size)
+            except AutomatonBudgetError:
+                self._support_count = None
+        return self._support_count
+
     def _beyond_support(self, count: int) -> bool:
-        """Whether ``count`` exceeds the number of support sequences (so no query can need that many)."""
-        return self._support_count is not None and count > self._support_count
+        """Whether ``count`` exceeds the number of support sequences (so no query can need that many). A
+        format is not counted for this: counting builds every state of its automaton within ``max_len``
+        tokens, while a query beyond it ends anyway, when the tree runs out."""
+        if self.support.constraint is not None and self._support_count is False:
+            return False
+        total = self._support_sequences()
+        return total is not None and count > total
 
     def _grow_to_count(self, needed: int) -> None:
         """Deepen until at least ``needed`` sequences are certified, or the support is exhausted.
@@ -150,8 +166,8 @@ class SeekIndex(SupportAttributes):
         answer (plus a batch), and all earlier steps together at most as many again (a doubling argument).
         Before the first step a small beam may find ``needed`` real sequences (``_aim_with_beam``): a
         budget that certainly suffices and is usually the threshold itself, which the steps then aim at."""
-        reachable = needed if self._support_count is None else min(needed, self._support_count)
-        if self.index.total < needed and not self.tree.exhausted and reachable > self.tree.max_nodes:
+        if (self.index.total < needed and not self.tree.exhausted and needed > self.tree.max_nodes
+                and (self._support_sequences() is None or self._support_sequences() > self.tree.max_nodes)):
             # Refused up front: every certified sequence is a stored node.
             raise IndexBudgetError(
                 f"this query needs at least {needed:,} stored sequences, more than max_nodes="
@@ -289,7 +305,7 @@ class SeekIndex(SupportAttributes):
 
     def _raise_beyond(self, rank: int) -> None:
         size = self.support_size
-        what = f"it has {size} sequences" if size is not None else f"it has at most {self._support_count} sequences"
+        what = f"it has {size} sequences" if size is not None else f"it has at most {self._support_sequences()} sequences"
         raise IndexError(f"rank {rank} is beyond the support ({self.support.describe()}): {what}")
 
     # ---------------------------------------------------------------------------------------- queries

@@ -68,12 +68,15 @@ def max_tokenizations(automaton, *, max_len: int | None, eos: bool) -> float:
         steps = max_len - (1 if eos else 0)
     elif max_len is not None:
         steps = min(steps, max_len - (1 if eos else 0))
+    # F_k is needed only at states within steps - k tokens of the start: building the moves of the states
+    # within steps - 1 tokens suffices, and a state beyond them keeps F = [accepts], which no needed value reads.
+    expanded = automaton.explore(max(steps, 0))
     accept = automaton.accepting.astype(np.float64)
     bound = accept.copy()                       # F with 0 tokens left
     for _ in range(max(steps, 0)):
         nxt = accept.copy()
-        for state in range(automaton.n_states):
-            tokens, targets = automaton.tokens[state], automaton.targets[state]
+        for state in expanded:
+            tokens, targets = automaton.moves(state)
             if not len(tokens):
                 continue
             weight = mult[tokens] * bound[targets]
