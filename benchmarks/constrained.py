@@ -11,10 +11,14 @@ Part b — exact rank of the planted secret (and of the member brute force ranks
          against the brute force's.
 Part c — 1,000 label choices scored through one prefix trie against one request per choice (each request
          recomputes the prompt, as evaluation harnesses send them): positions and log-probs.
+Part d — a wide format, ``".{0,200}"`` followed by eos within ``--wide-max-len`` tokens: the time to compile its
+         automaton and to answer the top-k, and how much of the token automaton that built (it is built only
+         as far as the query reaches).
 
     .venv/bin/python benchmarks/constrained.py              # ~30 min on 2 cores (the brute force is most of it)
     .venv/bin/python benchmarks/constrained.py --digits 4   # a quick check
     .venv/bin/python benchmarks/constrained.py --parts c    # the label part alone
+    .venv/bin/python benchmarks/constrained.py --parts d --top-k 5   # the wide format alone (~1 min)
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ SECRET = " 482913"
 ADJECTIVES = ("red green blue black white dark light small large old new hot cold soft hard fast slow loud quiet "
               "bright happy sad rich poor long short deep wide thin thick sweet bitter fresh clean dirty wild calm "
               "strong weak early late tall round flat heavy golden silver pink grey brown tiny").split()
+WIDE_PROMPT = "My favourite quote is"
 NOUNS = "car house tree river cat dog book road city song bird stone door chair table window garden ship lamp cup".split()
 
 
@@ -79,7 +84,9 @@ def main() -> None:
     parser.add_argument("--deep-rank", type=int, default=2000, help="also rank the member brute force puts here")
     parser.add_argument("--labels", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=512, help="brute force: prefixes per batched call")
-    parser.add_argument("--parts", default="abc", help="which parts to run (default: abc; a and b share the brute force)")
+    parser.add_argument("--wide", default=".{0,200}", help="part d: the wide format (default: .{0,200})")
+    parser.add_argument("--wide-max-len", type=int, default=3, help="part d: most tokens of a member, eos included")
+    parser.add_argument("--parts", default="abcd", help="which parts to run (default: abcd; a and b share the brute force)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     from speculum.models.default import load_model
@@ -99,6 +106,8 @@ def main() -> None:
         report.update(format_parts(model, prompt, automaton, space[0], digits, args))
     if "c" in args.parts:
         report["c"] = label_part(model, args.labels)
+    if "d" in args.parts:
+        report["d"] = wide_part(model, args.wide, args.wide_max_len, args.top_k)
     if args.json:
         print(json.dumps(report))
         return
@@ -166,6 +175,23 @@ def label_part(model, n_labels: int) -> dict:
             "best": scores.best(), "label_set_mass": float(np.exp(scores.log_mass))}
 
 
+def wide_part(model, pattern: str, max_len: int, top_k: int) -> dict:
+    """Part d: the top-k of a wide format followed by eos; the token automaton is built as far as it reaches."""
+    prompt = model.encode(WIDE_PROMPT, chat=False)
+    started = time.perf_counter()
+    automaton = compile_for(Regex(pattern), model, eos=model.eos_token_id)
+    compile_seconds = time.perf_counter() - started
+    counted = CountingModel(model)
+    started = time.perf_counter()
+    ar = AutoregressiveEnumerable(counted, prompt=prompt, constraint=automaton, eos=model.eos_token_id,
+                                  max_len=max_len)
+    top = [(model.decode(seq[:-1]), lp) for seq, lp in ar.top_k(top_k)]
+    return {"pattern": pattern, "max_len": max_len, "compile_seconds": compile_seconds,
+            "top_k_seconds": time.perf_counter() - started, "positions": counted.positions,
+            "states": automaton.n_states, "built_states": automaton.built_states, "moves": automaton.stored_moves,
+            "top": top}
+
+
 def print_report(report: dict, args, pattern: str) -> None:
     print(f"CPU: {report['cpu']}; prompt {PROMPT!r}; format {pattern!r}")
     if "a" in report:
@@ -186,6 +212,14 @@ def print_report(report: dict, args, pattern: str) -> None:
               f"request each {c['per_request_positions']:,} positions, {c['per_request_seconds']:.1f} s "
               f"({c['position_ratio']:.1f}x fewer positions); max |log-prob diff| {c['max_log_prob_diff']:.1e}; "
               f"same ranking: {c['same_ranking']}; best {c['best']!r}, set mass {c['label_set_mass']:.3g}")
+    if "d" in report:
+        d = report["d"]
+        print(f"d) {d['pattern']!r} then eos, at most {d['max_len']} tokens: automaton compiled in "
+              f"{d['compile_seconds']:.2f} s; top-{len(d['top'])} in {d['top_k_seconds']:.1f} s "
+              f"({d['positions']:,} positions); {d['states']:,} token-automaton states reached, "
+              f"{d['built_states']:,} built ({d['moves']:,} moves, {d['moves'] * 8 / 2 ** 20:.0f} MB)")
+        for text, lp in d["top"]:
+            print(f"     {text!r} {lp:.4f}")
     sys.stdout.flush()
 
 

@@ -177,6 +177,18 @@ def test_choices_table_is_sorted_by_rank_and_top_k_cuts_it(capsys, tmp_path, tin
     assert sorted(c["rank"] for c in report["choices"]) == [0, 1]
 
 
+def test_a_choices_file_shows_its_progress_on_a_terminal_only(capsys, monkeypatch, tmp_path, tiny_dir):
+    path = tmp_path / "choices.txt"
+    path.write_text("\n".join(["12", "23", "x", "1", "y"]))
+    argv = ["enumerate", PROMPT, "--target", tiny_dir, "--choices-file", str(path), "--json"]
+    assert main(argv) == 0
+    assert "scoring choices" not in capsys.readouterr().err
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "scoring choices" in captured.err and json.loads(captured.out)["forwards"] > 0
+
+
 def test_lines_keep_leading_spaces_and_drop_only_newlines(tmp_path):
     path = tmp_path / "lines.txt"
     path.write_bytes(b" Paris\r\nParis \n\n\t\nLyon")

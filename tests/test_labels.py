@@ -138,6 +138,18 @@ def test_shared_prefixes_are_forwarded_once():
     check_against_brute_force(model(1), result, PROMPT)
 
 
+def test_progress_counts_every_forwarded_prefix_up_to_the_total():
+    strings = ["7777", "7778", "778", "77x", "xy", "8", "87"]
+    events = []
+    result = score_choices(model(1), Choices(strings, vocabulary=VOCAB), prompt=PROMPT, tokenize=by_character,
+                           batch_size=2, progress=events.append)
+    done = [event.forwards for event in events]
+    assert done == sorted(set(done)) and done[-1] == result.forwards == len(internal_nodes(result.tokens))
+    assert {event.total for event in events} == {result.forwards} and len(events) > 2
+    with pytest.raises(InputError, match="progress must be a callable"):
+        score_choices(model(1), strings, tokenize=by_character, progress="bar")
+
+
 def test_a_plain_list_and_an_empty_prompt_use_the_model_as_given():
     m = model(2)
     result = score_choices(m, ["8", "7x"], tokenize=by_character)
@@ -272,13 +284,16 @@ class Broken(CountingModel):
 
     def next_logprobs(self, prefixes):
         rows = np.array(super().next_logprobs(prefixes))
-        if self.kind == "nan":
-            rows[:, 0] = np.nan
-            return rows
-        return rows[:, :-1]
+        if self.kind == "shape":
+            return rows[:, :-1]
+        rows[-1, 0] = {"nan": np.nan, "+inf": np.inf}.get(self.kind, rows[-1, 0])
+        if self.kind == "no finite":
+            rows[-1, :] = -np.inf
+        return rows
 
 
-@pytest.mark.parametrize("kind,message", [("nan", "NaN"), ("shape", "shape")])
+@pytest.mark.parametrize("kind,message", [("nan", "NaN"), ("+inf", r"\+inf"), ("no finite", "no finite entry"),
+                                          ("shape", "shape")])
 def test_bad_rows_are_refused(kind, message):
     with pytest.raises(InputError, match=message):
         score_choices(Broken(model(), kind), ["7", "8"], tokenize=by_character)

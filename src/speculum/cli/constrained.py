@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from speculum.cli.checks import CLIError, check_at_least, utf8_text, warn
-from speculum.cli.progress import index_bar
+from speculum.cli.progress import choices_bar, index_bar
 from speculum.enumeration.automaton import AutomatonBudgetError
 from speculum.enumeration.exact import IndexBudgetError
 from speculum.enumeration.exposure import DEFAULT_MAX_FORWARDS
@@ -277,7 +277,12 @@ def enumerate_choices(args: argparse.Namespace, target: Any, prompt: list[int], 
     from speculum.enumeration import score_choices
 
     started = time.perf_counter()
-    scores = score_choices(target, choices, prompt=prompt, eos=eos, all_tokenizations=args.all_tokenizations)
+    # Every tokenization is scored through an index, not the label trie: the bar follows the trie only.
+    if args.all_tokenizations:
+        scores = score_choices(target, choices, prompt=prompt, eos=eos, all_tokenizations=True)
+    else:
+        bar = choices_bar(leave=False) if sys.stderr.isatty() else None
+        scores = score_choices(target, choices, prompt=prompt, eos=eos, progress=bar)
     seconds = time.perf_counter() - started
     data = scores.as_dict()
     shown = args.top_k if args.top_k is not None else len(choices.strings)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
-__all__ = ["conversion_bar", "index_bar", "loading_progress", "quiet_progress_bars"]
+__all__ = ["conversion_bar", "index_bar", "choices_bar", "loading_progress", "quiet_progress_bars"]
 
 
 def conversion_bar() -> Callable[[Any], None]:
@@ -39,6 +39,25 @@ def index_bar(**tqdm_kwargs: Any) -> Callable[[Any], None]:
         bar.update(event.forwards - bar.n)
         # refresh=False: the next rate-limited update draws it; refreshing would redraw on every event.
         bar.set_postfix(level=event.level, budget_bits=f"{event.budget_bits:.1f}", refresh=False)
+
+    return update
+
+
+def choices_bar(**tqdm_kwargs: Any) -> Callable[[Any], None]:
+    """A ``score_choices`` ``progress`` callback drawing a tqdm bar of the label trie's forwarded prefixes
+    (:class:`speculum.enumeration.labels.ScoringProgress` events); ``tqdm_kwargs`` go to ``tqdm``. The bar
+    appears with the first batch, when the total is known."""
+    bar = None
+
+    def update(event: Any) -> None:
+        nonlocal bar
+        if bar is None:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=event.total, unit="prefix", desc="scoring choices", **tqdm_kwargs)
+        bar.update(event.forwards - bar.n)
+        if event.forwards >= event.total:
+            bar.close()
 
     return update
 

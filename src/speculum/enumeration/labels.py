@@ -38,7 +38,15 @@ from ..models.base import as_model, check_logits, check_prompt, check_token_id, 
 from ..validation import InputError, check_int
 from .constraint import Choices
 
-__all__ = ["ChoiceScores", "score_choices"]
+__all__ = ["ChoiceScores", "ScoringProgress", "score_choices"]
+
+
+@dataclass(frozen=True)
+class ScoringProgress:
+    """Where scoring a label set stands: ``forwards`` of the ``total`` trie prefixes it forwards are done."""
+
+    forwards: int
+    total: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,7 +115,8 @@ class ChoiceScores:
 
 def score_choices(model: Any, choices: Sequence[str] | Choices, *, prompt: Sequence[int] = (),
                   eos: int | bool | None = None, tokenize: Callable[[str], Sequence[int]] | None = None,
-                  batch_size: int = 64, all_tokenizations: bool = False) -> ChoiceScores:
+                  batch_size: int = 64, all_tokenizations: bool = False,
+                  progress: Callable[[ScoringProgress], None] | None = None) -> ChoiceScores:
     """Score every choice of a label set after ``prompt``: exact log-probs, ranks and the set's mass.
 
     Args:
@@ -126,6 +135,8 @@ def score_choices(model: Any, choices: Sequence[str] | Choices, *, prompt: Seque
             ``forwards`` the positions teacher-forced: the summed length of every tokenization scored.
             Without ``eos`` a set where one choice is a prefix of another is refused, as by every
             constrained index (pass ``eos``).
+        progress: called with a :class:`ScoringProgress` after every batch of trie prefixes (not with
+            ``all_tokenizations``, whose index has its own ``progress``).
 
     Returns a :class:`ChoiceScores`. Exact: each log-prob is the model's own, the float sum of its step
     log-probs in order (a teacher-forcing request per choice gives the same up to float rounding of batch
@@ -139,18 +150,20 @@ def score_choices(model: Any, choices: Sequence[str] | Choices, *, prompt: Seque
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     if tokenize is not None and not callable(tokenize):
         raise InputError(f"tokenize must be a callable text -> token ids, got {type(tokenize).__name__}")
+    if progress is not None and not callable(progress):
+        raise InputError(f"progress must be a callable receiving ScoringProgress events, got {type(progress).__name__}")
     if all_tokenizations:
         if tokenize is not None:
             raise InputError("tokenize= does not apply with all_tokenizations=True: every tokenization is scored")
         return _score_strings(model, constraint, prompt, eos, batch_size)
     spell = _tokenizer(model, constraint, tokenize, eos)
     tokens = []
-    for text in constraint.strings:
-        ids = check_token_ids(spell(text), model.vocab_size, name=f"the tokens of choice {text!r}")
+    for text, spelled in zip(constraint.strings, spell(constraint.strings)):
+        ids = check_token_ids(spelled, model.vocab_size, name=f"the tokens of choice {text!r}")
         if not ids:
             raise InputError(f"choice {text!r} tokenizes to no tokens")
         tokens.append(tuple(ids) + (() if eos is None else (eos,)))
-    log_probs, forwards = _score_trie(model, prompt, tokens, batch_size)
+    log_probs, forwards = _score_trie(model, prompt, tokens, batch_size, progress)
     return _result(constraint.strings, tuple(tokens), log_probs, forwards)
 
 
@@ -178,10 +191,11 @@ def _eos(model, eos) -> int | None:
     return check_token_id(eos, model.vocab_size, name="eos")
 
 
-def _tokenizer(model, constraint: Choices, tokenize, eos: int | None) -> Callable[[str], Sequence[int]]:
-    """How each choice becomes token ids: ``tokenize``, the model's tokenizer, or the vocabulary."""
+def _tokenizer(model, constraint: Choices, tokenize, eos: int | None
+               ) -> Callable[[Sequence[str]], list[Sequence[int]]]:
+    """How the choices become token ids (all at once): ``tokenize``, the model's tokenizer, or the vocabulary."""
     if tokenize is not None:
-        return tokenize
+        return lambda texts: [tokenize(text) for text in texts]
     try:
         tokenizer = model.tokenizer
     except AttributeError:                       # a protocol model need not carry a tokenizer
@@ -190,10 +204,12 @@ def _tokenizer(model, constraint: Choices, tokenize, eos: int | None) -> Callabl
         from ..models.llamacpp import LlamaCppTokenizer
 
         if isinstance(tokenizer, LlamaCppTokenizer):
-            return lambda text: tokenizer.encode(text, add_special_tokens=False)
-        return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+            return lambda texts: [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        # One batched call: a fast tokenizer's per-call overhead dominates on short labels.
+        return lambda texts: tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     if constraint.vocabulary is not None:
-        return _VocabularySpeller(model, constraint.vocabulary, exclude=eos)
+        speller = _VocabularySpeller(model, constraint.vocabulary, exclude=eos)
+        return lambda texts: [speller(text) for text in texts]
     raise InputError(f"{type(model).__name__} has no tokenizer: pass tokenize= or Choices(..., vocabulary=[...])")
 
 
@@ -239,17 +255,20 @@ class _VocabularySpeller:
 
 
 # ------------------------------------------------------------------------------------------ scoring
-def _score_trie(model, prompt: list[int], sequences: list[tuple[int, ...]], batch_size: int
-                ) -> tuple[np.ndarray, int]:
+def _score_trie(model, prompt: list[int], sequences: list[tuple[int, ...]], batch_size: int,
+                progress: Callable[[ScoringProgress], None] | None = None) -> tuple[np.ndarray, int]:
     """``(n,)`` exact log-probs of ``sequences`` after ``prompt``, forwarding each internal node of their
     prefix trie once (level by level, ``batch_size`` per call), and the number of prefixes forwarded."""
     steps: dict[tuple[int, ...], float] = {}     # trie node -> log p(its last token | its parent)
-    forwards = 0
+    levels = []
     for depth in range(max(len(seq) for seq in sequences)):
         children: dict[tuple[int, ...], set[int]] = {}
         for seq in sequences:
             if len(seq) > depth:
                 children.setdefault(seq[:depth], set()).add(seq[depth])
+        levels.append(children)
+    total, forwards = sum(len(children) for children in levels), 0
+    for children in levels:
         # Sorted: neighbouring prefixes share more (a prefix-reusing backend evaluates less).
         nodes = sorted(children)
         for start in range(0, len(nodes), batch_size):
@@ -259,6 +278,8 @@ def _score_trie(model, prompt: list[int], sequences: list[tuple[int, ...]], batc
             for node, row in zip(batch, rows):
                 for token in children[node]:
                     steps[node + (token,)] = float(row[token])
+            if progress is not None:
+                progress(ScoringProgress(forwards=forwards, total=total))
     log_probs = np.empty(len(sequences))
     for i, seq in enumerate(sequences):
         total = 0.0
@@ -269,11 +290,16 @@ def _score_trie(model, prompt: list[int], sequences: list[tuple[int, ...]], batc
 
 
 def _rows(model, prefixes: list[list[int]]) -> np.ndarray:
-    rows = np.asarray(model.next_logprobs(prefixes), dtype=np.float64)
+    """The model's rows for ``prefixes``, in its own dtype (only the entries read become Python floats)."""
+    rows = np.asarray(model.next_logprobs(prefixes))
     if rows.shape != (len(prefixes), model.vocab_size):
         raise InputError(f"next_logprobs returned shape {rows.shape} for {len(prefixes)} prefixes; expected "
                          f"({len(prefixes)}, {model.vocab_size})")
-    return check_logits(rows, name="the model's next-token log-probs")
+    # One pass for check_logits' three: a row's maximum is NaN or +inf iff it holds one, and -inf iff it
+    # has no finite entry. Only a failing batch runs the full check, which names the fault.
+    if len(rows) and not np.isfinite(rows.max(axis=1)).all():
+        check_logits(rows, name="the model's next-token log-probs")
+    return rows
 
 
 def _score_strings(model, constraint: Choices, prompt: list[int], eos: int | None, batch_size: int
