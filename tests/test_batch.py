@@ -86,9 +86,9 @@ class BatchedMarkov(MarkovModel):
         super().__init__(*args, **kwargs)
         self.calls: list[int] = []
 
-    def extend_sessions(self, sessions, token_lists):
-        self.calls.append(len(sessions))
-        return [session.extend(tokens) for session, tokens in zip(sessions, token_lists)]
+    def extend_sessions(self, feeds):
+        self.calls.append(len(feeds))
+        return [feed.session.extend(feed.tokens) for feed in feeds]
 
 
 def test_a_batched_target_verifies_every_generation_in_one_call():
@@ -311,9 +311,9 @@ class _TimedTarget:
                 session.extend = timed_extend
                 return session
 
-            def extend_sessions(self, sessions, token_lists):
-                time.sleep(fixed + per_token * sum(len(tokens) for tokens in token_lists))
-                return super().extend_sessions(sessions, token_lists)
+            def extend_sessions(self, feeds):
+                time.sleep(fixed + per_token * sum(len(feed.tokens) for feed in feeds))
+                return super().extend_sessions(feeds)
 
         return Timed(VOCAB, d_model=32, n_layers=2, seed=4)
 

@@ -96,8 +96,8 @@ class GammaController:
     min_gain: float = 1.1            # speculate only if S(γ) beats plain decoding by this factor: the loop's
                                      # own overhead (sampling, verification) is not in the measured costs
     # Running state (not constructor arguments).
-    _pooled: "_Acceptance" = field(default_factory=lambda: _Acceptance(), init=False, repr=False)
-    _by_key: dict = field(default_factory=dict, init=False, repr=False)     # context key -> _Acceptance
+    _pooled: "AcceptanceCounts" = field(default_factory=lambda: AcceptanceCounts(), init=False, repr=False)
+    _by_key: dict = field(default_factory=dict, init=False, repr=False)     # context key -> AcceptanceCounts
     _target_seconds: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # tokens fed -> s
     _draft_seconds_per_token: float | None = field(default=None, init=False, repr=False)
     _catch_up_seconds_per_token: float | None = field(default=None, init=False, repr=False)
@@ -113,11 +113,11 @@ class GammaController:
         if key is not None:
             self._stats(key).observe(proposed, accepted, self.decay)
 
-    def _stats(self, key: Hashable) -> "_Acceptance":
+    def _stats(self, key: Hashable) -> "AcceptanceCounts":
         if key is None:
             return self._pooled
         if key not in self._by_key:
-            self._by_key[key] = _Acceptance()
+            self._by_key[key] = AcceptanceCounts()
         return self._by_key[key]
 
     def observe_target(self, n_tokens: int, seconds: float) -> None:
@@ -291,12 +291,12 @@ class GammaController:
         return best_speedup_if_verification_free(
             lambda j: self.position_acceptance(j, key), self.draft_ratio(), self.max_gamma) >= self.min_gain
 
-    def remembered(self) -> "_Acceptance":
+    def remembered(self) -> "AcceptanceCounts":
         """The pooled acceptance statistics and probe back-off, for a later generation with the same draft
         (:meth:`recall`)."""
         return copy.deepcopy(self._pooled)
 
-    def recall(self, pooled: "_Acceptance", weight: float = 8.0) -> None:
+    def recall(self, pooled: "AcceptanceCounts", weight: float = 8.0) -> None:
         """Start from an earlier generation's pooled statistics (:meth:`remembered`), scaled down to at most
         ``weight`` observations so that this prompt's own evidence soon outweighs them, and with half the
         probe gap it had reached. A draft known to disagree then skips the probes it already failed."""
@@ -439,18 +439,18 @@ class GammaPolicy:
                 self.controller.observe_target(fed, seconds)
             self.controller.observe_acceptance(proposed=proposed, accepted=accepted, key=key)
 
-    def remembered(self) -> "_Acceptance | None":
+    def remembered(self) -> "AcceptanceCounts | None":
         """What a later generation with the same draft may start from (None: nothing to keep)."""
         return self.controller.remembered() if self.timed else None
 
-    def recall(self, remembered: "_Acceptance | None") -> None:
+    def recall(self, remembered: "AcceptanceCounts | None") -> None:
         """Start from what earlier generations with this draft learnt (only when timed)."""
         if remembered is not None and self.timed:
             self.controller.recall(remembered)
 
 
 @dataclass
-class _Acceptance:
+class AcceptanceCounts:
     """Decayed acceptance counts of one situation: pooled (α) and per block position (a_j)."""
 
     accepted: float = 0.0
@@ -472,14 +472,14 @@ class _Acceptance:
             self.tried[j] = decay * self.tried[j] + 1.0
             self.passed[j] = decay * self.passed[j] + (1.0 if j < accepted else 0.0)
 
-    def merged(self, other: "_Acceptance") -> "_Acceptance":
+    def merged(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
         """Both statistics' evidence in one: counts added, then scaled to the larger of the two totals so that
         repeated merges let old evidence fade as decay does; the longer probe gap."""
         tried = [a + b for a, b in zip(_padded(self.tried, other.tried), _padded(other.tried, self.tried))]
         passed = [a + b for a, b in zip(_padded(self.passed, other.passed), _padded(other.passed, self.passed))]
         totals = (self.accepted + self.rejected, other.accepted + other.rejected)
         scale = max(totals) / sum(totals) if sum(totals) > 0 else 1.0
-        return _Acceptance(accepted=(self.accepted + other.accepted) * scale,
+        return AcceptanceCounts(accepted=(self.accepted + other.accepted) * scale,
                            rejected=(self.rejected + other.rejected) * scale,
                            tried=[t * scale for t in tried], passed=[t * scale for t in passed],
                            probe_gap=max(self.probe_gap, other.probe_gap))

@@ -14,7 +14,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .controller import _Acceptance
+    from .controller import AcceptanceCounts
 
 __all__ = ["DraftProfile", "profile_of"]
 
@@ -42,7 +42,7 @@ class DraftProfile:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._timings: tuple[float, float] | None = None
-        self._acceptance: "_Acceptance | None" = None
+        self._acceptance: "AcceptanceCounts | None" = None
         self._version = 0
 
     def timings(self) -> tuple[float, float] | None:
@@ -56,12 +56,12 @@ class DraftProfile:
             else:
                 self._timings = (min(self._timings[0], step_seconds), min(self._timings[1], read_seconds_per_token))
 
-    def acceptance(self) -> "tuple[_Acceptance | None, int]":
+    def acceptance(self) -> "tuple[AcceptanceCounts | None, int]":
         """The stored statistics (never modified once stored: a reader may keep them) and their version."""
         with self._lock:
             return self._acceptance, self._version
 
-    def publish(self, acceptance: "_Acceptance | None", *, since: int) -> None:
+    def publish(self, acceptance: "AcceptanceCounts | None", *, since: int) -> None:
         """Store a generation's statistics; ``since``: the version it recalled when it started."""
         if acceptance is None:
             return

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..models.base import capabilities_of
+from ..models.base import Feed, capabilities_of
 from ..validation import check_int
 from .events import Chunk, DecodingStats, GenerationResult
 from .generation import Decoder
@@ -205,12 +205,9 @@ class Scheduler:
         done: set[int] = set()
         if self.batched and len(batchable) > 1:
             inputs = [decoders[i].target_input(proposals[i]) if i in proposals else [] for i in batchable]
-            sessions = [decoders[i].target for i in batchable]
+            feeds = [Feed(decoders[i].target, tokens, limits[i]) for i, tokens in zip(batchable, inputs)]
             started = time.perf_counter()
-            if feeding:
-                batch = self.target.extend_sessions(sessions, inputs, [limits[i] for i in batchable])
-            else:
-                batch = self.target.extend_sessions(sessions, inputs)
+            batch = self.target.extend_sessions(feeds)
             elapsed = time.perf_counter() - started
             blocks = [j for j, i in enumerate(batchable) if i in proposals]
             fed = [len(inputs[j]) for j in blocks]
