@@ -167,7 +167,7 @@ class RayPool:
                  cpus_per_worker: int | None = None, threads: int | None = None,
                  max_retries: int = DEFAULT_MAX_RETRIES, local: Any = None) -> None:
         try:
-            import ray
+            import ray      # the ray extra, loaded when a pool starts
         except ImportError:
             raise ImportError(ray_install_hint()) from None
         self._ray = ray
