@@ -20,10 +20,10 @@ def reference_target(monkeypatch):
     (any other target loads as usual); returns that target name."""
     import speculum.cli.enumerate as enumerate_cli
 
-    load_target = enumerate_cli._load_target
+    load_target = enumerate_cli.load_target
 
     def load(spec, **options):
         return reference_model() if spec == REFERENCE_TARGET else load_target(spec, **options)
 
-    monkeypatch.setattr(enumerate_cli, "_load_target", load)
+    monkeypatch.setattr(enumerate_cli, "load_target", load)
     return REFERENCE_TARGET

@@ -17,7 +17,7 @@ PATCH_LOADER = (
     f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
     "import speculum.cli.enumerate as enumerate_cli\n"
     "from reference_target import reference_model\n"
-    "enumerate_cli._load_target = lambda spec, **options: reference_model()\n"
+    "enumerate_cli.load_target = lambda spec, **options: reference_model()\n"
 )
 
 

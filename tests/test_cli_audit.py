@@ -37,14 +37,14 @@ def library_model(tiny_dir):
 
 @pytest.fixture(autouse=True)
 def load_once(monkeypatch):
-    load = enumerate_cli._load_target
+    load = enumerate_cli.load_target
 
     def cached(spec, **options):
         if spec not in _LOADED:
             _LOADED[spec] = load(spec, **options)
         return _LOADED[spec]
 
-    monkeypatch.setattr(enumerate_cli, "_load_target", cached)
+    monkeypatch.setattr(enumerate_cli, "load_target", cached)
 
 
 def write(tmp_path, canaries) -> str:
@@ -138,7 +138,7 @@ def test_bad_input_is_one_line_before_the_model_loads(capsys, monkeypatch, tmp_p
     def refuse(spec, **options):
         raise AssertionError("the model loaded before the arguments were checked")
 
-    monkeypatch.setattr(enumerate_cli, "_load_target", refuse)
+    monkeypatch.setattr(enumerate_cli, "load_target", refuse)
     assert main(["audit", *argv, "--target", "any"]) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()

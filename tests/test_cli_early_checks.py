@@ -23,7 +23,7 @@ def refuse_to_load(monkeypatch):
     def refuse(spec, **options):
         raise AssertionError("the model loaded before the arguments were checked")
 
-    monkeypatch.setattr(enumerate_cli, "_load_target", refuse)
+    monkeypatch.setattr(enumerate_cli, "load_target", refuse)
 
 
 def one_line_error(capsys, argv) -> str:

@@ -36,7 +36,7 @@ def test_an_internal_error_keeps_its_traceback(monkeypatch, capsys, error):
     def broken(spec, **options):
         raise error("an internal failure")
 
-    monkeypatch.setattr(enumerate_cli, "_load_target", broken)
+    monkeypatch.setattr(enumerate_cli, "load_target", broken)
     with pytest.raises(error, match="an internal failure"):
         main(ENUMERATE)
     assert "error:" not in capsys.readouterr().err  # not dressed up as a user error
@@ -47,7 +47,7 @@ def test_a_user_error_is_one_line_and_exit_2(monkeypatch, capsys, error):
     def refuse(spec, **options):
         raise error("no such target")
 
-    monkeypatch.setattr(enumerate_cli, "_load_target", refuse)
+    monkeypatch.setattr(enumerate_cli, "load_target", refuse)
     assert main(ENUMERATE) == 2
     assert capsys.readouterr().err == "speculum enumerate: error: no such target\n"
 

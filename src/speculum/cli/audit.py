@@ -174,10 +174,10 @@ def _terminal_bar(make: Callable[..., Callable[[Any], None]]) -> Callable[[Any],
 # -------------------------------------------------------------------------------------------- audit
 def run_audit(args: argparse.Namespace) -> int:
     constraint, canaries, prompt_text = _check(args)
-    target = enumerate_cli._load_target(args.target, verify=args.verify_cache, dtype=args.dtype,
+    target = enumerate_cli.load_target(args.target, verify=args.verify_cache, dtype=args.dtype,
                                         command="audit")
     # No prompt text: an empty prompt, which the index replaces by the model's BOS (or refuses, naming it).
-    prompt = enumerate_cli._encode(target, prompt_text, chat=args.chat, prompt=True) if prompt_text else []
+    prompt = enumerate_cli.encode_text(target, prompt_text, chat=args.chat, prompt=True) if prompt_text else []
     eos = eos_id(target) if args.eos else None
     started = time.perf_counter()
     index = AutoregressiveEnumerable(target, prompt=prompt, constraint=constraint, eos=eos, max_len=args.max_len,
@@ -224,7 +224,7 @@ def _items(args: argparse.Namespace, target: Any, index: Any, canaries: list[str
         return list(canaries)
     items = []
     for text in canaries:
-        tokens = enumerate_cli._encode(target, text, chat=None, prompt=False)
+        tokens = enumerate_cli.encode_text(target, text, chat=None, prompt=False)
         if not tokens:
             raise CLIError(f"canary {text!r} encodes to no tokens")
         tokens = tokens + ([] if eos is None else [eos])

@@ -24,9 +24,12 @@ from typing import Any, Callable
 
 from speculum.cli.checks import CLIError, check_at_least, utf8_text, warn
 from speculum.cli.progress import choices_bar, index_bar
+from speculum.enumeration import AutoregressiveEnumerable, Choices, Regex, estimate_ranks, score_choices
 from speculum.enumeration.automaton import AutomatonBudgetError
+from speculum.enumeration.charfsm import compile_chars
 from speculum.enumeration.exact import IndexBudgetError
 from speculum.enumeration.exposure import DEFAULT_MAX_FORWARDS
+from speculum.enumeration.rescored import DEFAULT_RERANK_WINDOW
 from speculum.validation import InputError
 
 __all__ = ["add_enumerate_arguments", "add_rank_arguments", "check_enumerate", "check_rank", "parse_regex",
@@ -92,10 +95,9 @@ def check_enumerate(args: argparse.Namespace) -> Any:
                        f"(--max-len caps the tokens with --regex)")
     if args.draft.strip().lower() != "none":
         raise CLIError(f"{flag} needs --draft none: constrained enumeration runs the exact index on the target")
-    from speculum.cli.enumerate import DEFAULT_WINDOW
 
     ignored = [name for name, used in (("--certify", args.certify), ("--assumed-gap", args.assumed_gap is not None),
-                                        ("--window", args.window != DEFAULT_WINDOW), ("--seed", args.seed != 0)) if used]
+                                        ("--window", args.window != DEFAULT_RERANK_WINDOW), ("--seed", args.seed != 0)) if used]
     for name in ignored:
         warn("enumerate", f"{name} has no effect with {flag} (the exact index needs no draft)")
     if args.regex is not None:
@@ -104,7 +106,6 @@ def check_enumerate(args: argparse.Namespace) -> Any:
         return parse_regex(args.regex, "enumerate", eos=args.eos)
     if args.max_len is not None:
         raise CLIError("--max-len does not go with --choices-file")
-    from speculum.enumeration import Choices
 
     try:
         return Choices(tuple(read_lines(args.choices_file, "--choices-file", "enumerate")))
@@ -131,8 +132,6 @@ def parse_regex(pattern: str, command: str, *, eos: bool) -> Any:
     """``Regex(pattern)``, checked without a model: its syntax, what constraints support, the size of its
     automaton over characters, that it matches some string and, without ``--eos``, that some member is not
     empty and none is a proper prefix of another. CLIError naming ``--regex`` and the reason otherwise."""
-    from speculum.enumeration import Regex
-    from speculum.enumeration.charfsm import compile_chars
 
     pattern = utf8_text(pattern, "--regex", command)
     if not pattern:
@@ -223,7 +222,6 @@ def _print_json(data: dict) -> None:
 # ---------------------------------------------------------------------------------- enumerate --regex
 def enumerate_format(args: argparse.Namespace, target: Any, prompt: list[int], eos: int | None, regex: Any) -> int:
     """The top-K members of the format, exact, and a footer with its size and mass bracket."""
-    from speculum.enumeration import AutoregressiveEnumerable
 
     started = time.perf_counter()
     index = AutoregressiveEnumerable(target, prompt=prompt, constraint=regex, eos=eos, max_len=args.max_len,
@@ -274,7 +272,6 @@ def enumerate_format(args: argparse.Namespace, target: Any, prompt: list[int], e
 def enumerate_choices(args: argparse.Namespace, target: Any, prompt: list[int], eos: int | None,
                       choices: Any) -> int:
     """Every choice (or the top ``--top-k``) by rank: exact log-prob and probability normalised over the set."""
-    from speculum.enumeration import score_choices
 
     started = time.perf_counter()
     # Every tokenization is scored through an index, not the label trie: the bar follows the trie only.
@@ -304,7 +301,6 @@ def enumerate_choices(args: argparse.Namespace, target: Any, prompt: list[int], 
 def rank_format(args: argparse.Namespace, target: Any, prompt: list[int], texts: list[str], regex: Any,
                 encode: Callable[[str], list[int]]) -> int:
     """Rank and exposure of each text among the members of the format, on one shared index."""
-    from speculum.enumeration import AutoregressiveEnumerable, estimate_ranks
 
     eos = eos_id(target) if args.eos else None
     if args.strings:

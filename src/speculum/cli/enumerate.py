@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import importlib
 import json
 import math
 import os
@@ -23,11 +24,16 @@ from speculum.cli import constrained
 from speculum.cli.checks import CLIError, check_at_least, check_draft, utf8_text
 from speculum.cli.generate import add_cache_argument, add_dtype_argument, load_hf_target
 from speculum.cli.progress import index_bar
+from speculum.distributed.ray_pool import ClusterUnreachableError, ModelSpec, RayPool, check_address, ray_install_hint
+from speculum.drafts import ENUMERATION_DRAFTS, is_embedded_model, make_enumeration_draft
+from speculum.enumeration import AutoregressiveEnumerable, RescoredIndex
 from speculum.enumeration.exact import DEFAULT_MAX_NODES
+from speculum.enumeration.exposure import estimate_rank
+from speculum.enumeration.rescored import DEFAULT_RERANK_WINDOW
 from speculum.validation import InputError
 
 DEFAULT_TARGET = "smollm2-135m"
-DEFAULT_WINDOW = 64
+DEFAULT_WINDOW = DEFAULT_RERANK_WINDOW
 
 
 def register(subparsers: Any) -> None:
@@ -102,15 +108,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _load_target(spec: str, *, verify: bool = False, dtype: str | None = None, command: str = "enumerate") -> Any:
+def load_target(spec: str, *, verify: bool = False, dtype: str | None = None, command: str = "enumerate") -> Any:
     """The ``--target`` model (tests replace this function to run on a tiny reference model)."""
     return load_hf_target(spec, command=command, dtype=dtype, verify=verify)
 
 
 def _worker_spec(args: argparse.Namespace) -> Any:
     """What each Ray actor loads for ``--target`` (tests replace this function with a reference model's
-    factory, as they replace ``_load_target``)."""
-    from speculum.distributed.ray_pool import ModelSpec
+    factory, as they replace ``load_target``)."""
 
     return ModelSpec(args.target)
 
@@ -126,17 +131,12 @@ def _check_workers(args: argparse.Namespace) -> None:
         # The local cluster has one Ray CPU per core, and each worker takes at least one.
         raise CLIError(f"--workers {args.workers}: at most {cpus} on this machine (one per CPU of the local Ray "
                        f"cluster); give --ray-address to run more on a cluster")
-    import importlib
 
     try:
         importlib.import_module("ray")              # said before any model loads
     except ImportError:
-        from speculum.distributed.ray_pool import ray_install_hint
-
         raise CLIError(f"--workers needs Ray. {ray_install_hint()}") from None
     if args.ray_address is not None:
-        from speculum.distributed.ray_pool import ClusterUnreachableError, check_address
-
         try:
             check_address(args.ray_address)
         except (ClusterUnreachableError, InputError) as exc:
@@ -148,7 +148,6 @@ def _on_workers(args: argparse.Namespace, target: Any) -> Any:
     target stays the pool's local copy: tokenizer, sessions)."""
     if args.workers is None and args.ray_address is None:
         return target
-    from speculum.distributed.ray_pool import ClusterUnreachableError, RayPool
 
     try:
         pool = RayPool(_worker_spec(args), args.workers or 1, address=args.ray_address, local=target)
@@ -158,7 +157,7 @@ def _on_workers(args: argparse.Namespace, target: Any) -> Any:
     return pool
 
 
-def _encode(model: Any, text: str, *, chat: bool | None, prompt: bool) -> list[int]:
+def encode_text(model: Any, text: str, *, chat: bool | None, prompt: bool) -> list[int]:
     if getattr(model, "tokenizer", None) is None:
         try:
             return [int(t) for t in text.split()]
@@ -179,7 +178,6 @@ def _text(model: Any, tokens) -> str:
 
 def _check_enumeration_draft(spec: str) -> None:
     """``--draft`` of ``enumerate``, checked without loading: a draft *model* (never fixed proposals)."""
-    from speculum.drafts import ENUMERATION_DRAFTS, is_embedded_model
 
     kind = spec.strip().lower()
     if kind == "lookup":
@@ -197,9 +195,6 @@ def _check_enumeration_draft(spec: str) -> None:
 
 # ---------------------------------------------------------------------------------------- enumerate
 def run_enumerate(args: argparse.Namespace) -> int:
-    from speculum.enumeration import AutoregressiveEnumerable, RescoredIndex
-    from speculum.drafts import make_enumeration_draft
-
     for name in ("length", "max_len", "top_k", "max_window", "max_nodes"):
         check_at_least(getattr(args, name), 1, f"--{name.replace('_', '-')}")
     check_at_least(args.window, 0, "--window")
@@ -213,9 +208,9 @@ def run_enumerate(args: argparse.Namespace) -> int:
         raise CLIError("--max-len goes with --eos or --regex (use --length for fixed-length continuations)")
     _check_workers(args)
     prompt_text = utf8_text(args.prompt, "prompt", "enumerate")
-    target = _on_workers(args, _load_target(args.target, verify=args.verify_cache, dtype=args.dtype,
+    target = _on_workers(args, load_target(args.target, verify=args.verify_cache, dtype=args.dtype,
                                                   command=args.command))
-    prompt = _encode(target, prompt_text, chat=args.chat, prompt=True)
+    prompt = encode_text(target, prompt_text, chat=args.chat, prompt=True)
     eos = constrained.eos_id(target) if args.eos else None
     if args.regex is not None:
         return constrained.enumerate_format(args, target, prompt, eos, constraint)
@@ -270,12 +265,12 @@ def run_rank(args: argparse.Namespace) -> int:
     else:
         texts = constrained.read_lines(args.file, "--file", "rank")
     _check_workers(args)
-    target = _on_workers(args, _load_target(args.target, verify=args.verify_cache, dtype=args.dtype,
+    target = _on_workers(args, load_target(args.target, verify=args.verify_cache, dtype=args.dtype,
                                                   command=args.command))
-    prompt = _encode(target, prompt_text, chat=args.chat, prompt=True)
+    prompt = encode_text(target, prompt_text, chat=args.chat, prompt=True)
     if regex is not None:
         return constrained.rank_format(args, target, prompt, texts, regex,
-                                       lambda text: _encode(target, text, chat=None, prompt=False))
+                                       lambda text: encode_text(target, text, chat=None, prompt=False))
     reports = [_rank_one(args, target, prompt, text) for text in texts]
     if args.json:
         print(json.dumps(reports[0] if args.text is not None else {"prompt": args.prompt, "items": reports}))
@@ -294,9 +289,8 @@ def run_rank(args: argparse.Namespace) -> int:
 
 def _rank_one(args: argparse.Namespace, target: Any, prompt: list[int], text: str) -> dict:
     """One continuation's rank among all continuations of its token length, as the JSON fields."""
-    from speculum.enumeration.exposure import estimate_rank
 
-    continuation = _encode(target, text, chat=None, prompt=False)
+    continuation = encode_text(target, text, chat=None, prompt=False)
     if not continuation:
         raise CLIError("--text encodes to no tokens" if args.text is not None else f"{text!r} encodes to no tokens")
     started = time.perf_counter()

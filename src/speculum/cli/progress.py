@@ -52,8 +52,6 @@ def choices_bar(**tqdm_kwargs: Any) -> Callable[[Any], None]:
     def update(event: Any) -> None:
         nonlocal bar
         if bar is None:
-            from tqdm.auto import tqdm
-
             bar = tqdm(total=event.total, unit="prefix", desc="scoring choices", **tqdm_kwargs)
         bar.update(event.forwards - bar.n)
         if event.forwards >= event.total:

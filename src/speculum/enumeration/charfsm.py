@@ -23,7 +23,10 @@ import unicodedata
 from collections import deque
 from functools import lru_cache
 
+import interegular
+import interegular.fsm as interegular_fsm
 import numpy as np
+from interegular.fsm import FSM, OblivionError, anything_else
 
 from ..validation import InputError
 
@@ -53,7 +56,6 @@ class _PatternError(Exception):
 @lru_cache(maxsize=64)
 def _compile(pattern: str, max_states: int) -> "CharAutomaton":
     # Cached: the command line checks a pattern before the model loads and the index compiles it again.
-    interegular = _interegular()
     _refuse_unsupported(pattern)
     try:
         parsed = interegular.parse_pattern(_translate_escapes(pattern))
@@ -68,14 +70,6 @@ def _compile(pattern: str, max_states: int) -> "CharAutomaton":
             reason = f"unsupported: {reason}"
         raise _PatternError(reason) from None
     return CharAutomaton(fsm)
-
-
-def _interegular():
-    try:
-        import interegular
-    except ImportError as exc:  # pragma: no cover - a core dependency
-        raise ImportError("constraints need interegular: pip install 'interegular>=0.3.3'") from exc
-    return interegular
 
 
 # ------------------------------------------------------------------------------------ pattern checks
@@ -104,9 +98,9 @@ def _refuse_unsupported(pattern: str) -> None:
     except re.error as exc:
         raise _PatternError(str(exc)) from None
     try:
-        import re._parser as sre_parse          # Python >= 3.11
+        import re._parser as sre_parse  # Python >= 3.11
     except ImportError:                         # pragma: no cover - Python 3.10
-        import sre_parse                        # type: ignore[no-redef]
+        import sre_parse  # type: ignore[no-redef]
     parsed = sre_parse.parse(pattern)
 
     def walk(node, opcodes: tuple[str, ...]) -> bool:
@@ -172,12 +166,10 @@ class _BudgetedCrawl:
         self.limit = limit
 
     def __enter__(self) -> "_BudgetedCrawl":
-        import interegular.fsm as fsm_module
-
         self._lock.acquire()
-        self._module, self._original = fsm_module, fsm_module.crawl
+        self._module, self._original = interegular_fsm, interegular_fsm.crawl
         self.limit_here.value = self.limit
-        fsm_module.crawl = _crawl
+        interegular_fsm.crawl = _crawl
         return self
 
     def __exit__(self, *exc) -> None:
@@ -197,8 +189,6 @@ def _state_key(state):
 
 def _crawl(alphabet, initial, final, follow):
     """``interegular.fsm.crawl`` with a hash table of the states seen and a limit on their number."""
-    from interegular.fsm import FSM, OblivionError
-
     limit = _BudgetedCrawl.limit_here.value
     states, index = [initial], {_state_key(initial): 0}
     finals, transitions = set(), {}
@@ -234,8 +224,6 @@ class CharAutomaton:
     characters the pattern does not name share one class (``other``, -1 when the pattern allows none)."""
 
     def __init__(self, fsm) -> None:
-        from interegular.fsm import anything_else
-
         states = sorted(fsm.states)
         number = {state: i for i, state in enumerate(states)}
         symbols = sorted(fsm.alphabet.by_transition)

@@ -14,10 +14,13 @@ Example:
 """
 from __future__ import annotations
 
+import importlib
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from ..models.vocabulary import token_bytes
 from ..validation import InputError, check_int
 from .automaton import MAX_TOKEN_MOVES, MAX_TOKEN_STATES, TokenAutomaton
 from .charfsm import MAX_CHAR_STATES, compile_chars
@@ -46,15 +49,11 @@ class _Constraint:
         ``max_states`` / ``max_moves``: its budget (:class:`~speculum.enumeration.automaton.TokenAutomaton`).
         Raises ``InputError`` for an invalid pattern, an empty language, or one no token sequence spells."""
         if self.vocabulary is not None:
-            from ..models.vocabulary import token_bytes
-
             size = vocab_size if vocab_size is not None else (model.vocab_size if model is not None else len(self.vocabulary))
             pieces = token_bytes(_Sized(int(size)), vocabulary=self.vocabulary)
         else:
             if model is None:
                 raise InputError("compiling a constraint needs a model (its tokenizer) or vocabulary=[...]")
-            from ..models.vocabulary import token_bytes
-
             pieces = token_bytes(model)
         return TokenAutomaton.build(self.regex(), pieces, exclude=exclude, description=self.describe(),
                                     max_char_states=self.char_budget(), max_states=max_states, max_moves=max_moves)
@@ -154,11 +153,12 @@ class Choices(_Constraint):
         object.__setattr__(self, "vocabulary", _check_vocabulary(self.vocabulary))
 
     def score(self, model: Any, **options: Any):
-        """Every choice's exact log-prob, rank, the set's mass and distribution, through one shared prefix
-        trie: ``score_choices(model, self, **options)`` (see :mod:`speculum.enumeration.labels`)."""
-        from .labels import score_choices
-
-        return score_choices(model, self, **options)
+        """Deprecated: call ``score_choices(model, choices, **options)`` (:mod:`speculum.enumeration.labels`);
+        a label set is a value, scored by the algorithms above it. Kept for one release."""
+        warnings.warn("Choices.score is deprecated: use speculum.enumeration.score_choices(model, choices)",
+                      DeprecationWarning, stacklevel=2)
+        # The labels module sits above this one: reached on first use, so constraints never import it.
+        return importlib.import_module("speculum.enumeration.labels").score_choices(model, self, **options)
 
     def char_budget(self) -> int:
         # The automaton of a label set is the trie of its labels: never more states than characters, plus one.

@@ -148,6 +148,12 @@ class AutoregressiveEnumerable(SupportAttributes):
     def capped(self) -> bool:
         return self._index.capped
 
+    @property
+    def queries(self):
+        """What answers the queries: the :class:`SeekIndex` over token sequences, or in string mode the
+        :class:`~speculum.enumeration.strings.StringIndex` over it."""
+        return self._queries
+
     def top_k(self, k: int) -> list[tuple[tuple[int, ...], float]]:
         """The ``k`` most probable continuations with exact log-probs, descending. Exact."""
         return self._queries.top_k(k)

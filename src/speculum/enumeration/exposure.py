@@ -228,9 +228,9 @@ def _rank_one(index, seek, item, *, strings: bool, size, max_forwards: int, meth
     if strings:
         if not isinstance(item, str):
             raise InputError(f"in string mode an item is text, got {type(item).__name__}")
-        log_prob = index._queries.log_prob(item)
-        length = len(index._queries.tokenizations(item)[0])
-        budget = log_prob - index._queries.log_max_tokenizations
+        log_prob = index.queries.log_prob(item)
+        length = len(index.queries.tokenizations(item)[0])
+        budget = log_prob - index.queries.log_max_tokenizations
     else:
         if isinstance(item, str):
             raise InputError("in token mode an item is a sequence of token ids (encode the text first, or pass "
@@ -245,8 +245,8 @@ def _rank_one(index, seek, item, *, strings: bool, size, max_forwards: int, meth
     # forward budget is spent.
     while seek.certified_logprob > budget and not seek.tree.exhausted and seek.forwards < max_forwards:
         built = -seek.tree.budget / math.log(2.0) if math.isfinite(seek.tree.budget) else 0.0
-        target = max(budget, -(built + max(1.0, seek._work_step_bits(max(built, 1.0)))) * math.log(2.0))
-        seek._extend(target)
+        target = max(budget, -(built + max(1.0, seek.work_step_bits(max(built, 1.0)))) * math.log(2.0))
+        seek.extend_to(target)
     common = dict(log_prob=log_prob, length=length, vocab_size=seek.vocab_size, space_size=size, item=item)
     if seek.certified_logprob <= budget or seek.tree.exhausted:
         rank = index.rank(item)
@@ -281,7 +281,7 @@ def _rank_bracket(index, seek, item, log_prob: float, *, strings: bool) -> tuple
         lps = np.concatenate([tree.levels[d].logprob[ids] for d, ids in leaves])
         above = int(np.count_nonzero(lps > log_prob))
         maybe = int(np.count_nonzero(lps >= log_prob))
-        if seek._find(tuple(item)) is not None:
+        if seek.find(tuple(item)) is not None:
             maybe -= 1                      # the item itself
         else:
             unseen -= p_item                # its own mass is among the unseen

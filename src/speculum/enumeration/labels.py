@@ -35,8 +35,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..models.base import as_model, check_logits, check_prompt, check_token_id, check_token_ids
+from ..models.vocabulary import token_bytes
 from ..validation import InputError, check_int
 from .constraint import Choices
+from .exact import AutoregressiveEnumerable
+from .strings import StringIndex
 
 __all__ = ["ChoiceScores", "ScoringProgress", "score_choices"]
 
@@ -201,10 +204,6 @@ def _tokenizer(model, constraint: Choices, tokenize, eos: int | None
     except AttributeError:                       # a protocol model need not carry a tokenizer
         tokenizer = None
     if tokenizer is not None:
-        from ..models.llamacpp import LlamaCppTokenizer
-
-        if isinstance(tokenizer, LlamaCppTokenizer):
-            return lambda texts: [tokenizer.encode(text, add_special_tokens=False) for text in texts]
         # One batched call: a fast tokenizer's per-call overhead dominates on short labels.
         return lambda texts: tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     if constraint.vocabulary is not None:
@@ -219,8 +218,6 @@ class _VocabularySpeller:
     same text the lowest id is used; ``exclude`` (the eos) is never used."""
 
     def __init__(self, model, vocabulary, *, exclude: int | None) -> None:
-        from ..models.vocabulary import token_bytes
-
         self.by_bytes: dict[bytes, int] = {}
         for token, piece in enumerate(token_bytes(model, vocabulary=vocabulary)):
             if piece and token != exclude:
@@ -305,9 +302,6 @@ def _rows(model, prefixes: list[list[int]]) -> np.ndarray:
 def _score_strings(model, constraint: Choices, prompt: list[int], eos: int | None, batch_size: int
                    ) -> ChoiceScores:
     """Each choice's exact string probability: the sum over every token sequence that spells it."""
-    from .exact import AutoregressiveEnumerable
-    from .strings import StringIndex
-
     enumerable = AutoregressiveEnumerable(model, prompt=prompt, constraint=constraint, eos=eos,
                                           batch_size=batch_size)
     strings = StringIndex(enumerable.seek_index())

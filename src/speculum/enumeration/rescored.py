@@ -34,6 +34,7 @@ from .index import EnumerationIndex, ScoringIndex
 
 __all__ = ["RescoredIndex", "certify_slice", "DEFAULT_MAX_WINDOW"]
 
+DEFAULT_RERANK_WINDOW = 64
 DEFAULT_MAX_WINDOW = 4096
 # Certificate reasons (the "reason" key of every query result).
 REASON_BOUND = "the window edge bound is cleared"
@@ -193,7 +194,7 @@ class RescoredIndex:
         draft_index: Any,
         target: Any,
         *,
-        rerank_window: int = 64,
+        rerank_window: int = DEFAULT_RERANK_WINDOW,
         assumed_gap: float | None = None,
         certify: bool = False,
         max_window: int = DEFAULT_MAX_WINDOW,

@@ -411,7 +411,7 @@ def _mixture(model_lp: np.ndarray, uniform_lp: np.ndarray, n_model: int, n_unifo
 
 def _string_laws(walk: _Walk, index: Any, sequences, target, model_lp, uniform_lp):
     """Each draw's string and its laws summed over every tokenization (the undrawn ones forwarded once)."""
-    strings = index._queries            # the index's StringIndex: every tokenization of a member
+    strings = index.queries            # the index's StringIndex: every tokenization of a member
     pieces, eos = walk.automaton.token_bytes, walk.eos
     known = {seq: (t, m, u) for seq, t, m, u in zip(sequences, target.tolist(), model_lp.tolist(),
                                                      uniform_lp.tolist())}

@@ -121,7 +121,7 @@ class SeekIndex(SupportAttributes):
         self.index = BucketIndex(self.leaf_lp, width_bits=self.width_bits)
         self._bands: dict[int, np.ndarray] = {}
 
-    def _extend(self, budget: float, *, expected: float | None = None) -> None:
+    def extend_to(self, budget: float, *, expected: float | None = None) -> None:
         before = (-self.tree.budget / _LN2 if math.isfinite(self.tree.budget) else 0.0, self.tree.forwards)
         self.tree.extend(budget, expected=expected)
         self._last_deepening = before
@@ -146,7 +146,7 @@ class SeekIndex(SupportAttributes):
         total = self._support_sequences()
         return total is not None and count > total
 
-    def _grow_to_count(self, needed: int) -> None:
+    def grow_to_count(self, needed: int) -> None:
         """Deepen until at least ``needed`` sequences are certified, or the support is exhausted.
 
         Forwards are what a query costs, and the fewest that can certify the top ``needed`` are the prefixes
@@ -160,7 +160,7 @@ class SeekIndex(SupportAttributes):
         overshoot supplies the last leaves and step (1) finishes.
 
         Every step is also capped so that the forwards it predicts at most double the forwards so far, or
-        add one batch (``_work_step_bits``): when leaves are rare (deep eos-terminated supports) the leaf extrapolation
+        add one batch (``work_step_bits``): when leaves are rare (deep eos-terminated supports) the leaf extrapolation
         knows nothing, and a step of many bits would expand exponentially more prefixes than the answer
         needs. With the cap, the forwards of the last step are at most about twice those that certify the
         answer (plus a batch), and all earlier steps together at most as many again (a doubling argument).
@@ -185,7 +185,7 @@ class SeekIndex(SupportAttributes):
                 self._deepen(0.5 * math.log2(needed) + 2.0, expected=sufficient)
                 continue
             built = -self.tree.budget / _LN2
-            cap = self._work_step_bits(built)
+            cap = self.work_step_bits(built)
             # Growth rate (count doublings per bit) from the origin (1 sequence at 0 bits) to here.
             rate = max(math.log2(max(have, 2)) / max(built, 1e-9), 0.05)
             # With a sufficient budget in reach, step to it; beyond the cap, creep towards it (below),
@@ -198,7 +198,7 @@ class SeekIndex(SupportAttributes):
                 if have > 0 and guess * _LN2 < -sufficient:
                     self._deepen(guess, expected=sufficient)
                 else:
-                    self._extend(sufficient)       # the exact log-prob: no round trip through bits
+                    self.extend_to(sufficient)       # the exact log-prob: no round trip through bits
                 continue
             step = math.log2(0.8 * needed / max(have, 1)) / rate
             bits = built + min(max(step, 0.25), cap)
@@ -214,7 +214,7 @@ class SeekIndex(SupportAttributes):
                 expected = -min(built + reach, bits + cap) * _LN2
             self._deepen(bits, expected=expected)
 
-    def _work_step_bits(self, built: float) -> float:
+    def work_step_bits(self, built: float) -> float:
         """Largest deepening (bits) past ``built`` whose forwards are predicted to at most double those so far,
         or to add one batch (``batch_size`` prefixes cost about one batched call, little more than a few).
 
@@ -232,7 +232,7 @@ class SeekIndex(SupportAttributes):
 
     def _deepen(self, bits: float, *, expected: float | None = None) -> None:
         """Extend the tree to ``bits`` of information (the whole support past 2000 bits) and re-index."""
-        self._extend(-math.inf if bits >= 2000.0 else -bits * _LN2, expected=expected)
+        self.extend_to(-math.inf if bits >= 2000.0 else -bits * _LN2, expected=expected)
 
     def _stored_budget(self, needed: int) -> float | None:
         """A budget that certainly certifies ``needed`` sequences, or None: the ``needed``-th largest log-prob
@@ -265,12 +265,12 @@ class SeekIndex(SupportAttributes):
         found = found[np.isfinite(found)]
         self._beam = found - 1e-6 * (1.0 + np.abs(found))
 
-    def _grow_to_logprob(self, logprob: float) -> None:
+    def grow_to_logprob(self, logprob: float) -> None:
         if logprob < self.certified_logprob and not self.tree.exhausted:
-            self._extend(logprob)
+            self.extend_to(logprob)
 
     # ------------------------------------------------------------------------------------------ bands
-    def _tokens(self, ids: np.ndarray) -> np.ndarray:
+    def tokens_of(self, ids: np.ndarray) -> np.ndarray:
         """``(len(ids), max length)`` token matrix of certified sequences, padded with -1 after the end."""
         width = int(self.leaf_level[ids].max()) if len(ids) else 0
         out = np.full((len(ids), width), -1, dtype=np.int64)
@@ -293,14 +293,14 @@ class SeekIndex(SupportAttributes):
                     f"{len(ids)} sequences lie within {self.width_bits:g} bits of the answer, more than "
                     f"max_band={self.max_band} can sort exactly; raise max_band or use the approximate "
                     "index speculum.enumeration.AREnvelopeIndex")
-            tokens = self._tokens(ids)
+            tokens = self.tokens_of(ids)
             # -1 padding sorts a sequence before its own extensions, as Python tuple order does.
             order = np.lexsort([*tokens.T[::-1], -self.leaf_lp[ids]])
             cached = self._bands[band] = ids[order]
         return cached
 
     def _item(self, sid: int) -> tuple[tuple[int, ...], float]:
-        tokens = self._tokens(np.array([sid]))[0]
+        tokens = self.tokens_of(np.array([sid]))[0]
         return tuple(int(t) for t in tokens if t >= 0), float(self.leaf_lp[sid])
 
     def _raise_beyond(self, rank: int) -> None:
@@ -316,7 +316,7 @@ class SeekIndex(SupportAttributes):
         i = check_int(i, "i", minimum=0)
         if self._beyond_support(i + 1):
             self._raise_beyond(i)
-        self._grow_to_count(i + 1)
+        self.grow_to_count(i + 1)
         if i >= self.index.total:
             self._raise_beyond(i)
         band, offset = self.index.locate(i)
@@ -328,7 +328,7 @@ class SeekIndex(SupportAttributes):
         k = check_int(k, "k", minimum=0)
         if k == 0 or self._beyond_support(start + 1):
             return []
-        self._grow_to_count(start + k)
+        self.grow_to_count(start + k)
         end = min(start + k, self.index.total)
         out = []
         rank = start
@@ -351,7 +351,7 @@ class SeekIndex(SupportAttributes):
         """Number of support sequences with ``log p >= min_log_prob``. Exact (on the capped sub-support
         when ``capped``; ``count_bracket`` bounds the rest)."""
         min_log_prob = check_logprob(min_log_prob)
-        self._grow_to_logprob(min_log_prob)
+        self.grow_to_logprob(min_log_prob)
         band, present = self.index.band_of(min_log_prob)
         inside = 0
         if present:
@@ -380,7 +380,7 @@ class SeekIndex(SupportAttributes):
         rounding of ``exp`` — the limit of ever finer quantisation — plus, when ``capped``, the mass
         ``branch_cap`` dropped above the threshold (added to ``hi``)."""
         min_log_prob = check_logprob(min_log_prob)
-        self._grow_to_logprob(min_log_prob)
+        self.grow_to_logprob(min_log_prob)
         total = math.fsum(np.exp(self.leaf_lp[self.leaf_lp >= min_log_prob]).tolist())
         lo = total * (1.0 - _MASS_ROUNDING)
         hi = total * (1.0 + _MASS_ROUNDING) + self._capped_mass_above(min_log_prob)
@@ -409,10 +409,10 @@ class SeekIndex(SupportAttributes):
             if hi - lo <= tolerance * hi or self.tree.exhausted or spent:
                 return lo, hi
             built = -self.tree.budget / _LN2 if math.isfinite(self.tree.budget) else 0.0
-            self._deepen(built + max(1.0, self._work_step_bits(max(built, 1.0))))
+            self._deepen(built + max(1.0, self.work_step_bits(max(built, 1.0))))
 
     # ------------------------------------------------------------------------------------------- rank
-    def _find(self, seq: tuple[int, ...]) -> tuple[int, float] | None:
+    def find(self, seq: tuple[int, ...]) -> tuple[int, float] | None:
         """``(node, log-prob)`` of ``seq``'s leaf in the stored tree, or None if it is not stored."""
         node = 0
         for depth, token in enumerate(seq, start=1):
@@ -432,9 +432,9 @@ class SeekIndex(SupportAttributes):
         Raises ``ValueError`` for a sequence off the support (wrong length / eos, zero probability, or
         outside the capped sub-support)."""
         seq = self.support.check(seq, self.vocab_size)
-        found = self._find(seq)
+        found = self.find(seq)
         if found is not None and found[1] < self.certified_logprob:
-            self._grow_to_logprob(found[1])    # stored past the budget: certify down to it
+            self.grow_to_logprob(found[1])    # stored past the budget: certify down to it
         elif found is None:
             # Probe its log-prob (one batched call over its prefixes) to know how deep to build.
             prefixes = [list(self.prompt) + list(seq[:j]) for j in range(len(seq))]
@@ -444,8 +444,8 @@ class SeekIndex(SupportAttributes):
             if not math.isfinite(probe):
                 raise InputError("sequence is off the support: it has probability zero")
             # Backends may differ in the last bits between batch compositions: build a little deeper.
-            self._grow_to_logprob(probe - 1e-6 * (1.0 + abs(probe)))
-            found = self._find(seq)
+            self.grow_to_logprob(probe - 1e-6 * (1.0 + abs(probe)))
+            found = self.find(seq)
             if found is None:
                 raise InputError(f"sequence is outside the capped sub-support (branch_cap={self.branch_cap})")
         node, logprob = found

@@ -37,7 +37,7 @@ import numpy as np
 from ..models.base import capabilities_of, map_calls
 from ..validation import InputError, check_int, check_optional_int
 from .support import Support
-from .tree import _MAX_UNBOUNDED_DEPTH, _loose_step_floor, checked_dense_rows, checked_sparse_rows
+from .tree import MAX_UNBOUNDED_DEPTH, loose_step_floor, checked_dense_rows, checked_sparse_rows
 
 __all__ = ["ranked_stream", "StreamProgress", "DEFAULT_STREAM_ITEMS", "DEFAULT_STREAM_WINDOW"]
 
@@ -261,7 +261,7 @@ class _Walker:
         the children a higher bound keeps) and which rows are read sparse, as the tree reads them."""
         prefixes = [self.prompt + row[:n] for row, n in zip(tokens.tolist(), length.tolist())]
         forces_eos = np.array([self.support.forces_eos(d) for d in length.tolist()], dtype=bool)
-        step_floor = _loose_step_floor(parent_lp, bound)
+        step_floor = loose_step_floor(parent_lp, bound)
         sparse = ~forces_eos if self.sparse else np.zeros(len(prefixes), dtype=bool)
         return prefixes, forces_eos, step_floor, sparse
 
@@ -321,8 +321,8 @@ class _Walker:
             leaf[at] = self.support.is_complete(d, tok[at], None if child_states is None else child_states[at])
             grows[at] = self.support.expandable(d)
         grows &= ~leaf
-        if grows.any() and int(depth[grows].max()) > _MAX_UNBOUNDED_DEPTH:
-            raise InputError(f"the stream passed depth {_MAX_UNBOUNDED_DEPTH} without terminating; "
+        if grows.any() and int(depth[grows].max()) > MAX_UNBOUNDED_DEPTH:
+            raise InputError(f"the stream passed depth {MAX_UNBOUNDED_DEPTH} without terminating; "
                              "pass max_len to cap the length of a terminating model")
         if leaf.any():
             rows = _pad(tokens[r[leaf]], int(depth[leaf].max()))     # a copy: fancy indexing

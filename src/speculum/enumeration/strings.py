@@ -184,7 +184,7 @@ class StringIndex(SupportAttributes):
         """``{string: (log of its certified tokenizations' mass, how many)}`` and the certified budget."""
         index = self.token_index
         ids = np.arange(len(index.leaf_lp))
-        tokens = index._tokens(ids) if len(ids) else np.zeros((0, 0), dtype=np.int64)
+        tokens = index.tokens_of(ids) if len(ids) else np.zeros((0, 0), dtype=np.int64)
         eos = self.support.eos
         mass: dict[bytes, list[float]] = {}
         pieces = self.automaton.token_bytes
@@ -216,14 +216,14 @@ class StringIndex(SupportAttributes):
         if index.tree.exhausted:
             return False
         if target is None or target >= index.certified_logprob:
-            index._grow_to_count(2 * len(index.leaf_lp) + 1)
+            index.grow_to_count(2 * len(index.leaf_lp) + 1)
         else:
-            index._grow_to_logprob(target)
+            index.grow_to_logprob(target)
         return True
 
     def _top(self, needed: int) -> list[tuple[bytes, float]]:
         """The ``needed`` most probable strings (fewer when the language has fewer), exactly ordered."""
-        self.token_index._grow_to_count(needed)
+        self.token_index.grow_to_count(needed)
         while True:
             groups, tau = self._groups()
             # A scored string counts at its exact score, the value its contention is judged by: a float32

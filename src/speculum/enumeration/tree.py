@@ -38,7 +38,7 @@ DEFAULT_MAX_NODES = 20_000_000
 _LN2 = math.log(2.0)
 # Terminating models without ``max_len`` are bounded by the budget alone; a model that can loop with
 # probability 1 (a step of log-prob exactly 0 forever) would never stop, so a generous depth guard remains.
-_MAX_UNBOUNDED_DEPTH = 100_000
+MAX_UNBOUNDED_DEPTH = 100_000
 
 
 class IndexBudgetError(MemoryError):
@@ -227,8 +227,8 @@ class PrefixTree:
             floor = expected
         depth = 0
         while depth < len(self.levels):
-            if depth > _MAX_UNBOUNDED_DEPTH:
-                raise InputError(f"the prefix tree passed depth {_MAX_UNBOUNDED_DEPTH} without terminating; "
+            if depth > MAX_UNBOUNDED_DEPTH:
+                raise InputError(f"the prefix tree passed depth {MAX_UNBOUNDED_DEPTH} without terminating; "
                                  "pass max_len to cap the length of a terminating model")
             todo = np.flatnonzero(self._pending(depth, budget))
             chunks = [todo[start:start + self.batch_size] for start in range(0, len(todo), self.batch_size)]
@@ -274,7 +274,7 @@ class PrefixTree:
         prefixes = [self._prefixes(depth, nodes) for nodes in chunks]
         if self._sparse_level(depth):
             logprob = self.levels[depth].logprob
-            calls = [(p, _loose_step_floor(logprob[nodes], floor)) for p, nodes in zip(prefixes, chunks)]
+            calls = [(p, loose_step_floor(logprob[nodes], floor)) for p, nodes in zip(prefixes, chunks)]
             return map_calls(self.model, "next_logprobs_above", calls)
         return map_calls(self.model, "next_logprobs", [(p,) for p in prefixes])
 
@@ -326,7 +326,7 @@ class PrefixTree:
         if allowed is None:
             # Pre-select loosely on the rows (no (c, V) temporaries), then apply the exact tests on candidates.
             finite_rows = np.isfinite(rows)
-            r, tok = np.nonzero(finite_rows & (rows >= _loose_step_floor(parent_lp, floor)[:, None]))
+            r, tok = np.nonzero(finite_rows & (rows >= loose_step_floor(parent_lp, floor)[:, None]))
             self._store_children(depth, nodes, first, floor, r, tok, rows[r, tok], finite_rows.sum(axis=1))
             return
         valid = allowed >= 0
@@ -428,7 +428,7 @@ def _logsumexp_rows(rows: np.ndarray) -> np.ndarray:
         return safe + np.log(np.exp(rows - safe[:, None]).sum(axis=1))
 
 
-def _loose_step_floor(parent_lp: np.ndarray, floor: float) -> np.ndarray:
+def loose_step_floor(parent_lp: np.ndarray, floor: float) -> np.ndarray:
     """(c,) step log-prob below which no child of these parents can reach ``floor``, lowered by a relative
     slack: the exact test ``parent + step >= floor`` is applied afterwards, on the candidates only."""
     return (floor - parent_lp) - 1e-9 * (1.0 + np.abs(parent_lp))

@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
 
 from ..decoding.plan import Plan, plan_generation
 from ..decoding.scheduler import Scheduler

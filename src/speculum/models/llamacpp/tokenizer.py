@@ -84,6 +84,12 @@ class LlamaCppTokenizer:
             raise InputError(f"text must be a str, got {type(text).__name__}")
         return list(self._llama.tokenize(text.encode("utf-8"), add_bos=add_special_tokens, special=True))
 
+    def __call__(self, texts: str | Sequence[str], add_special_tokens: bool = True) -> dict:
+        """``{"input_ids": ...}`` of one text or a list of texts, as a transformers tokenizer answers."""
+        if isinstance(texts, str):
+            return {"input_ids": self.encode(texts, add_special_tokens)}
+        return {"input_ids": [self.encode(text, add_special_tokens) for text in texts]}
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids`` (invalid UTF-8 at a cut multi-byte character becomes U+FFFD)."""
         ids = check_token_ids(token_ids, self.vocab_size, name="token_ids")

@@ -1,0 +1,90 @@
+"""The house's floors: imports only run down, no circles, function-level imports only for optional extras
+(each saying why), and no module reaches into another module's private names.
+
+These checks read the source (``speculum._devtools.imports``); each fails on the first new circle, back-edge,
+unexplained lazy import or cross-module private access, naming it.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from speculum._devtools import imports
+
+SRC = Path(imports.__file__).resolve().parents[1]
+
+
+def test_the_import_graph_has_no_circle_no_back_edge_and_no_unexplained_lazy_import():
+    report = imports.check(SRC)
+    assert report == {"circles": [], "back_edges": [], "unexplained_local_imports": []}
+
+
+def test_the_checker_finds_a_circle_and_a_back_edge():
+    edges = {"speculum.models.a": {"speculum.models.b"}, "speculum.models.b": {"speculum.models.a"}}
+    assert imports.circles(edges) == [["speculum.models.a", "speculum.models.b"]]
+    found = imports.back_edges([("speculum.models.base", 3, "speculum.serving.engine", True, "")])
+    assert found == ["speculum.models.base:3 imports speculum.serving.engine"]
+    assert imports.local_imports([("speculum.cli.x", 5, "torch", True, "import torch")]) == \
+        ["speculum.cli.x:5 imports torch"]
+    assert imports.local_imports([("speculum.cli.x", 5, "torch", True, "import torch  # the llm extra")]) == []
+
+
+# Third-party private names the backends must use: torch's int8 and oneDNN kernels have no public spelling.
+THIRD_PARTY_PRIVATE = {"_weight_int8pack_mm", "_packed_params", "_reorder_linear_weight", "_linear_pointwise"}
+
+
+def private_access(path: Path, root: Path = SRC) -> list[str]:
+    """``obj._name`` where ``_name`` is defined nowhere in the module (so it is another module's private),
+    and ``from x import _name``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    defined = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            defined.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and node.attr not in defined and node.attr not in THIRD_PARTY_PRIVATE):
+            found.append(f"{path.relative_to(root)}:{node.lineno} .{node.attr}")
+        if isinstance(node, ast.ImportFrom):
+            found += [f"{path.relative_to(root)}:{node.lineno} imports {alias.name}" for alias in node.names
+                      if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    found = [hit for path in sorted(SRC.rglob("*.py")) for hit in private_access(path)]
+    assert found == []
+
+
+def test_the_private_access_check_sees_a_reach(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from x import _hidden\n\ndef f(index):\n    return index._queries\n", encoding="utf-8")
+    assert sorted(private_access(probe, tmp_path)) == ["probe.py:1 imports _hidden", "probe.py:4 ._queries"]
+
+
+def test_no_isinstance_switch_on_cache_types_outside_the_cache_module():
+    cache_names = {"OwnCache", "SlotCache", "DynamicCache", "KVCache"}
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.name == "kv_cache.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+                named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                named |= {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+                if named & cache_names:
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert found == []
+
+
+def test_create_app_reads_on_a_screen():
+    from speculum.serving import openai_api
+
+    tree = ast.parse(Path(openai_api.__file__).read_text(encoding="utf-8"))
+    function = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "create_app")
+    assert function.end_lineno - function.lineno + 1 <= 60
