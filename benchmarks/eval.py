@@ -106,7 +106,7 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|")
     print(f"| lm-eval hf (batch 1) | {hf['seconds']:.1f} | 1.00 | {hf['acc']:.3f} | 0 |")
     for concurrency, (out, _) in runs.items():
-        diff = max(abs(a - b) for a, b in zip(out["resps"], hf["resps"]))
+        diff = max(abs(a[0] - b[0]) for a, b in zip(out["resps"], hf["resps"]))
         print(f"| local-completions, num_concurrent {concurrency} | {out['seconds']:.1f} | "
               f"{hf['seconds'] / out['seconds']:.2f} | {out['acc']:.3f} | {diff:.2e} |")
     for concurrency, (_, m) in runs.items():

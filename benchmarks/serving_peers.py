@@ -5,7 +5,8 @@ grounded prompts that rewrite or extract from a passage, `--max-tokens` answers 
 processing included; `cache_prompt: false` for llama-server so it reuses nothing between requests), one
 server at a time, the servers in turn within each round, `--rounds` rounds (median reported):
 
-- speculum: `speculum serve` on the float32 checkpoint, plain (`--draft none`) and `--draft lookup`;
+- speculum: `speculum serve` on the float32 checkpoint and on its int8 target (`--dtype int8`), plain
+  (`--draft none`) and `--draft lookup`;
 - llama-server (`benchmarks/peers.py setup` builds it and the GGUF files) on F32 and Q8_0, plain,
   `--spec-type ngram-mod` and `--spec-type ngram-simple` (n 3, m 10), `-t 2 -tb 2 -np 8 -c 8192`.
 
@@ -49,7 +50,9 @@ def servers() -> dict[str, list[str]]:
     found = paths()
     llama = [found["llama_server"], "-t", "2", "-tb", "2", "-np", "8", "-c", "8192", "--host", "127.0.0.1"]
     speculum = [sys.executable, "-m", "speculum", "serve", "--host", "127.0.0.1", "--max-batch", "8"]
-    table = {"speculum-plain": speculum + ["--draft", "none"], "speculum-lookup": speculum + ["--draft", "lookup"]}
+    table = {"speculum-plain": speculum + ["--draft", "none"], "speculum-lookup": speculum + ["--draft", "lookup"],
+             "speculum-int8-plain": speculum + ["--draft", "none", "--dtype", "int8"],
+             "speculum-int8-lookup": speculum + ["--draft", "lookup", "--dtype", "int8"]}
     for kind in ("F32", "Q8_0"):
         base = llama + ["-m", found["gguf"][kind]]
         name = f"llama-{kind.lower().replace('_', '')}"

@@ -85,7 +85,7 @@ def test_a_bad_dtype_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("dtype, flags, slow", [
     ("bfloat16", {"avx2"}, True), ("bfloat16", {"avx512_bf16"}, False), ("bfloat16", {"amx_bf16"}, False),
     ("float16", {"avx512f"}, True), ("float16", {"avx512_fp16"}, False), ("float32", {"avx2"}, False),
-    ("int8", {"avx2"}, False), ("bfloat16", set(), False),
+    ("int8", {"avx2"}, True), ("int8", {"amx_int8"}, True), ("bfloat16", set(), False),
 ])
 def test_dtype_advice_follows_the_cpus_flags(dtype, flags, slow):
     assert (dtype_advice(dtype, frozenset(flags)) is not None) == slow

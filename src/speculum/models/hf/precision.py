@@ -4,8 +4,8 @@ scale per output channel, as llama.cpp's Q8_0 keeps 8-bit weights) with float32 
 Each precision is a target of its own: every guarantee (greedy speculative output equal to plain greedy
 output, the exact law, exact enumeration scores) holds relative to the target loaded. ``int8`` replaces
 every projection and the vocabulary head by :class:`Int8Linear`, whose product is PyTorch's CPU
-``_weight_int8pack_mm`` kernel: it reads a quarter of float32's bytes and converts the weights inside the
-product, so a decode step, which reads every weight once, moves far fewer bytes.
+``_weight_int8pack_mm`` kernel: it holds a quarter of float32's weight bytes and converts the weights inside
+the product. That kernel is not tuned on CPU (slower than float32's), so ``int8`` saves memory, not time.
 
 Example:
     >>> import torch
@@ -104,7 +104,11 @@ def cpu_flags() -> frozenset[str]:
 def dtype_advice(dtype: str, flags: frozenset[str] | None = None) -> str | None:
     """Why ``dtype`` may run slower than float32 on this CPU (None: no reason known). bfloat16 products
     pay where the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX); float16 where it has AVX-512 FP16
-    or AMX-FP16; without them PyTorch converts every weight on the fly."""
+    or AMX-FP16; without them PyTorch converts every weight on the fly. int8's weight-only kernel is a
+    reference implementation in PyTorch's CPU build, slower than float32 on every CPU."""
+    if dtype == "int8":
+        return ("PyTorch's CPU kernel for int8 weight-only products (_weight_int8pack_mm) is slower than its float32 "
+                "products: int8 saves the weights' memory, not time (benchmarks/dtypes.py)")
     flags = cpu_flags() if flags is None else flags
     if not flags:
         return None
