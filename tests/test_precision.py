@@ -21,6 +21,9 @@ from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.hf.precision import Int8Linear, dtype_advice, parse_dtype, quantise_int8  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 
+# The int8 warning (its kernel is slower than float32) is checked by the advice test, not repeated here.
+pytestmark = pytest.mark.filterwarnings("ignore:dtype=int8")
+
 
 @pytest.fixture(scope="module")
 def tiny_int8(tmp_path_factory) -> HFModel:
