@@ -40,20 +40,12 @@ def paths() -> dict:
             "gguf": {kind: str(root / "gguf" / f"smollm2-135m-{kind.lower()}.gguf") for kind in ("F32", "F16", "Q8_0")}}
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def cmake_flags() -> list[str]:
     """A Release build for this CPU's vector extensions, named explicitly (not -march=native: a native build
     on a CPU with AMX uses AMX kernels that crash where the sandbox does not grant the AMX tile state)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from speculum.models.hf.precision import cpu_flags    # the one reader of /proc/cpuinfo's flags
+
     flags = cpu_flags()
     wanted = {"AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
               "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from conftest import load_each_target_once
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -37,14 +38,7 @@ def library_model(tiny_dir):
 
 @pytest.fixture(autouse=True)
 def load_once(monkeypatch):
-    load = enumerate_cli.load_target
-
-    def cached(spec, **options):
-        if spec not in _LOADED:
-            _LOADED[spec] = load(spec, **options)
-        return _LOADED[spec]
-
-    monkeypatch.setattr(enumerate_cli, "load_target", cached)
+    load_each_target_once(monkeypatch, _LOADED)
 
 
 def write(tmp_path, canaries) -> str:

@@ -17,6 +17,7 @@ import re
 
 import numpy as np
 import pytest
+from conftest import load_each_target_once
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -48,14 +49,7 @@ def library_model(tiny_dir):
 @pytest.fixture(autouse=True)
 def load_once(monkeypatch):
     """The first run loads the folder through the CLI's own loader; later runs reuse that model."""
-    load = enumerate_cli.load_target
-
-    def cached(spec, **options):
-        if spec not in _LOADED:
-            _LOADED[spec] = load(spec, **options)
-        return _LOADED[spec]
-
-    monkeypatch.setattr(enumerate_cli, "load_target", cached)
+    load_each_target_once(monkeypatch, _LOADED)
 
 
 def run_json(capsys, *argv) -> dict:
