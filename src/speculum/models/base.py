@@ -316,6 +316,11 @@ class Capabilities:
     prompt into the forward that verifies the others' blocks. Such a session says how many prompt tokens
     it has not fed (``unfed``), and a feed's ``prompt_limit`` (``extend_sessions(..., prompt_limits)``)
     can feed a part of them (a long prompt over several forwards).
+    ``invariant_extend``: ``extend_rows(sessions, token_lists) -> [rows]``, each session extended by the
+    prompt tokens it has not fed (``start_deferred``) and then its tokens, with a row for every token read,
+    in as few forwards as it can; BATCH-INVARIANT: each session's rows are bitwise those the same call gives
+    it alone. Its sessions offer ``fork()`` (the same state, shared until either changes). A prompt scorer
+    then packs several prompts into one forward and still answers each as if alone.
     ``independent_sessions`` (default True): each session keeps its own state, so several can advance in
     turn. False (llama.cpp's single resident KV cache: switching sessions re-evaluates the context): the
     serving engine and ``generate_batch`` run one generation at a time.
@@ -330,6 +335,7 @@ class Capabilities:
     shares_prefix_cache: bool = False
     batched_extend: bool = False
     deferred_prefill: bool = False
+    invariant_extend: bool = False
     independent_sessions: bool = True
     parallel_calls: int = 1
 

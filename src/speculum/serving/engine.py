@@ -125,6 +125,7 @@ class EngineMetrics:
 
 _DONE = object()
 _WAKE = object()        # wakes a worker waiting for jobs; not a job
+MAX_SCORE_BATCH = 32    # queued score jobs scored together (their chunks share forwards)
 
 
 class Job:
@@ -378,7 +379,7 @@ class Engine:
                 self._end(job, cancelled=True)
                 continue
             if isinstance(job, ScoreJob):
-                self._score(job)
+                self._score([job, *self._more_scoring()])
                 continue
             self._admitting = 1
             started = time.perf_counter()
@@ -437,21 +438,50 @@ class Engine:
                 self._end(job, finished=True)
         self.metrics.busy_seconds += time.perf_counter() - started
 
-    def _score(self, job: ScoreJob) -> None:
+    def _more_scoring(self) -> list[ScoreJob]:
+        """The score jobs queued next, up to :data:`MAX_SCORE_BATCH` in all with the one being scored (a
+        generation job next in the queue ends the run: jobs are taken in order)."""
+        more: list[ScoreJob] = []
+        while len(more) < MAX_SCORE_BATCH - 1:
+            with self._waiting.mutex:                # look at the head without taking it
+                head = self._waiting.queue[0] if self._waiting.queue else None
+            if not isinstance(head, ScoreJob):
+                break
+            job = self._waiting.get_nowait()
+            if job.cancelled:
+                self._end(job, cancelled=True)
+            else:
+                more.append(job)
+        return more
+
+    def _score(self, jobs: list[ScoreJob]) -> None:
+        """Score ``jobs`` together (:meth:`PromptScorer.score_many`: each answer bitwise its answer alone);
+        when that fails, each alone, so that a prompt the model fails on fails only its own request."""
         started = time.perf_counter()
         try:
-            scores = self.scorer.score(job.tokens, top=job.top)
-        except Exception as exc:  # a model failing on this prompt fails this request only
-            job.finish(error=exc)
-        else:
-            metrics = self.metrics
-            metrics.prompts_scored += 1
-            metrics.scored_tokens_forwarded += scores.forwarded
-            metrics.scored_tokens_reused += len(scores.tokens) - scores.forwarded
-            metrics.prefix_cache_tokens = self.scorer.resident_tokens
-            job.finish(scores)
-        self.metrics.busy_seconds += time.perf_counter() - started
-        self._end(job, finished=True)
+            results: list = self.scorer.score_many([job.tokens for job in jobs], top=[job.top for job in jobs])
+        except Exception as exc:
+            if len(jobs) == 1:
+                results = [exc]
+            else:
+                results = []
+                for job in jobs:
+                    try:
+                        results.append(self.scorer.score(job.tokens, top=job.top))
+                    except Exception as alone:  # noqa: BLE001  (the job's own failure goes to its client)
+                        results.append(alone)
+        metrics = self.metrics
+        for job, scores in zip(jobs, results):
+            if isinstance(scores, BaseException):
+                job.finish(error=scores)
+            else:
+                metrics.prompts_scored += 1
+                metrics.scored_tokens_forwarded += scores.forwarded
+                metrics.scored_tokens_reused += len(scores.tokens) - scores.forwarded
+                job.finish(scores)
+            self._end(job, finished=True)
+        metrics.prefix_cache_tokens = self.scorer.resident_tokens
+        metrics.busy_seconds += time.perf_counter() - started
 
     def _account(self, chunk: Any) -> None:
         metrics = self.metrics

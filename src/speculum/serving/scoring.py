@@ -1,16 +1,21 @@
 """Prompt log-probs for evaluators (OpenAI's ``echo``), with work shared across requests that share a
 prefix and every answer bitwise identical to the request scored alone.
 
-A prompt is teacher-forced in a canonical way that depends on its tokens only: its first token starts a
-session, then the rest is fed in chunks of ``chunk`` tokens cut at fixed positions (1, 1 + chunk,
-1 + 2 chunk, ...). The rows of a chunk are computed from the keys and values of the tokens before it and
-the chunk's own tokens, so two prompts that share their first ``b`` tokens, ``b`` a cut position, compute
-identical rows there. :class:`PromptScorer` keeps a few recent prompts resident (their session and each
-position's log-prob and likeliest alternatives, least recently used evicted beyond ``max_tokens``); a new
-prompt resumes the resident one it shares the longest prefix with, rolled back to the last cut inside that
-prefix, and feeds only the rest. The cut makes reuse exact: what it returns is what scoring it alone
-returns, bit for bit, whatever was scored before (tested), at a cost of at most ``chunk`` tokens of the
-shared prefix fed again.
+A prompt is teacher-forced in a canonical way that depends on its tokens only: in chunks of ``chunk``
+tokens cut at fixed positions (0, chunk, 2 chunk, ...). The rows of a chunk are computed from the keys and
+values of the tokens before it and the chunk's own tokens, so two prompts that share their first ``b``
+tokens, ``b`` a cut position, compute identical rows there. :class:`PromptScorer` keeps a few recent
+prompts resident (their session and each position's log-prob and likeliest alternatives, least recently
+used evicted beyond ``max_tokens``); a new prompt resumes the resident one it shares the longest prefix
+with, at the last cut inside that prefix, and feeds only the rest. The cut makes reuse exact: what it
+returns is what scoring it alone returns, bit for bit, whatever was scored before (tested), at a cost of
+at most ``chunk`` tokens of the shared prefix fed again.
+
+:meth:`PromptScorer.score_many` scores several prompts together, as a tree: prompts that share a chunk
+compute it once, and the chunks of one round (one per distinct prefix) go into one packed forward, where
+the target offers forwards whose rows do not depend on what else they hold
+(``Capabilities.invariant_extend``, :mod:`speculum.models.hf.row_invariant`); other targets score the
+prompts one after another. Either way each prompt's answer is bitwise its answer alone.
 
 Example:
     >>> from speculum.models import MarkovModel
@@ -33,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..models.base import check_token_ids
+from ..models.base import capabilities_of, check_token_ids
 from ..validation import InputError, check_int
 
 __all__ = ["PromptScorer", "PromptScores", "ScoreJob", "likeliest", "DEFAULT_CHUNK", "DEFAULT_CACHE_TOKENS", "MAX_TOP"]
@@ -51,7 +56,8 @@ class PromptScores:
     ``top[i]``: the ``top`` likeliest tokens at position i as ``(token id, log-prob)``, likeliest first
     (ties by id; possible tokens only), from the same row, so a token that is the likeliest has bitwise its
     own log-prob there; ``next_logprobs``: (vocab,) the law of the token after the prompt; ``forwarded``:
-    tokens this request fed to the target (the rest came from a resident prompt)."""
+    tokens fed to the target for this prompt alone (the rest came from a resident prompt, or from a forward
+    shared with a prompt scored alongside)."""
 
     tokens: tuple[int, ...]
     logprobs: tuple[float | None, ...]
@@ -83,13 +89,29 @@ class _Resident:
         self.logprobs, self.top_ids, self.top_values = logprobs, top_ids, top_values
 
 
+class _Work:
+    """A prompt being scored: its session (None before its first forward), the tokens in it (``done``, a
+    cut or the whole prompt), the row of the law of token ``done`` when not noted yet (``pending``) and the
+    positions noted so far."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+        self.session: Any = None
+        self.done = 0
+        self.pending: np.ndarray | None = None
+        self.logprobs: list = [None]
+        self.top_ids: list = [np.zeros(0, np.int64)]
+        self.top_values: list = [np.zeros(0)]
+        self.forwarded = 0
+
+
 class PromptScorer:
     """Scores prompts for ``echo`` (see the module docstring), reusing the longest shared prefix of up to
     ``slots`` resident prompts holding at most ``max_tokens`` tokens in all.
 
     Guarantee: exact and reuse-invariant — every log-prob is the target's teacher-forced one, computed
     in the canonical chunking, so a prompt's scores are bitwise those it gets scored alone, whatever was
-    scored before or alongside. Thread-safe (one prompt at a time).
+    scored before or alongside. Thread-safe (one call at a time).
     """
 
     def __init__(self, target: Any, *, chunk: int = DEFAULT_CHUNK, max_tokens: int = DEFAULT_CACHE_TOKENS,
@@ -98,11 +120,14 @@ class PromptScorer:
         self.chunk = check_int(chunk, "chunk", minimum=1)
         self.max_tokens = check_int(max_tokens, "max_tokens", minimum=0)
         self.slots = check_int(slots, "slots", minimum=1)
+        # Packed rounds need forwards whose rows do not depend on the batch, and sessions that fork.
+        self.packs = capabilities_of(target).invariant_extend
         self._residents: OrderedDict[int, _Resident] = OrderedDict()    # least recently used first
         self._next_key = 0
         self._lock = threading.Lock()
         self.forwarded_tokens = 0        # tokens fed to the target, in all
-        self.reused_tokens = 0           # positions answered from a resident prompt, in all
+        self.reused_tokens = 0           # positions answered from a resident or a shared forward, in all
+        self.forwards = 0                # forwards (packed rounds count once)
 
     @property
     def resident_tokens(self) -> int:
@@ -112,62 +137,128 @@ class PromptScorer:
     def score(self, tokens: Sequence[int], *, top: int = 0) -> PromptScores:
         """The exact log-probs of ``tokens`` (at least one) and, per position, its ``top`` likeliest tokens
         (0..20)."""
-        ids = check_token_ids(tokens, self.target.vocab_size, name="prompt")
-        if not ids:
-            raise InputError("prompt is empty: echo needs at least one token")
-        check_int(top, "top", minimum=0)
-        if top > MAX_TOP:
-            raise InputError(f"top must be at most {MAX_TOP}, got {top}")
+        return self.score_many([tokens], top=[top])[0]
+
+    def score_many(self, prompts: Sequence[Sequence[int]], *, top: Sequence[int] | int = 0) -> list[PromptScores]:
+        """:meth:`score` of each of ``prompts`` (``top``: one count for all, or one per prompt), sharing the
+        chunks they have in common and packing each round's chunks into one forward where the target allows
+        (see the module docstring). Each answer is bitwise the prompt's :meth:`score` alone."""
+        tops = [top] * len(prompts) if isinstance(top, int) else list(top)
+        if len(tops) != len(prompts):
+            raise InputError(f"{len(prompts)} prompts but {len(tops)} top counts")
+        works = []
+        for i, (tokens, count) in enumerate(zip(prompts, tops)):
+            name = f"prompts[{i}]" if len(prompts) > 1 else "prompt"
+            ids = check_token_ids(tokens, self.target.vocab_size, name=name)
+            if not ids:
+                raise InputError("prompt is empty: echo needs at least one token")
+            check_int(count, "top", minimum=0)
+            if count > MAX_TOP:
+                raise InputError(f"top must be at most {MAX_TOP}, got {count}")
+            works.append(_Work(ids))
         with self._lock:
-            resident, resume = self._best_resident(ids)
-            if resident is None:
-                session, forwarded, done = self.target.start(ids[:1]), 1, 1
-                logprobs, top_ids, top_values = [None], [np.zeros(0, np.int64)], [np.zeros(0)]
-                pending = session.next_logprobs()          # the law of token 1
-            else:
-                # Positions up to the cut `resume` are the resident's (their tokens are shared); its session
-                # rolls back to the cut and feeds on from there.
-                session, forwarded, done = resident.session, 0, resume
-                session.rollback(len(resident.tokens) - resume)
-                logprobs = resident.logprobs[: resume + 1]
-                top_ids, top_values = resident.top_ids[: resume + 1], resident.top_values[: resume + 1]
-                pending = None
-            while True:
-                if pending is not None:                    # the law of token `done`
-                    if done == len(ids):
-                        break
-                    self._note(pending, ids[done], logprobs, top_ids, top_values)
-                end = min(len(ids), done + self.chunk)     # cuts at 1, 1 + chunk, ...: canonical
-                rows = session.extend(ids[done:end])       # row j: the law of token done + j + 1
-                forwarded += end - done
-                for j in range(end - done - 1):
-                    self._note(rows[j], ids[done + j + 1], logprobs, top_ids, top_values)
-                done, pending = end, rows[-1]
-            next_row = np.asarray(pending)
-            self.forwarded_tokens += forwarded
-            self.reused_tokens += len(ids) - forwarded
-            self._keep(_Resident(ids, session, logprobs, top_ids, top_values, next_row))
-        return PromptScores(tuple(ids), tuple(logprobs),
-                            tuple(tuple((int(t), float(v)) for t, v in zip(i[:top], value[:top]))
-                                  for i, value in zip(top_ids, top_values)),
-                            next_row, forwarded)
+            for group in ([works] if self.packs else [[work] for work in works]):
+                for work in group:
+                    self._resume(work)
+                self._run(group)
+        return [PromptScores(tuple(w.ids), tuple(w.logprobs),
+                             tuple(tuple((int(t), float(v)) for t, v in zip(i[:count], value[:count]))
+                                   for i, value in zip(w.top_ids, w.top_values)),
+                             np.asarray(w.pending), w.forwarded) for w, count in zip(works, tops)]
 
     # ------------------------------------------------------------------------------------------ internals
     def _cut(self, shared: int) -> int:
         """The last chunk cut at or before position ``shared - 1`` (0: nothing reusable)."""
-        usable = shared - 1
-        return 0 if usable < 1 else 1 + ((usable - 1) // self.chunk) * self.chunk
+        return max(0, (shared - 1) // self.chunk * self.chunk)
 
-    def _best_resident(self, ids: list[int]) -> tuple[_Resident | None, int]:
+    def _resume(self, work: _Work) -> None:
+        """Start ``work`` at the longest cut it shares with a resident prompt (on a fork of its session when
+        sessions fork, else on the session itself, taken out of the cache and rolled back)."""
         best, best_cut = None, 0
         for key, resident in self._residents.items():
-            shared = _common(resident.tokens, ids)
-            cut = self._cut(shared)
+            cut = self._cut(_common(resident.tokens, work.ids))
             if cut > best_cut:
                 best, best_cut = key, cut
         if best is None:
-            return None, 0
-        return self._residents.pop(best), best_cut
+            return
+        if self.packs:
+            resident = self._residents[best]
+            self._residents.move_to_end(best)
+            session = resident.session.fork()
+        else:
+            resident = self._residents.pop(best)
+            session = resident.session
+        session.rollback(len(resident.tokens) - best_cut)
+        work.session, work.done = session, best_cut
+        work.logprobs = resident.logprobs[: best_cut + 1]
+        work.top_ids, work.top_values = resident.top_ids[: best_cut + 1], resident.top_values[: best_cut + 1]
+
+    def _run(self, works: list[_Work]) -> None:
+        """Feed ``works`` chunk by chunk to their ends: each round, one forward of every distinct next chunk
+        (works whose prompts agree up to its end share it and its session)."""
+        active = list(works)                         # a resumed prompt has a token after its cut to feed
+        while active:
+            rounds: dict[tuple[int, ...], list[_Work]] = {}
+            for work in active:
+                end = min(len(work.ids), (work.done // self.chunk + 1) * self.chunk)
+                rounds.setdefault(tuple(work.ids[:end]), []).append(work)
+            taken: set[int] = set()
+            feeds = []
+            for key, members in rounds.items():
+                lead = members[0]
+                session = lead.session
+                if session is not None and id(session) in taken:
+                    session = session.fork()         # another chunk continues the same prefix this round
+                taken.add(id(session))
+                feeds.append((members, session, lead.done, len(key)))
+            for (members, _, done, end), (session, rows) in zip(feeds, self._forward(feeds)):
+                self._advance(members, session, rows, done, end)
+            for work in active:
+                if work.done == len(work.ids):
+                    self._keep(work)
+            active = [w for w in active if w.done < len(w.ids)]
+
+    def _forward(self, feeds: list) -> list[tuple[Any, np.ndarray]]:
+        """``(session, rows)`` per ``(members, session, done, end)``: rows j = the law of token done + j + 1
+        of the members' prompt, the session extended to ``end``; one packed forward when the target packs."""
+        self.forwards += 1 if self.packs else len(feeds)
+        if self.packs:
+            sessions, reads = [], []
+            for members, session, done, end in feeds:
+                ids = members[0].ids
+                if session is None:
+                    sessions.append(self.target.start_deferred(ids[:end]))
+                    reads.append([])
+                else:
+                    sessions.append(session)
+                    reads.append(ids[done:end])
+            return list(zip(sessions, self.target.extend_rows(sessions, reads)))
+        out = []
+        for members, session, done, end in feeds:
+            ids = members[0].ids
+            if session is None:
+                session = self.target.start(ids[:1])
+                rows = np.vstack([np.asarray(session.next_logprobs())[None], *(
+                    [np.asarray(session.extend(ids[1:end]))] if end > 1 else [])])
+            else:
+                rows = np.asarray(session.extend(ids[done:end]))
+            out.append((session, rows))
+        return out
+
+    def _advance(self, members: list[_Work], session: Any, rows: np.ndarray, done: int, end: int) -> None:
+        """Note the positions ``done..end - 1`` the round computed for ``members`` (the same tokens there)."""
+        lead = members[0]
+        logprobs, top_ids, top_values = [], [], []
+        for j in range(end - done - 1):
+            self._note(rows[j], lead.ids[done + j + 1], logprobs, top_ids, top_values)
+        lead.forwarded += end - done
+        self.forwarded_tokens += end - done
+        for work in members:
+            if work.pending is not None:            # the law of token `done`, from the work's previous round
+                self._note(work.pending, work.ids[done], work.logprobs, work.top_ids, work.top_values)
+            work.session, work.done, work.pending = session, end, rows[end - done - 1]
+            work.logprobs = work.logprobs + logprobs
+            work.top_ids, work.top_values = work.top_ids + top_ids, work.top_values + top_values
 
     def _note(self, row: np.ndarray, token: int, logprobs: list, top_ids: list, top_values: list) -> None:
         top = likeliest(row, MAX_TOP)
@@ -175,10 +266,13 @@ class PromptScorer:
         top_ids.append(top)
         top_values.append(row[top])
 
-    def _keep(self, resident: _Resident) -> None:
-        if len(resident.tokens) > self.max_tokens:
+    def _keep(self, work: _Work) -> None:
+        self.reused_tokens += len(work.ids) - work.forwarded
+        if len(work.ids) > self.max_tokens:
             return                                    # larger than the whole cache: not kept
-        self._residents[self._next_key] = resident
+        session = work.session.fork() if self.packs else work.session   # others may extend the same session
+        self._residents[self._next_key] = _Resident(work.ids, session, work.logprobs, work.top_ids,
+                                                    work.top_values, work.pending)
         self._next_key += 1
         while len(self._residents) > self.slots or self.resident_tokens > self.max_tokens:
             self._residents.popitem(last=False)

@@ -45,7 +45,7 @@ from .kv_cache import KVCache, OwnCache, SlotCache
 from .precision import Int8Linear
 from .prepack import onednn_available, pack_weight, packed_linear
 
-__all__ = ["FusedLlama", "unsupported_reason"]
+__all__ = ["FusedLlama", "unsupported_reason", "rms_norm", "rotate_half"]
 
 # Relative logit difference above which the load-time probe rejects the fused forward: float32 reordering
 # moves logits by ~1e-6 relative, a formula change by far more.
@@ -71,12 +71,13 @@ class _Block:
     mlp_eps: float
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # LlamaRMSNorm for float32 inputs, operation for operation.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm for float32 inputs, operation for operation (over the last dimension, row by row)."""
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding's half rotation of the last dimension: ``(a, b) -> (-b, a)``."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -250,7 +251,7 @@ class FusedLlama:
         for index, block in enumerate(self.blocks):
             q, k, v = self._qkv(block, x, cos, sin)
             k, v = cache.append(k, v, index)                                        # (batch, kv, past+n, d)
-            x = self._after_attention(block, x, self._attend(q, k, v, mask))
+            x = self._after_attention(block, x, self.attend(q, k, v, mask))
         if keep:
             x = x[:, -keep:]
         return self._head(x)
@@ -287,7 +288,7 @@ class FusedLlama:
                 for b, cache in enumerate(caches):
                     at = slice(bounds[b], bounds[b + 1])
                     keys, values = cache.append(k[:, :, at], v[:, :, at], index)
-                    parts.append(self._attend(q[:, :, at], keys, values, masks[b]))
+                    parts.append(self.attend(q[:, :, at], keys, values, masks[b]))
                 x = self._after_attention(block, x, torch.cat(parts, dim=2))
         return self._kept_logits(x, bounds, keep)
 
@@ -327,11 +328,11 @@ class FusedLlama:
             values[slot, :, position] = v[0].transpose(0, 1)
             queries = q[0].transpose(0, 1)                                       # (T, heads, d)
             grid[grid_slot, :, grid_row] = queries[grid_tokens]
-            out = self._attend(grid, keys[:view_slots, :, :keys_seen], values[:view_slots, :, :keys_seen], mask)
+            out = self.attend(grid, keys[:view_slots, :, :keys_seen], values[:view_slots, :, :keys_seen], mask)
             attn[grid_tokens] = out[grid_slot, :, grid_row]
             for b, causal in alone:
                 at, own = slice(bounds[b], bounds[b + 1]), slice(caches[b].slot, caches[b].slot + 1)
-                alone_out = self._attend(q[:, :, at], keys[own, :, :ends[b]], values[own, :, :ends[b]], causal)
+                alone_out = self.attend(q[:, :, at], keys[own, :, :ends[b]], values[own, :, :ends[b]], causal)
                 attn[at] = alone_out[0].transpose(0, 1)
             x = self._after_attention(block, x, attn.transpose(0, 1).unsqueeze(0))
         for cache, end in zip(caches, ends):
@@ -357,14 +358,16 @@ class FusedLlama:
         batch, n, hidden = x.shape
         q_end = self.heads * self.head_dim
         k_end = q_end + self.kv_heads * self.head_dim
-        h = _rms_norm(x, block.attn_norm, block.attn_eps).reshape(batch * n, hidden)
+        h = rms_norm(x, block.attn_norm, block.attn_eps).reshape(batch * n, hidden)
         qkv = block.qkv(h).view(batch, n, -1)
         q = qkv[..., :q_end].view(batch, n, self.heads, self.head_dim).transpose(1, 2)
         k = qkv[..., q_end:k_end].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
         v = qkv[..., k_end:].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Scaled-dot-product attention of ``q (batch, heads, n, d)`` on keys and values ``(batch, kv_heads,
+        keys, d)`` under ``mask`` (None: every key)."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                               enable_gqa=self.heads != self.kv_heads)
 
@@ -372,11 +375,11 @@ class FusedLlama:
         """The block's output projection and MLP, with their residuals."""
         batch, n, hidden = x.shape
         x = x + block.out(attn.transpose(1, 2).reshape(batch * n, self.heads * self.head_dim)).view(batch, n, hidden)
-        h = _rms_norm(x, block.mlp_norm, block.mlp_eps).reshape(batch * n, hidden)
+        h = rms_norm(x, block.mlp_norm, block.mlp_eps).reshape(batch * n, hidden)
         gate, up = block.gate_up(h).chunk(2, dim=-1)
         return x + block.down(F.silu(gate) * up).view(batch, n, hidden)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         batch, n, hidden = x.shape
-        x = _rms_norm(x, self.norm, self.norm_eps)
+        x = rms_norm(x, self.norm, self.norm_eps)
         return self.head(x.reshape(-1, hidden)).view(batch, n, -1)

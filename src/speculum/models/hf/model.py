@@ -46,6 +46,7 @@ from .kv_cache import KVCache, OwnCache
 from .logprobs import log_mass, logprob_rows
 from .precision import parse_dtype, prepare_module, warn_if_slow
 from .prepack import prepack_linears
+from .row_invariant import RowInvariantForward
 from .session import HFSession
 
 __all__ = ["HFModel", "HFSession", "parse_dtype"]
@@ -104,7 +105,8 @@ class HFModel(BaseModel):
         # Declared once, here: many sessions in one forward needs the fused forward's packed variant.
         self.capabilities = Capabilities(sparse_rows=True, session_advance=True, shares_prefix_cache=True,
                                          batched_extend=self._fused is not None,
-                                         deferred_prefill=self._fused is not None)
+                                         deferred_prefill=self._fused is not None, invariant_extend=True)
+        self._rows_forward = RowInvariantForward(self._fused) if self._fused is not None else None
         self.prepacked_layers = prepack_linears(module) if prepack and self._fused is None else 0
         head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
         self.vocab_size = int(getattr(head, "out_features", 0) or self.config.vocab_size)
@@ -258,6 +260,33 @@ class HFModel(BaseModel):
                                                 keep=[len(feed.tokens) for feed in feeds])
         return [feed.session.record_prompt_fed(len(read)) if p else feed.session.record_forward(feed.tokens, rows)
                 for feed, read, rows, p in zip(feeds, reads, logits, part)]
+
+    def extend_rows(self, sessions: Sequence[HFSession], token_lists: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Each session extended by its unfed prompt tokens, then its tokens, with ``(read, vocab)`` log-prob
+        rows for every token read (``Capabilities.invariant_extend``), packed into shared forwards where the
+        fused forward's kernels allow (:mod:`~speculum.models.hf.row_invariant`), else one forward each.
+
+        BATCH-INVARIANT: each session's rows are bitwise those this call gives it alone; relative to the
+        model, exact to float32 rounding (the fused forward's)."""
+        if len(sessions) != len(token_lists):
+            raise InputError(f"{len(sessions)} sessions but {len(token_lists)} token lists")
+        reads = []
+        for i, (session, tokens) in enumerate(zip(sessions, token_lists)):
+            tokens = check_token_ids(tokens, self.vocab_size, name=f"token_lists[{i}]")
+            if not isinstance(session, HFSession) or session.model is not self:
+                raise InputError(f"sessions[{i}] is not a session of {self.name}")
+            self.check_length(len(session.tokens) + len(tokens), name=f"sessions[{i}]")
+            reads.append((session.feed(tokens), tokens))
+        if any(not read for read, _ in reads):
+            raise InputError("every session needs a token to read (its unfed prompt or tokens of its own)")
+        with torch.inference_mode():
+            if self._rows_forward is not None:
+                logits = self._rows_forward([read for read, _ in reads], [session.cache for session in sessions])
+            else:
+                logits = [self.module(input_ids=torch.tensor([read]), cache=session.cache.transformers_cache,
+                                      use_cache=True).logits[0] for (read, _), session in zip(reads, sessions)]
+        return [session.record_forward(list(tokens), rows)
+                for session, (_, tokens), rows in zip(sessions, reads, logits)]
 
     def _into_store(self, sessions: Sequence[HFSession], length: int) -> None:
         """Move the sessions' caches into the model's KV store (:mod:`~speculum.models.hf.kv_arena`), where

@@ -82,6 +82,15 @@ class HFSession:
             return None
         return source_cache.prefix_layers(int(model.config.num_hidden_layers), model.config)
 
+    def fork(self) -> "HFSession":
+        """A session on the same tokens holding the same keys and values without copying them: appends and
+        rollbacks of either leave the other as it is (its cache's layers are shallow copies). The prompt
+        must be fed (no ``unfed`` tokens)."""
+        forked = self.sharing(self.model, self) if not self.unfed else None
+        if forked is None:
+            raise InputError("only a session whose prompt is fed, on a cache of its own, can be forked")
+        return forked
+
     @property
     def length(self) -> int:
         return len(self.tokens)
