@@ -111,8 +111,10 @@ def main() -> int:
               f"{hf['seconds'] / out['seconds']:.2f} | {out['acc']:.3f} | {diff:.2e} |")
     for concurrency, (_, m) in runs.items():
         forwarded, reused = m["speculum_scored_tokens_forwarded_total"], m["speculum_scored_tokens_reused_total"]
-        print(f"\nnum_concurrent {concurrency}: scoring forwarded {forwarded:,.0f} tokens; one request at a time "
-              f"feeds {forwarded + reused:,.0f} ({(forwarded + reused) / forwarded:.1f}x more)")
+        print(f"\nnum_concurrent {concurrency}: scoring forwarded {forwarded:,.0f} tokens in "
+              f"{m['speculum_scoring_forwards_total']:,.0f} forwards for {m['speculum_prompts_scored_total']:,.0f} "
+              f"prompts; one request at a time feeds {forwarded + reused:,.0f} "
+              f"({(forwarded + reused) / forwarded:.1f}x more)")
     same = runs[1][0]["resps"] == runs[8][0]["resps"]
     print(f"\nlog-likelihoods at concurrency 1 and 8 bitwise identical: {same}")
     return 0

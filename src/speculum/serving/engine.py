@@ -111,6 +111,7 @@ class EngineMetrics:
     prompts_scored: int = 0            # echo requests' prompts scored
     scored_tokens_forwarded: int = 0   # tokens their scoring fed to the target
     scored_tokens_reused: int = 0      # positions answered from a resident prompt sharing the prefix
+    scoring_forwards: int = 0          # forwards that scored them (a packed forward of several counts once)
     prefix_cache_tokens: int = 0       # tokens held by resident scored prompts (gauge)
     prefix_cache_capacity: int = 0     # the cap on them (``prefix_cache_tokens`` of the engine)
 
@@ -126,6 +127,7 @@ class EngineMetrics:
 _DONE = object()
 _WAKE = object()        # wakes a worker waiting for jobs; not a job
 MAX_SCORE_BATCH = 32    # queued score jobs scored together (their chunks share forwards)
+SCORE_GATHER_SECONDS = 0.02    # how long an idle worker waits for a score batch to fill up again
 
 
 class Job:
@@ -262,6 +264,7 @@ class Engine:
         self._deadline: float | None = None     # drain(): when the jobs still running are ended
         self._running: dict[int, Job] = {}     # scheduler id -> job (the worker's alone)
         self._admitting = 0                     # 1 while a job is being admitted into the scheduler
+        self._last_score_batch = 1              # score jobs scored together last time
         self._worker: threading.Thread | None = None
         if background:
             self._worker = threading.Thread(target=self.run, name="speculum-engine", daemon=True)
@@ -442,9 +445,16 @@ class Engine:
         """The score jobs queued next, up to :data:`MAX_SCORE_BATCH` in all with the one being scored (a
         generation job next in the queue ends the run: jobs are taken in order)."""
         more: list[ScoreJob] = []
+        # Concurrent clients' requests arrive a little apart: while nothing else runs, wait a moment for the
+        # batch the last one had (answers do not depend on the batch, only the forwards' count does).
+        deadline = time.monotonic() + SCORE_GATHER_SECONDS
         while len(more) < MAX_SCORE_BATCH - 1:
             with self._waiting.mutex:                # look at the head without taking it
                 head = self._waiting.queue[0] if self._waiting.queue else None
+            if head is None and not self._running and len(more) + 1 < self._last_score_batch \
+                    and time.monotonic() < deadline:
+                time.sleep(SCORE_GATHER_SECONDS / 20)
+                continue
             if not isinstance(head, ScoreJob):
                 break
             job = self._waiting.get_nowait()
@@ -458,6 +468,7 @@ class Engine:
         """Score ``jobs`` together (:meth:`PromptScorer.score_many`: each answer bitwise its answer alone);
         when that fails, each alone, so that a prompt the model fails on fails only its own request."""
         started = time.perf_counter()
+        self._last_score_batch = len(jobs)
         try:
             results: list = self.scorer.score_many([job.tokens for job in jobs], top=[job.top for job in jobs])
         except Exception as exc:
@@ -481,6 +492,7 @@ class Engine:
                 job.finish(scores)
             self._end(job, finished=True)
         metrics.prefix_cache_tokens = self.scorer.resident_tokens
+        metrics.scoring_forwards = self.scorer.forwards
         metrics.busy_seconds += time.perf_counter() - started
 
     def _account(self, chunk: Any) -> None:
