@@ -4,7 +4,7 @@ A 5-shot multiple-choice task made here (tests/eval_tasks.py: arithmetic, 4 choi
 examples before every question), run three ways on the same cached float32 checkpoint, in one process
 each, side by side:
 
-- lm-eval `hf` (transformers, batch size 1: every choice re-runs its context);
+- lm-eval `hf` (transformers, batch size 1: every choice re-runs its context; and batch size 8);
 - lm-eval `local-completions` on `speculum serve` (remote tokenizer), `num_concurrent` 1 and 8.
 
 Reported: wall time of each; the tokens the server forwarded to score the prompts with prefix sharing
@@ -46,7 +46,8 @@ result = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["ari
                                  task_manager=TaskManager(include_path=include), log_samples=True)
 seconds = time.perf_counter() - started
 print("RESULT " + json.dumps({"seconds": seconds, "acc": result["results"]["arith_mc"]["acc,none"],
-                              "resps": [r[0] for s in result["samples"]["arith_mc"] for r in s["resps"]]}))
+                              "resps": [r[0] for s in result["samples"]["arith_mc"] for r in s["resps"]],
+                              "args": [list(a) for s in result["samples"]["arith_mc"] for a in s["arguments"]]}))
 """
 
 
@@ -87,6 +88,35 @@ def serve_and_run(include: Path, concurrency: int) -> tuple[dict, dict]:
         server.wait(60)
 
 
+def float64_check(checkpoint: Path, args: list, ours: list[float], hf: list[float], top: int = 20) -> str:
+    """On the ``top`` requests where speculum and lm-eval's ``hf`` differ most, each one's distance to the
+    same checkpoint's forward in float64 (tokenized as lm-eval's ``_encode_pair`` does)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).eval()
+    worst = sorted(range(len(ours)), key=lambda i: -abs(ours[i] - hf[i]))[:top]
+    ours_err, hf_err = [], []
+    for i in worst:
+        context, continuation = args[i]
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
+        start = len(tokenizer(context, add_special_tokens=False)["input_ids"])
+        with torch.no_grad():
+            rows = torch.log_softmax(model(torch.tensor([whole[:-1]])).logits[0], dim=-1)
+        exact = float(sum(rows[j - 1, whole[j]] for j in range(start, len(whole))))
+        ours_err.append(abs(ours[i] - exact))
+        hf_err.append(abs(hf[i] - exact))
+    return (f"on the {top} requests where they differ most, distance to the float64 forward: speculum max "
+            f"{max(ours_err):.2e} (median {sorted(ours_err)[top // 2]:.2e}), hf max {max(hf_err):.2e} "
+            f"(median {sorted(hf_err)[top // 2]:.2e})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=200)
@@ -100,11 +130,15 @@ def main() -> int:
     checkpoint = next(Path(cache_dir()).glob("smollm2-135m-float32*"))
     include = write_arithmetic_tasks(Path(tempfile.mkdtemp()) / "tasks", items=args.items, shots=args.shots)
     hf = lm_eval("hf", f"pretrained={checkpoint},dtype=float32,device=cpu,batch_size=1", include)
+    hf8 = lm_eval("hf", f"pretrained={checkpoint},dtype=float32,device=cpu,batch_size=8", include)
     runs = {c: serve_and_run(include, c) for c in (1, 8)}
     print(f"# lm-eval on speculum serve, {args.items} items x 4 choices, {args.shots}-shot, {cpu_name()}\n")
     print("| run | wall s | x hf | accuracy | max |loglik - hf| |")
     print("|---|---:|---:|---:|---:|")
     print(f"| lm-eval hf (batch 1) | {hf['seconds']:.1f} | 1.00 | {hf['acc']:.3f} | 0 |")
+    diff8 = max(abs(a[0] - b[0]) for a, b in zip(hf8["resps"], hf["resps"]))
+    print(f"| lm-eval hf (batch 8) | {hf8['seconds']:.1f} | {hf['seconds'] / hf8['seconds']:.2f} | "
+          f"{hf8['acc']:.3f} | {diff8:.2e} |")
     for concurrency, (out, _) in runs.items():
         diff = max(abs(a[0] - b[0]) for a, b in zip(out["resps"], hf["resps"]))
         print(f"| local-completions, num_concurrent {concurrency} | {out['seconds']:.1f} | "
@@ -115,6 +149,8 @@ def main() -> int:
               f"{m['speculum_scoring_forwards_total']:,.0f} forwards for {m['speculum_prompts_scored_total']:,.0f} "
               f"prompts; one request at a time feeds {forwarded + reused:,.0f} "
               f"({(forwarded + reused) / forwarded:.1f}x more)")
+    ours = [r[0] for r in runs[8][0]["resps"]]
+    print("\n" + float64_check(checkpoint, hf["args"], ours, [r[0] for r in hf["resps"]]))
     same = runs[1][0]["resps"] == runs[8][0]["resps"]
     print(f"\nlog-likelihoods at concurrency 1 and 8 bitwise identical: {same}")
     return 0

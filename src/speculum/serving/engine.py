@@ -126,7 +126,7 @@ class EngineMetrics:
 
 _DONE = object()
 _WAKE = object()        # wakes a worker waiting for jobs; not a job
-MAX_SCORE_BATCH = 32    # queued score jobs scored together (their chunks share forwards)
+MAX_SCORE_BATCH = 16    # queued score jobs scored together (their chunks share forwards)
 SCORE_GATHER_SECONDS = 0.02    # how long an idle worker waits for a score batch to fill up again
 
 

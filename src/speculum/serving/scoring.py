@@ -256,7 +256,8 @@ class PromptScorer:
         for work in members:
             if work.pending is not None:            # the law of token `done`, from the work's previous round
                 self._note(work.pending, work.ids[done], work.logprobs, work.top_ids, work.top_values)
-            work.session, work.done, work.pending = session, end, rows[end - done - 1]
+            # A copy: the round's rows (up to chunk x vocab floats per prompt) need not outlive it.
+            work.session, work.done, work.pending = session, end, np.array(rows[end - done - 1])
             work.logprobs = work.logprobs + logprobs
             work.top_ids, work.top_values = work.top_ids + top_ids, work.top_values + top_values
 
