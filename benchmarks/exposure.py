@@ -5,7 +5,12 @@ Part a — accuracy on ``" \\d{6}"`` after a prompt: the true rank of every one 
          cached on disk). For random canaries — uniform members, as TF Privacy draws them (mostly deep),
          and members drawn from the model's own law (shallow) — the sampled estimate's |error| in bits
          (median, 95th percentile) and its 95% interval's coverage, over ``--sets`` independent sets of
-         draws; beside it, with as many samples, TF Privacy's two methods
+         draws. The canaries of one set share its draws, so their misses go together: one set's coverage
+         is nearly all or nothing, and only several sets measure it. Coverage is given over all canaries,
+         over those of rank > 0 (a rank-0 canary has nothing before it: its estimate is 0 and its interval
+         [0, ...] covers whatever the draws) and its range over the sets. Beside it, ``method="auto"`` as a
+         user runs it (the index grown to its default budget: exact where it certifies, else the same draws
+         clamped into the certified bracket), and, with as many samples, TF Privacy's two methods
          from their published formulas (Carlini et al. 2019; tensorflow_privacy's secret_sharer):
          *interpolation*, exposure = log2(#references) - log2(1 + #references more probable), and
          *extrapolation*, a skew-normal fitted to the references' log-perplexities, exposure =
@@ -128,28 +133,46 @@ def part_a(model, args) -> dict:
               "brute_force_seconds": table["seconds"], "brute_force_positions": table["positions"],
               "brute_force_cached": table["cached"], "seconds_per_set": float(np.mean(seconds)),
               "forwards_per_set": float(np.mean(forwards))}
+    auto_index = AutoregressiveEnumerable(model, prompt=prompt, constraint=constraint)
     for name, numbers in groups.items():
         canaries = [member_tokens(model, int(n), digits) for n in numbers]
-        true_exposure = space_bits - np.log2(table["ranks"][numbers] + 1)
-        ours, covered = [], 0
+        true_rank = table["ranks"][numbers]
+        true_exposure = space_bits - np.log2(true_rank + 1)
+        ours, covered, set_coverage = [], [], []
+        auto_errors, auto_covered, auto_exact = [], [], 0
         for sample in samples:
             reports = estimate_ranks(model, canaries, constraint=constraint, prompt=prompt, method="sampled",
                                      sample=sample, max_forwards=0, index=index)
-            for result, truth in zip(reports, true_exposure):
-                low, high = result.exposure_interval
-                covered += low <= truth <= high
-                ours.append(abs(result.exposure_bits - truth))
+            # In rank space: the same test as on the exposure interval, without its float rounding.
+            inside = [result.ci_lo <= rank <= result.ci_hi for result, rank in zip(reports, true_rank)]
+            covered += inside
+            set_coverage.append(float(np.mean(inside)))
+            ours += [abs(result.exposure_bits - truth) for result, truth in zip(reports, true_exposure)]
+            for result, rank, truth in zip(estimate_ranks(model, canaries, constraint=constraint, prompt=prompt,
+                                                          sample=sample, index=auto_index), true_rank, true_exposure):
+                auto_errors.append(abs(result.exposure_bits - truth))
+                if result.method == "exact":
+                    auto_exact += 1
+                else:
+                    auto_covered.append(result.ci_lo <= rank <= result.ci_hi)
         interpolation, extrapolation = [], []
         for s in range(args.sets):
             references = np.random.default_rng(args.seed + 100 + s).integers(0, 10 ** digits, args.samples)
             inter, extra = tf_privacy(table["log_probs"][numbers], table["log_probs"][references])
             interpolation.append(np.abs(inter - true_exposure))
             extrapolation.append(np.abs(extra - true_exposure))
-        report[name] = {"sampled": {**summary(np.array(ours)), "coverage": covered / (args.sets * len(numbers))},
+        covered, deeper = np.array(covered), np.tile(true_rank > 0, args.sets)
+        report[name] = {"sampled": {**summary(np.array(ours)), "coverage": float(covered.mean()),
+                                    "coverage_rank_above_0": float(covered[deeper].mean()) if deeper.any() else None,
+                                    "canaries_rank_0": int(np.count_nonzero(true_rank == 0)),
+                                    "coverage_per_set": [min(set_coverage), max(set_coverage)]},
+                        "auto": {**summary(np.array(auto_errors)), "exact_share": auto_exact / len(auto_errors),
+                                 "coverage_sampled": float(np.mean(auto_covered)) if auto_covered else None},
                         "tf_interpolation": summary(np.concatenate(interpolation)),
                         "tf_extrapolation": summary(np.concatenate(extrapolation)),
                         "true_exposure_median": float(np.median(true_exposure)),
                         "true_exposure_range": [float(true_exposure.min()), float(true_exposure.max())]}
+    report["auto_index_forwards"] = auto_index.seek_index().forwards
     report["peak_mb"] = peak_mb()
     return report
 
@@ -237,8 +260,16 @@ def print_report(report: dict) -> None:
             print(f"   {a['canaries']} {group} canaries (true exposure median {g['true_exposure_median']:.2f} bits, "
                   f"{g['true_exposure_range'][0]:.2f} to {g['true_exposure_range'][1]:.2f}):")
             s = g["sampled"]
+            ranked = "-" if s["coverage_rank_above_0"] is None else f"{100 * s['coverage_rank_above_0']:.1f}%"
             print(f"     sampled (speculum): median |error| {s['median_bits']:.3f} bit, p95 {s['p95_bits']:.3f} bit, "
-                  f"95% interval coverage {100 * s['coverage']:.1f}%")
+                  f"95% interval coverage {100 * s['coverage']:.1f}% ({ranked} over the canaries of rank > 0, "
+                  f"{s['canaries_rank_0']} of rank 0; {100 * s['coverage_per_set'][0]:.1f}% to "
+                  f"{100 * s['coverage_per_set'][1]:.1f}% by set)")
+            u = g["auto"]
+            sampled = "-" if u["coverage_sampled"] is None else f"{100 * u['coverage_sampled']:.1f}%"
+            print(f"     auto (speculum, index of {a['auto_index_forwards']:,} forwards): median |error| "
+                  f"{u['median_bits']:.3f} bit, p95 {u['p95_bits']:.3f} bit, {100 * u['exact_share']:.0f}% exact, "
+                  f"coverage of the sampled answers {sampled}")
             for name in ("tf_interpolation", "tf_extrapolation"):
                 t = g[name]
                 print(f"     {name.replace('_', ' ')} (TF Privacy, {a['samples']:,} references): median |error| "

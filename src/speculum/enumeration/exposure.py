@@ -278,13 +278,21 @@ def _rank_bracket(index, seek, item, log_prob: float, *, strings: bool) -> tuple
     unseen = tree.unseen_mass()
     p_item = math.exp(log_prob)
     if not strings:
+        found = seek.find(tuple(item))
+        if found is not None:
+            # The item's own leaf is left out by identity, not by its log-prob: the stored one (next-token
+            # rows) and the scored one (teacher forcing) differ by float rounding (2e-5 nats on a float32
+            # SmolLM2), which would count the item above itself. The others are compared with its stored
+            # log-prob, computed as theirs are.
+            node, log_prob = found
+            p_item = min(p_item, math.exp(log_prob))     # the smaller of the two: a looser upper end
+            depth = len(item)
+            leaves = [(d, ids[ids != node] if d == depth else ids) for d, ids in leaves]
+        else:
+            unseen -= p_item                # its own mass is among the unseen
         lps = np.concatenate([tree.levels[d].logprob[ids] for d, ids in leaves])
         above = int(np.count_nonzero(lps > log_prob))
         maybe = int(np.count_nonzero(lps >= log_prob))
-        if seek.find(tuple(item)) is not None:
-            maybe -= 1                      # the item itself
-        else:
-            unseen -= p_item                # its own mass is among the unseen
         return above, max(above, maybe + max(0, math.floor(unseen / p_item * (1.0 + 1e-9))))
     known: dict[bytes, float] = {}
     pieces = seek.support.constraint.token_bytes
