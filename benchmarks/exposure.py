@@ -17,8 +17,8 @@ Part a — accuracy on ``" \\d{6}"`` after a prompt: the true rank of every one 
          -log2(cdf(the canary's log-perplexity)). References are uniform members, scored from the table.
 Part b — ``" \\d{9}"`` (10^9 members): one random canary, ranked as ``method="auto"`` does, from a pilot set
          of draws grown (``FormatSample.merged``) until the 95% half-width is ``--target-bits``; time (the
-         capped exact attempt and the draws apart), peak memory (the process's, ``ru_maxrss``: run
-         ``--parts b`` alone for its own).
+         capped exact attempt and the draws apart, after an untimed warm-up on ``" \\d{4}"``), peak memory
+         (the process's, ``ru_maxrss``: run ``--parts b`` alone for its own).
 Part c — 100 random canaries of ``" \\d{9}"`` sharing one set of draws: total time and per canary.
 Part d — a canary planted in the prompt (``"482913027 is not my PIN. My PIN is"``), ranked by
          ``method="auto"``: exact.
@@ -183,6 +183,13 @@ def part_b(model, args) -> dict:
     number = int(np.random.default_rng(args.seed + 7).integers(0, 10 ** digits))
     canary = member_tokens(model, number, digits)
     constraint = Regex(rf" \d{{{digits}}}")
+    # Warm-up, untimed, as an audit's second canary would find the process: oneDNN builds its kernels for
+    # each new row count on first use, which would otherwise be charged to whichever step runs first.
+    short = Regex(r" \d{4}")
+    warm = AutoregressiveEnumerable(model, prompt=prompt, constraint=short)
+    estimate_ranks(model, [member_tokens(model, 1234, 4)], constraint=short, prompt=prompt, index=warm,
+                   method="exact", max_forwards=DEFAULT_AUTO_FORWARDS)
+    sample_format(model, short, prompt=prompt, samples=64, seed=args.seed, index=warm)
     started = time.perf_counter()
     index = AutoregressiveEnumerable(model, prompt=prompt, constraint=constraint)
     # method="auto" as estimate_rank runs it, in its two steps: the capped exact attempt (with the bracket),

@@ -38,8 +38,10 @@ __all__ = ["RankReport", "estimate_rank", "estimate_ranks", "DEFAULT_EXACT_RANK_
 DEFAULT_EXACT_RANK_LIMIT = 1_000  # count exactly when the envelope says the rank is at most this
 DEFAULT_MAX_FORWARDS = 200_000    # constrained, method="exact": most prefixes an exact rank may forward
 # Constrained, method="auto" / "sampled": the exact index gives up (and the bracket stops) after about this
-# many forwarded prefixes, a few seconds of a 135M model; past it sampling is far cheaper per bit.
-DEFAULT_AUTO_FORWARDS = 1_024
+# many forwarded prefixes (a deepening step may pass it: each at most about doubles the forwards). A canary
+# the index cannot certify then costs the attempt a fraction of what its draws cost, and shallow canaries,
+# whose members above are few, are still certified.
+DEFAULT_AUTO_FORWARDS = 384
 METHODS = ("auto", "exact", "sampled")
 
 
