@@ -40,6 +40,9 @@ MAX_TOKEN_STATES = 100_000
 # Most token moves stored over all states, 8 bytes each (~160 MB): a pattern like ".{0,1000}" allows almost
 # every token from every state, ~49k moves per state on a 49k vocabulary.
 MAX_TOKEN_MOVES = 20_000_000
+# Masking reads only the allowed columns when they are fewer than 1/8 of the vocabulary (fancy indexing
+# costs several times a contiguous pass per element).
+_GATHER_BELOW = 8
 # Vocabularies read as characters, by digest of their token bytes (a 49k vocabulary takes ~0.2 s to read).
 _SPELLINGS: "OrderedDict[str, VocabularySpelling]" = OrderedDict()
 _SPELLINGS_KEPT = 4
@@ -263,12 +266,17 @@ class TokenAutomaton:
                 allowed = np.append(allowed, eos)
             if not len(allowed):
                 continue
-            # Whole rows through a boolean mask: a wide pattern allows most of a large vocabulary, and
-            # gathering tens of thousands of columns per row costs far more.
-            keep = np.zeros(rows.shape[1], dtype=bool)
-            keep[allowed] = True
-            kept = np.where(keep, rows[r], -np.inf)
-            out[r] = kept
+            if len(allowed) * _GATHER_BELOW < rows.shape[1]:
+                # A narrow pattern (ten digits of 49,152 tokens): only the allowed columns are read.
+                kept = rows[np.ix_(r, allowed)]
+                out[np.ix_(r, allowed)] = kept
+            else:
+                # Whole rows through a boolean mask: a wide pattern allows most of a large vocabulary, and
+                # gathering tens of thousands of columns per row costs far more.
+                keep = np.zeros(rows.shape[1], dtype=bool)
+                keep[allowed] = True
+                kept = np.where(keep, rows[r], -np.inf)
+                out[r] = kept
             top = kept.max(axis=1)
             safe = np.where(np.isfinite(top), top, 0.0)
             with np.errstate(divide="ignore"):
