@@ -107,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
 
     target = load_target(args)
     draft = make_draft(args.draft, target)
+    # The draft is built: nothing the server runs reads the target's unpacked block weights any more.
+    release = getattr(target, "release_unfused_weights", None)
+    if release is not None:
+        release()
     # The engine runs on this thread, which loaded the model (see Engine's `background`); HTTP on another.
     engine = Engine(target, draft=draft, gamma=args.gamma, max_batch=args.max_batch, max_waiting=args.max_waiting,
                     batch_invariant=args.batch_invariant, prompt_tokens_per_step=args.prompt_tokens_per_step,

@@ -30,14 +30,22 @@ import warnings
 import torch
 
 from ..models.hf import HFModel
+from ..models.hf.fused_llama import RELEASED
 from ..models.hf.prepack import unpacked_copy
 from ..validation import InputError
 
 __all__ = ["int8_twin", "bf16_twin", "truncated_draft"]
 
 
+def _check_weights_held(target: HFModel) -> None:
+    if getattr(target.module, RELEASED, False):
+        raise InputError(f"{target.name} keeps its block weights only in its fused forward "
+                         "(release_unfused_weights): derive drafts from it before releasing them")
+
+
 def int8_twin(target: HFModel) -> HFModel:
     """A copy of ``target`` with int8 dynamically quantised Linear layers (the target is untouched)."""
+    _check_weights_held(target)
     module = unpacked_copy(target.module)
     with warnings.catch_warnings():
         # torch.ao.quantization is deprecated in favour of torchao, which is not a dependency here; the eager
@@ -51,6 +59,7 @@ def int8_twin(target: HFModel) -> HFModel:
 
 def bf16_twin(target: HFModel) -> HFModel:
     """A bfloat16 copy of ``target`` (its logits are converted to float32 before the log-softmax)."""
+    _check_weights_held(target)
     module = unpacked_copy(target.module).to(torch.bfloat16)
     return HFModel(module, target.tokenizer, name=f"{target.name}-bf16")
 
@@ -64,6 +73,7 @@ def truncated_draft(target: HFModel, layers: int) -> HFModel:
     Example:
         >>> draft = truncated_draft(target, 4)     # doctest: +SKIP
     """
+    _check_weights_held(target)
     decoder = target.module.get_decoder() if hasattr(target.module, "get_decoder") else None
     blocks = getattr(decoder, "layers", None)
     if not isinstance(blocks, torch.nn.ModuleList):

@@ -42,10 +42,11 @@ import torch.nn.functional as F
 
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache, SlotCache
+from .pages import drop_mapped_pages
 from .precision import Int8Linear
 from .prepack import onednn_available, pack_weight, packed_linear
 
-__all__ = ["FusedLlama", "unsupported_reason", "rms_norm", "rotate_half"]
+__all__ = ["FusedLlama", "unsupported_reason", "release_block_weights", "rms_norm", "rotate_half", "RELEASED"]
 
 # Relative logit difference above which the load-time probe rejects the fused forward: float32 reordering
 # moves logits by ~1e-6 relative, a formula change by far more.
@@ -57,6 +58,7 @@ _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDict
 
 
 Product = Callable[[torch.Tensor], torch.Tensor]   # rows (m, in) -> (m, out)
+RELEASED = "_speculum_weights_released"   # set on a module whose block weights live only in packed form
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,28 @@ def _product(layers: list) -> Product:
                                    for params, reduce_range in ops], dim=-1)
 
 
+def release_block_weights(module: torch.nn.Module) -> int:
+    """Free the float32 weights of ``module``'s block projections, which its fused forward holds packed
+    (one copy of each weight in memory instead of two); returns the bytes given back to the system.
+
+    The fused forward is unchanged. What needs the module's own weights afterwards is refused with a clear
+    error (copies of it, such as the twins, and fused forwards built on it later). The embedding, the
+    norms and a tied output head keep theirs. Weights mapped from the checkpoint file have their pages
+    dropped (:func:`~speculum.models.hf.pages.drop_mapped_pages`)."""
+    blocks = list(module.get_decoder().layers)
+    if any(block not in _PACKED for block in blocks):
+        raise ValueError("build the fused forward of this module before releasing its weights")
+    ranges = []
+    for block in blocks:
+        attn, mlp = block.self_attn, block.mlp
+        for layer in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if _is_float_linear(layer) and layer.weight.numel():
+                ranges.append((layer.weight.data_ptr(), layer.weight.numel() * layer.weight.element_size()))
+                layer.weight = torch.nn.Parameter(layer.weight.new_empty(0, layer.in_features), requires_grad=False)
+    setattr(module, RELEASED, True)
+    return drop_mapped_pages(ranges)
+
+
 def unsupported_reason(module: torch.nn.Module) -> str | None:
     """None when :class:`FusedLlama` reproduces ``module``'s forward, else why not (one line)."""
     config = getattr(module, "config", None)
@@ -149,6 +173,8 @@ def unsupported_reason(module: torch.nn.Module) -> str | None:
     if not any(all(kind(lin) for lin in linears) for kind in (_is_float_linear, _is_int8_linear, _is_weight_int8)):
         return ("projections are neither all plain float Linear layers, nor all int8 dynamically quantised, "
                 "nor all int8 weight-only ones (other quantisation?)")
+    if any(_is_float_linear(lin) and not lin.weight.numel() for lin in linears):
+        return "its block weights were released (release_block_weights): only its own fused forward runs it"
     tensors = [*module.parameters()]
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         return "not float32 on CPU"

@@ -40,7 +40,7 @@ from ...validation import InputError
 from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_blocks, check_token_ids,
                     common_prefix_length)
 from ..vocabulary import hf_token_bytes
-from .fused_llama import FusedLlama
+from .fused_llama import FusedLlama, release_block_weights
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache
 from .logprobs import log_mass, logprob_rows
@@ -129,6 +129,13 @@ class HFModel(BaseModel):
     def fused_forward(self) -> bool:
         """True when forwards run the fused Llama forward (:mod:`speculum.models.hf.fused_llama`)."""
         return self._fused is not None
+
+    def release_unfused_weights(self) -> int:
+        """Give back the module's own copies of the block weights the fused forward holds packed (a
+        server's resident memory: one copy of each weight, not two); returns the bytes given back, 0
+        without a fused forward. Every call of this model is unchanged; drafts derived from it (twins,
+        ``layers:K``) must be made before, and are refused after."""
+        return release_block_weights(self.module) if self._fused is not None else 0
 
     # ------------------------------------------------------------------------------------ loading
     @classmethod

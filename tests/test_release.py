@@ -1,0 +1,57 @@
+"""Releasing the unpacked block weights once the fused forward holds them packed.
+
+Invariants: every call of the model returns bitwise what it returned before the release; drafts derived
+from the weights are refused after it with a clear error; pages are dropped only inside private file
+mappings, and a dropped page reads back as the file's bytes.
+"""
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hf_tiny import save_tiny_model  # noqa: E402
+from speculum.drafts.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
+from speculum.models.hf import HFModel  # noqa: E402
+from speculum.models.hf.pages import drop_mapped_pages  # noqa: E402
+from speculum.validation import InputError  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+
+def test_release_changes_no_answer_and_refuses_derived_drafts(tmp_path):
+    model = HFModel.from_pretrained(save_tiny_model(tmp_path / "model", layers=2))
+    prompts = [[5, 9, 3], [4, 4, 7, 12]]
+    session = model.start(prompts[0])
+    before = (model.next_logprobs(prompts), model.score_sequences(prompts, prompt=[6]),
+              session.extend([8, 10]))
+    freed = model.release_unfused_weights()
+    assert freed >= 0 and all(not layer.weight.numel() for block in model.module.get_decoder().layers
+                              for layer in (block.self_attn.q_proj, block.mlp.down_proj))
+    session.rollback(2)
+    after = (model.next_logprobs(prompts), model.score_sequences(prompts, prompt=[6]), session.extend([8, 10]))
+    for was, now in zip(before, after):
+        assert np.array_equal(was, now)
+    for derive in (int8_twin, bf16_twin, lambda target: truncated_draft(target, 1)):
+        with pytest.raises(InputError, match="derive drafts from it before"):
+            derive(model)
+
+
+def test_pages_are_dropped_only_in_private_file_mappings(tmp_path):
+    page = mmap.PAGESIZE
+    path = tmp_path / "weights.bin"
+    content = np.arange(4 * page // 4, dtype=np.float32)
+    content.tofile(path)
+    mapped = np.memmap(path, dtype=np.float32, mode="c")      # private, copy-on-write: as safetensors maps
+    assert mapped.sum() == content.sum()                        # touched: resident
+    address = mapped.ctypes.data
+    assert drop_mapped_pages([(address, mapped.nbytes)]) == mapped.nbytes
+    assert np.array_equal(np.asarray(mapped), content)         # read back from the file
+    anonymous = np.ones(4 * page // 8)
+    assert drop_mapped_pages([(anonymous.ctypes.data, anonymous.nbytes)]) == 0
+    assert anonymous.sum() == len(anonymous)
+    assert drop_mapped_pages([(address + 1, page)]) == 0        # no whole page inside
