@@ -114,3 +114,15 @@ def test_the_real_model_scores_a_batch_as_each_prompt_alone():
     for prompt, scores in zip(prompts, together):
         assert same(scores, PromptScorer(model, chunk=16).score(prompt, top=2))
     assert packed.forwards < 8
+
+
+def test_extend_rows_checks_its_arguments_like_extend_sessions(tiny):
+    from speculum.validation import InputError
+
+    session = tiny.start_deferred([5, 6])
+    with pytest.raises(InputError, match="appears twice in one extend_rows call"):
+        tiny.extend_rows([session, session], [[], []])
+    with pytest.raises(InputError, match="extend_rows got 1 sessions and 2 token lists"):
+        tiny.extend_rows([session], [[], []])
+    with pytest.raises(InputError, match="token_lists\\[0\\]"):
+        tiny.extend_rows([session], [[10_000]])

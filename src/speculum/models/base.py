@@ -179,12 +179,14 @@ class Feed:
 
 def check_session_blocks(model: Any, session_type: type, feeds: Sequence[Any],
                          token_lists: Sequence[Sequence[int]] | None = None,
-                         prompt_limits: Sequence[int | None] | None = None) -> list[Feed]:
-    """The arguments of ``model.extend_sessions``, checked, as :class:`Feed` records with token lists of
-    ints: ``feeds`` holds Feed records, or (the parallel form) the sessions, with ``token_lists`` and
-    optionally ``prompt_limits`` beside them. Every session is a distinct ``session_type`` session of
-    ``model`` (its ``model`` attribute), every token in its vocabulary, every prompt limit a positive int
-    or None. ``InputError`` naming what is wrong otherwise (in the form the caller used)."""
+                         prompt_limits: Sequence[int | None] | None = None, *,
+                         call: str = "extend_sessions") -> list[Feed]:
+    """The arguments of ``model.extend_sessions`` (or of another ``call`` taking sessions and their tokens),
+    checked, as :class:`Feed` records with token lists of ints: ``feeds`` holds Feed records, or (the
+    parallel form) the sessions, with ``token_lists`` and optionally ``prompt_limits`` beside them. Every
+    session is a distinct ``session_type`` session of ``model`` (its ``model`` attribute), every token in
+    its vocabulary, every prompt limit a positive int or None. ``InputError`` naming what is wrong
+    otherwise (in the form the caller used)."""
     if token_lists is None:
         records = list(feeds)
         for i, feed in enumerate(records):
@@ -197,14 +199,14 @@ def check_session_blocks(model: Any, session_type: type, feeds: Sequence[Any],
     else:
         sessions = list(feeds)
         if len(sessions) != len(token_lists):
-            raise InputError(f"extend_sessions got {len(sessions)} sessions and {len(token_lists)} token lists")
+            raise InputError(f"{call} got {len(sessions)} sessions and {len(token_lists)} token lists")
         limits = [None] * len(sessions) if prompt_limits is None else list(prompt_limits)
         if len(limits) != len(sessions) or not all(_is_prompt_limit(limit) for limit in limits):
             raise InputError(f"prompt_limits must hold one positive int or None per session, got {prompt_limits!r}")
         records = [Feed(session, tokens, limit) for session, tokens, limit in zip(sessions, token_lists, limits)]
         names = [(f"sessions[{i}]", f"token_lists[{i}]") for i in range(len(records))]
     if len({id(feed.session) for feed in records}) != len(records):
-        raise InputError("a session appears twice in one extend_sessions call")
+        raise InputError(f"a session appears twice in one {call} call")
     checked = []
     for feed, (session_name, tokens_name) in zip(records, names):
         if not isinstance(feed.session, session_type) or feed.session.model is not model:

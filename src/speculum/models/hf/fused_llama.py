@@ -46,7 +46,7 @@ from .pages import drop_mapped_pages
 from .precision import Int8Linear
 from .prepack import onednn_available, pack_weight, packed_linear
 
-__all__ = ["FusedLlama", "unsupported_reason", "release_block_weights", "rms_norm", "rotate_half", "RELEASED"]
+__all__ = ["FusedLlama", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]
 
 # Relative logit difference above which the load-time probe rejects the fused forward: float32 reordering
 # moves logits by ~1e-6 relative, a formula change by far more.
@@ -78,7 +78,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     """The rotary embedding's half rotation of the last dimension: ``(a, b) -> (-b, a)``."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -382,14 +382,19 @@ class FusedLlama:
     def _qkv(self, block: _Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """Rotated queries and keys, and values, of ``x (batch, n, hidden)``: ``(batch, heads, n, d)``."""
         batch, n, hidden = x.shape
+        h = rms_norm(x, block.attn_norm, block.attn_eps).reshape(batch * n, hidden)
+        return self.split_heads(block.qkv(h).view(batch, n, -1), cos, sin)
+
+    def split_heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """Rotated queries and keys, and values, ``(batch, heads, n, d)``, of projected rows ``qkv (batch, n,
+        q + k + v features)`` at the positions of the rotary tables ``cos`` / ``sin``."""
+        batch, n, _ = qkv.shape
         q_end = self.heads * self.head_dim
         k_end = q_end + self.kv_heads * self.head_dim
-        h = rms_norm(x, block.attn_norm, block.attn_eps).reshape(batch * n, hidden)
-        qkv = block.qkv(h).view(batch, n, -1)
         q = qkv[..., :q_end].view(batch, n, self.heads, self.head_dim).transpose(1, 2)
         k = qkv[..., q_end:k_end].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
         v = qkv[..., k_end:].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Scaled-dot-product attention of ``q (batch, heads, n, d)`` on keys and values ``(batch, kv_heads,

@@ -275,25 +275,19 @@ class HFModel(BaseModel):
 
         BATCH-INVARIANT: each session's rows are bitwise those this call gives it alone; relative to the
         model, exact to float32 rounding (the fused forward's)."""
-        if len(sessions) != len(token_lists):
-            raise InputError(f"{len(sessions)} sessions but {len(token_lists)} token lists")
-        reads = []
-        for i, (session, tokens) in enumerate(zip(sessions, token_lists)):
-            tokens = check_token_ids(tokens, self.vocab_size, name=f"token_lists[{i}]")
-            if not isinstance(session, HFSession) or session.model is not self:
-                raise InputError(f"sessions[{i}] is not a session of {self.name}")
-            self.check_length(len(session.tokens) + len(tokens), name=f"sessions[{i}]")
-            reads.append((session.feed(tokens), tokens))
-        if any(not read for read, _ in reads):
+        feeds = check_session_blocks(self, HFSession, sessions, token_lists, call="extend_rows")
+        for i, feed in enumerate(feeds):
+            self.check_length(len(feed.session.tokens) + len(feed.tokens), name=f"sessions[{i}]")
+        reads = [feed.session.feed(feed.tokens) for feed in feeds]
+        if not all(reads):
             raise InputError("every session needs a token to read (its unfed prompt or tokens of its own)")
+        caches = [feed.session.cache for feed in feeds]
         with torch.inference_mode():
             if self._rows_forward is not None:
-                logits = self._rows_forward([read for read, _ in reads], [session.cache for session in sessions])
+                logits = self._rows_forward(reads, caches)
             else:
-                logits = [self.module(input_ids=torch.tensor([read]), cache=session.cache.transformers_cache,
-                                      use_cache=True).logits[0] for (read, _), session in zip(reads, sessions)]
-        return [session.record_forward(list(tokens), rows)
-                for session, (_, tokens), rows in zip(sessions, reads, logits)]
+                logits = [self.forward(torch.tensor([read]), cache)[0] for read, cache in zip(reads, caches)]
+        return [feed.session.record_forward(feed.tokens, rows) for feed, rows in zip(feeds, logits)]
 
     def _into_store(self, sessions: Sequence[HFSession], length: int) -> None:
         """Move the sessions' caches into the model's KV store (:mod:`~speculum.models.hf.kv_arena`), where

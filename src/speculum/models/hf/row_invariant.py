@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .fused_llama import FusedLlama, rms_norm, rotate_half
+from .fused_llama import FusedLlama, rms_norm
 from .kv_cache import KVCache, OwnCache
 
 __all__ = ["RowInvariantForward", "MAX_ROWS"]
@@ -103,8 +103,7 @@ class RowInvariantForward:
             positions = (torch.arange(n) + past).unsqueeze(0)                   # (1, n)
             tables.append([t.unsqueeze(1) for t in fused.rotary(x[None, bounds[b]:bounds[b + 1]], positions)])
             masks.append(None if n == 1 else torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past))
-        heads, kv_heads, d = fused.heads, fused.kv_heads, fused.head_dim
-        q_end, k_end = heads * d, (heads + kv_heads) * d
+        heads, d = fused.heads, fused.head_dim
         with contextlib.ExitStack() as held:
             for cache in caches:
                 held.enter_context(cache.exclusive())
@@ -113,11 +112,7 @@ class RowInvariantForward:
                 parts = []
                 for b, cache in enumerate(caches):
                     n, (cos, sin) = lengths[b], tables[b]
-                    rows = qkv[bounds[b]:bounds[b + 1]]
-                    q = rows[:, :q_end].reshape(1, n, heads, d).transpose(1, 2)            # (1, heads, n, d)
-                    k = rows[:, q_end:k_end].reshape(1, n, kv_heads, d).transpose(1, 2)
-                    v = rows[:, k_end:].reshape(1, n, kv_heads, d).transpose(1, 2)
-                    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+                    q, k, v = fused.split_heads(qkv[None, bounds[b]:bounds[b + 1]], cos, sin)  # (1, heads, n, d)
                     keys, values = cache.append(k, v, index)
                     attended = fused.attend(q, keys, values, masks[b])                     # (1, heads, n, d)
                     parts.append(attended[0].transpose(0, 1).reshape(n, heads * d))
