@@ -109,6 +109,20 @@ def summary(errors: np.ndarray) -> dict:
     return {"median_bits": float(np.median(finite)), "p95_bits": float(np.percentile(finite, 95))}
 
 
+class _Forwards:
+    """A sampler progress callback that counts the forwards of every set drawn and the growth rounds."""
+
+    def __init__(self) -> None:
+        self.total, self.rounds, self._last = 0, -1, None
+
+    def __call__(self, event) -> None:
+        if event.depth == 1:
+            self.rounds += 1
+            self._last = 0
+        self.total += event.forwards - self._last
+        self._last = event.forwards
+
+
 def part_a(model, args) -> dict:
     digits = args.digits_a
     prompt = model.encode(PROMPT, chat=False)
@@ -197,22 +211,16 @@ def part_b(model, args) -> dict:
     [exact_try] = estimate_ranks(model, [canary], constraint=constraint, prompt=prompt, index=index,
                                  method="exact", max_forwards=DEFAULT_AUTO_FORWARDS)
     exact_seconds = time.perf_counter() - started
-    report, sample, rounds = exact_try, None, 0
+    report, sample_seconds, sample_forwards = exact_try, 0.0, 0
     if exact_try.method != "exact":
-        # A pilot set, then more draws (merged, fresh seeds) until the 95% half-width reaches the target: the
-        # half-width shrinks as 1 / sqrt(draws), so the pilot says how many more are needed.
-        sample = sample_format(model, constraint, prompt=prompt, samples=args.pilot_b, seed=args.seed, index=index)
-        while True:
-            [report] = estimate_ranks(model, [canary], constraint=constraint, prompt=prompt, index=index,
-                                      sample=sample, max_forwards=DEFAULT_AUTO_FORWARDS)
-            low, high = report.exposure_interval
-            wanted = math.ceil(len(sample) * 1.1 * ((high - low) / 2 / args.target_bits) ** 2)
-            if (high - low) / 2 <= args.target_bits or len(sample) >= args.samples_b:
-                break
-            rounds += 1
-            extra = min(max(wanted - len(sample), 64), args.samples_b - len(sample))
-            sample = sample.merged(sample_format(model, constraint, prompt=prompt, samples=extra,
-                                                 seed=args.seed + rounds, index=index))
+        # A pilot set grown (merged draws, fresh seeds) until the 95% half-width reaches the target: the
+        # half-width shrinks as 1 / sqrt(draws), so each round draws what the last interval asks for.
+        started_draws, forwards_before = time.perf_counter(), index.seek_index().forwards
+        progress = _Forwards()
+        [report] = estimate_ranks(model, [canary], constraint=constraint, prompt=prompt, index=index,
+                                  samples=args.pilot_b, seed=args.seed, target_bits=args.target_bits,
+                                  max_samples=args.samples_b, max_forwards=DEFAULT_AUTO_FORWARDS, progress=progress)
+        sample_seconds, sample_forwards = time.perf_counter() - started_draws, progress.total
     seconds = time.perf_counter() - started
     low, high = report.exposure_interval
     half = (high - low) / 2
@@ -222,10 +230,9 @@ def part_b(model, args) -> dict:
             "exposure_bits": report.exposure_bits, "exposure_interval": [low, high], "half_width_bits": half,
             # The half-width shrinks as 1/sqrt(draws): the draws the target half-width needs at this canary.
             "samples_for_target": (int(math.ceil(report.samples * (half / args.target_bits) ** 2))
-                                   if report.samples else 0), "top_up_rounds": rounds,
+                                   if report.samples else 0), "top_up_rounds": progress.rounds if report.samples else 0,
             "exact_attempt_seconds": exact_seconds, "index_forwards": index.seek_index().forwards,
-            "sample_seconds": 0.0 if sample is None else sample.seconds,
-            "sample_forwards": 0 if sample is None else sample.forwards,
+            "sample_seconds": sample_seconds, "sample_forwards": sample_forwards,
             "seconds": seconds, "peak_mb": peak_mb()}
 
 
@@ -235,12 +242,16 @@ def part_c(model, args) -> dict:
     numbers = np.random.default_rng(args.seed + 11).integers(0, 10 ** digits, args.shared)
     canaries = [member_tokens(model, int(n), digits) for n in numbers]
     started = time.perf_counter()
+    progress = _Forwards()
     reports = estimate_ranks(model, canaries, constraint=Regex(rf" \d{{{digits}}}"), prompt=prompt,
-                             samples=args.samples_c, seed=args.seed)
+                             samples=args.samples_c, seed=args.seed, target_bits=args.target_bits,
+                             max_samples=args.max_samples_c, progress=progress)
     seconds = time.perf_counter() - started
     halves = [(r.exposure_interval[1] - r.exposure_interval[0]) / 2 for r in reports]
     methods = {m: sum(r.method == m for r in reports) for m in {r.method for r in reports}}
-    return {"digits": digits, "canaries": len(canaries), "samples": args.samples_c, "seconds": seconds,
+    return {"digits": digits, "canaries": len(canaries), "samples": max(r.samples for r in reports),
+            "first_samples": args.samples_c, "rounds": progress.rounds, "sample_forwards": progress.total,
+            "seconds": seconds, "over_target": sum(h > args.target_bits for h in halves),
             "seconds_per_canary": seconds / len(canaries), "methods": methods,
             "median_half_width_bits": float(np.median(halves)), "max_half_width_bits": float(np.max(halves)),
             "peak_mb": peak_mb()}
@@ -291,9 +302,11 @@ def print_report(report: dict) -> None:
               f"forwards); peak memory {b['peak_mb']:,.0f} MB")
     if "c" in report:
         c = report["c"]
-        print(f"c) {c['canaries']} canaries on one set of {c['samples']:,} draws: {c['seconds']:.0f} s "
+        print(f"c) {c['canaries']} canaries on one set of {c['samples']:,} draws ({c['first_samples']:,} first, "
+              f"{c['rounds']} growth rounds, {c['sample_forwards']:,} forwards): {c['seconds']:.0f} s "
               f"({c['seconds_per_canary']:.1f} s each), methods {c['methods']}, half-width median "
-              f"{c['median_half_width_bits']:.3f} bit, max {c['max_half_width_bits']:.3f} bit")
+              f"{c['median_half_width_bits']:.3f} bit, max {c['max_half_width_bits']:.3f} bit, "
+              f"{c['over_target']} over the target")
     if "d" in report:
         d = report["d"]
         print(f"d) planted {d['canary']!r} after {d['prompt']!r}: rank {d['rank']} ({d['method']}), exposure "
@@ -314,8 +327,9 @@ def main() -> None:
     parser.add_argument("--pilot-b", type=int, default=512, help="part b: draws of the pilot set")
     parser.add_argument("--samples-b", type=int, default=8192, help="part b: most draws in all")
     parser.add_argument("--samples-c", type=int, default=4096, help="part c: draws shared by the canaries")
+    parser.add_argument("--max-samples-c", type=int, default=20480, help="part c: most draws in all")
     parser.add_argument("--shared", type=int, default=100, help="part c: canaries sharing one set of draws")
-    parser.add_argument("--target-bits", type=float, default=0.1, help="part b: the half-width aimed at")
+    parser.add_argument("--target-bits", type=float, default=0.1, help="parts b and c: the half-width aimed at")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "speculum-exposure"),
                         help="where part a keeps the brute force's table")

@@ -112,6 +112,13 @@ def test_table_and_plot(capsys, tmp_path, tiny_dir, canaries_file):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_target_bits_grows_the_draws(capsys, tiny_dir, canaries_file):
+    assert main(["audit", canaries_file, "--prompt", PROMPT, "--regex", FORMAT, "--target", tiny_dir, "--json",
+                 "--samples", "64", "--max-forwards", "0", "--target-bits", "0.05", "--max-samples", "400"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert 64 < report["samples"] <= 400
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["EMPTY", "--regex", FORMAT], "holds no non-empty line"),
     (["MISSING", "--regex", FORMAT], "no such file"),
@@ -121,6 +128,9 @@ def test_table_and_plot(capsys, tmp_path, tiny_dir, canaries_file):
     (["CANARIES", "--regex", FORMAT, "--samples", "1"], "--samples must be >= 2"),
     (["CANARIES", "--regex", FORMAT, "--method", "exact", "--samples", "10"], "--method exact never samples"),
     (["CANARIES", "--regex", FORMAT, "--plot", "NOFOLDER"], "--plot: no such folder"),
+    (["CANARIES", "--regex", FORMAT, "--target-bits", "0"], "--target-bits must be above 0"),
+    (["CANARIES", "--regex", FORMAT, "--max-samples", "9000"], "--max-samples goes with --target-bits"),
+    (["CANARIES", "--regex", FORMAT, "--target-bits", "0.1", "--max-samples", "10"], "--max-samples must be at least"),
     (["CANARIES", "--choices-file", "EMPTY"], "holds no non-empty line"),
 ])
 def test_bad_input_is_one_line_before_the_model_loads(capsys, monkeypatch, tmp_path, canaries_file, argv, needle):

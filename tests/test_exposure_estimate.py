@@ -84,27 +84,33 @@ def test_both_laws_sum_to_one_over_the_support_and_draws_record_them(pattern, su
     index, truth = token_truth(model, VOCAB, pattern, **support)
     walk = _Walk(model, index.support, PROMPT, 64)
     members = list(truth)
-    target, model_law, uniform_law = path_logprobs(walk, members)
+    sample = sample_format(model, Regex(pattern, vocabulary=VOCAB), prompt=PROMPT, samples=300, seed=2,
+                           strata={1: 0.25, 0.5: 0.25, 0.25: 0.25, 0: 0.25}, **support)
+    target, laws = path_logprobs(walk, members, sample.tilts)
+    assert sample.tilts == (1.0, 0.5, 0.25, 0.0)
     assert np.allclose(target, [truth[m][1] for m in members], atol=1e-12)
-    assert math.isclose(np.exp(np.logaddexp.reduce(model_law)), 1.0, rel_tol=1e-9)
-    assert math.isclose(np.exp(np.logaddexp.reduce(uniform_law)), 1.0, rel_tol=1e-9)
-    sample = sample_format(model, Regex(pattern, vocabulary=VOCAB), prompt=PROMPT, samples=300, seed=2, **support)
-    laws = {m: row for m, row in zip(members, zip(target, model_law, uniform_law))}
-    for item, *recorded in zip(sample.items, sample.target_logprob, sample.model_logprob, sample.uniform_logprob):
-        assert np.allclose(recorded, laws[item], atol=1e-12)
-    n_model, n_uniform = sample.stratum_sizes
-    mixture = np.logaddexp(np.log(n_model / 300) + model_law, np.log(n_uniform / 300) + uniform_law)
+    for law in laws.T:
+        assert math.isclose(np.exp(np.logaddexp.reduce(law)), 1.0, rel_tol=1e-9)
+    by_member = {m: (t, row) for m, t, row in zip(members, target, laws)}
+    for item, recorded_target, recorded_laws in zip(sample.items, sample.target_logprob, sample.stratum_logprob):
+        assert np.isclose(recorded_target, by_member[item][0], atol=1e-12)
+        assert np.allclose(recorded_laws, by_member[item][1], atol=1e-12)
+    counts = np.array(sample.stratum_sizes)
+    mixture = np.logaddexp.reduce(laws + np.log(counts / 300), axis=1)
     assert math.isclose(np.exp(np.logaddexp.reduce(mixture)), 1.0, rel_tol=1e-9)
+    # The tilted laws lie between the model's and the uniform one: tilting flattens the model's law.
+    spread = [float(np.std(np.exp(law))) for law in laws.T]
+    assert spread == sorted(spread, reverse=True)
 
 
 def test_draws_follow_their_stratum_laws(tokens_case):
     """Chi-square goodness of fit of each stratum's draws to its law (bins of expected count >= 5)."""
     model, index, truth = tokens_case
     members = list(truth)
-    _, model_law, uniform_law = path_logprobs(_Walk(model, index.support, PROMPT, 512), members)
     sample = sample_format(model, Regex(FORMAT, vocabulary=VOCAB), prompt=PROMPT, samples=40_000, seed=5,
-                           index=index)
-    for stratum, law in ((0, model_law), (1, uniform_law)):
+                           index=index, strata={1: 0.3, 0.4: 0.4, 0: 0.3})
+    _, laws = path_logprobs(_Walk(model, index.support, PROMPT, 512), members, sample.tilts)
+    for stratum, law in enumerate(laws.T):
         counts = Counter(item for item, s in zip(sample.items, sample.stratum) if s == stratum)
         observed = np.array([counts.get(m, 0) for m in members], dtype=float)
         expected = np.exp(law) * observed.sum()
@@ -129,7 +135,7 @@ def test_merged_sets_keep_exact_laws_and_an_unbiased_estimate(tokens_case):
     counts, and estimates from merged sets stay unbiased."""
     model, index, truth = tokens_case
     constraint = Regex(FORMAT, vocabulary=VOCAB)
-    first = sample_format(model, constraint, prompt=PROMPT, samples=40, seed=1, index=index)
+    first = sample_format(model, constraint, prompt=PROMPT, samples=40, seed=1, index=index, uniform_share=0.5)
     second = sample_format(model, constraint, prompt=PROMPT, samples=60, seed=2, index=index, uniform_share=0.2)
     both = first.merged(second)
     assert both.stratum_sizes == (20 + 48, 20 + 12) and both.items == first.items + second.items
@@ -138,12 +144,15 @@ def test_merged_sets_keep_exact_laws_and_an_unbiased_estimate(tokens_case):
     item = next(m for m, (rank, _) in truth.items() if rank == 3_000)
     estimates = [rank_from_sample(
         sample_format(model, constraint, prompt=PROMPT, samples=64, seed=2 * k, index=index, uniform_share=0.25)
-        .merged(sample_format(model, constraint, prompt=PROMPT, samples=32, seed=2 * k + 1, index=index)),
+        .merged(sample_format(model, constraint, prompt=PROMPT, samples=32, seed=2 * k + 1, index=index,
+                              uniform_share=0.5)),
         item, truth[item][1]).rank for k in range(200)]
     spread = np.std(estimates, ddof=1) / math.sqrt(len(estimates))
     assert abs(np.mean(estimates) - 3_000) <= 4 * spread and spread > 0
     with pytest.raises(InputError, match="can be merged"):
-        first.merged(sample_format(model, constraint, prompt=[11], samples=10))
+        first.merged(sample_format(model, constraint, prompt=[11], samples=10, uniform_share=0.5))
+    with pytest.raises(InputError, match="same strata"):
+        first.merged(sample_format(model, constraint, prompt=PROMPT, samples=16, index=index, strata={1: .5, .5: .5}))
 
 
 # ------------------------------------------------------------------------------------- the estimator
@@ -266,9 +275,68 @@ def test_the_string_law_sums_to_one_over_strings(strings_case):
     for text in truth:
         for seq in index._queries.tokenizations(text):
             members[seq] = text
-    _, model_law, uniform_law = path_logprobs(walk, list(members))
-    assert math.isclose(np.exp(np.logaddexp.reduce(model_law)), 1.0, rel_tol=1e-9)
-    assert math.isclose(np.exp(np.logaddexp.reduce(uniform_law)), 1.0, rel_tol=1e-9)
+    _, laws = path_logprobs(walk, list(members), (1.0, 0.3, 0.0))
+    for law in laws.T:
+        assert math.isclose(np.exp(np.logaddexp.reduce(law)), 1.0, rel_tol=1e-9)
+
+
+# ------------------------------------------------------------------------- the conditional last step
+def test_siblings_hold_every_member_one_last_token_away_with_exact_laws(tokens_case):
+    """Each draw of a fixed-length format keeps the 10 members sharing its prefix, with their exact
+    log-probs and every stratum's law of them, and its own stratum's step law (summing to 1)."""
+    model, index, truth = tokens_case
+    sample = sample_format(model, Regex(FORMAT, vocabulary=VOCAB), prompt=PROMPT, samples=200, seed=3, index=index,
+                           strata={1: 0.5, 0.5: 0.25, 0: 0.25})
+    siblings = sample.siblings
+    assert siblings.present.all() and siblings.token.shape == (200, 10)
+    members = sorted({x[:-1] + (int(t),) for x, row in zip(sample.items, siblings.token) for t in row})
+    _, laws = path_logprobs(_Walk(model, index.support, PROMPT, 512), members, sample.tilts)
+    law_of = dict(zip(members, laws))
+    for i, x in enumerate(sample.items):
+        tokens = siblings.token[i].tolist()
+        for t, lp, row in zip(tokens, siblings.target[i], siblings.laws[i]):
+            assert np.isclose(lp, truth[x[:-1] + (t,)][1], atol=1e-12)
+            assert np.allclose(row, law_of[x[:-1] + (t,)], atol=1e-12)
+        assert math.isclose(np.exp(siblings.own[i]).sum(), 1.0, rel_tol=1e-9)
+        assert np.allclose(siblings.laws[i, tokens.index(x[-1])], sample.stratum_logprob[i], atol=1e-12)
+
+
+def test_the_conditional_term_is_unbiased_and_no_noisier_than_the_drawn_token(tokens_case):
+    """The same draws estimated with and without their siblings: both unbiased; the conditional estimate's
+    spread over 200 seeds is below the plain one's (Rao-Blackwell)."""
+    import dataclasses
+
+    model, index, truth = tokens_case
+    item = next(m for m, (rank, _) in truth.items() if rank == 1_500)
+    with_siblings, plain = [], []
+    for k in range(200):
+        sample = sample_format(model, Regex(FORMAT, vocabulary=VOCAB), prompt=PROMPT, samples=96, seed=500 + k,
+                               index=index)
+        with_siblings.append(rank_from_sample(sample, item, truth[item][1]).rank)
+        plain.append(rank_from_sample(dataclasses.replace(sample, siblings=None), item, truth[item][1]).rank)
+    for estimates in (np.array(with_siblings), np.array(plain)):
+        spread = estimates.std(ddof=1) / math.sqrt(len(estimates))
+        assert abs(estimates.mean() - 1_500) <= 4 * spread and spread > 0
+    assert np.std(with_siblings) < 0.9 * np.std(plain)
+
+
+def test_the_set_grows_until_every_interval_is_narrow_enough(tokens_case):
+    model, index, truth = tokens_case
+    by_rank = {rank: item for item, (rank, _) in truth.items()}
+    items = [by_rank[r] for r in (700, 2_500, 6_000)]
+    constraint = Regex(FORMAT, vocabulary=VOCAB)
+    first = estimate_ranks(model, items, constraint=constraint, prompt=PROMPT, method="sampled", samples=128, seed=2)
+    grown = estimate_ranks(model, items, constraint=constraint, prompt=PROMPT, method="sampled", samples=128, seed=2,
+                           target_bits=0.1, max_samples=20_000)
+    half = [(r.exposure_interval[1] - r.exposure_interval[0]) / 2 for r in grown]
+    assert max((r.exposure_interval[1] - r.exposure_interval[0]) / 2 for r in first) > 0.1
+    assert max(half) <= 0.1 and 128 < grown[0].samples <= 20_000
+    assert len({r.samples for r in grown}) == 1
+    capped = estimate_ranks(model, items, constraint=constraint, prompt=PROMPT, method="sampled", samples=128, seed=2,
+                            target_bits=0.001, max_samples=300)
+    assert capped[0].samples == 300
+    with pytest.raises(InputError, match="target_bits"):
+        estimate_ranks(model, items, constraint=constraint, prompt=PROMPT, target_bits=0)
 
 
 # ------------------------------------------------------------------------------------ method="auto"
@@ -335,19 +403,27 @@ def test_bad_input_is_named(tokens_case):
         estimate_rank(model, item, prompt=PROMPT, method="sampled")
     with pytest.raises(InputError, match="never samples"):
         estimate_rank(model, item, constraint=constraint, prompt=PROMPT, method="exact", samples=10)
-    other = sample_format(model, constraint, prompt=[11], samples=10)
+    other = sample_format(model, constraint, prompt=[11], samples=16)
     with pytest.raises(InputError, match="another format"):
         estimate_rank(model, item, constraint=constraint, prompt=PROMPT, sample=other)
     with pytest.raises(InputError, match="not a member"):
         estimate_rank(model, (1, 2, 3), constraint=constraint, prompt=PROMPT, method="sampled", samples=10)
     with pytest.raises(InputError, match="pass max_len"):
-        sample_format(model, Regex(r"\d+", vocabulary=VOCAB), prompt=PROMPT, eos=11, samples=10)
+        sample_format(model, Regex(r"\d+", vocabulary=VOCAB), prompt=PROMPT, eos=11, samples=16)
     with pytest.raises(InputError, match="samples must be"):
         sample_format(model, constraint, prompt=PROMPT, samples=1)
     with pytest.raises(InputError, match="another format"):
-        sample_format(model, Regex(r"\d{3}", vocabulary=VOCAB), prompt=PROMPT, samples=10, index=index)
-    with pytest.raises(InputError, match="one draw"):
+        sample_format(model, Regex(r"\d{3}", vocabulary=VOCAB), prompt=PROMPT, samples=16, index=index)
+    with pytest.raises(InputError, match="fewer than two draws"):
         sample_format(model, constraint, prompt=PROMPT, samples=3, uniform_share=0.2)
+    with pytest.raises(InputError, match="fewer than two draws"):
+        sample_format(model, constraint, prompt=PROMPT, samples=10, strata={1: 0.1, 0: 0.9})
+    with pytest.raises(InputError, match="tilt must be"):
+        sample_format(model, constraint, prompt=PROMPT, samples=64, strata={1.5: 0.5, 0: 0.5})
+    with pytest.raises(InputError, match="not both"):
+        sample_format(model, constraint, prompt=PROMPT, samples=64, strata={1: 1.0}, uniform_share=0.5)
+    with pytest.raises(InputError, match="positive share"):
+        sample_format(model, constraint, prompt=PROMPT, samples=64, strata={1: 0.0})
     assert isinstance(other, FormatSample)
 
 
@@ -366,7 +442,8 @@ def test_unconstrained_exact_method_skips_the_envelope():
 @pytest.mark.llm
 def test_sampled_ranks_on_smollm2_cover_the_exact_ones():
     """SmolLM2 after "My PIN is", " \\d{3}" (1,000 members, one spelling each): the exact index ranks them
-    all; 2,048 draws estimate 30 canaries' ranks, and the intervals cover them."""
+    all; four sets of 2,048 draws each estimate 30 canaries' ranks, and the intervals cover them (the
+    canaries of one set share its draws, so their misses go together: coverage is pooled over sets)."""
     pytest.importorskip("torch")
     import speculum
 
@@ -376,16 +453,17 @@ def test_sampled_ranks_on_smollm2_cover_the_exact_ones():
     index = AutoregressiveEnumerable(model, prompt=prompt, constraint=constraint)
     truth = {seq: (rank, lp) for rank, (seq, lp) in enumerate(index.top_k(1000))}
     assert len(truth) == 1000
-    sample = sample_format(model, constraint, prompt=prompt, samples=2048, seed=0, index=index)
-    rng = np.random.default_rng(0)
     members = list(truth)
+    picks = np.random.default_rng(0).choice(len(members), 30, replace=False)
     covered, errors = 0, []
-    for i in rng.choice(len(members), 30, replace=False):
-        rank, lp = truth[members[i]]
-        guess = rank_from_sample(sample, members[i], lp)
-        covered += guess.ci_lo <= rank <= guess.ci_hi
-        errors.append(abs(math.log2(guess.rank + 1) - math.log2(rank + 1)))
-    assert covered >= 25 and np.median(errors) < 0.1
+    for seed in range(4):
+        sample = sample_format(model, constraint, prompt=prompt, samples=2048, seed=seed, index=index)
+        for i in picks:
+            rank, lp = truth[members[i]]
+            guess = rank_from_sample(sample, members[i], lp)
+            covered += guess.ci_lo <= rank <= guess.ci_hi
+            errors.append(abs(math.log2(guess.rank + 1) - math.log2(rank + 1)))
+    assert covered >= 0.85 * 120 and np.median(errors) < 0.1
 
 
 @pytest.mark.parametrize("module", ["speculum.enumeration.sampling", "speculum.enumeration.estimate",

@@ -70,6 +70,11 @@ def register(subparsers: Any) -> None:
                             "always the sampled estimate (default: auto)")
     audit.add_argument("--samples", type=int, default=None,
                        help=f"draws from the format, shared by every canary (default: {DEFAULT_SAMPLES:,})")
+    audit.add_argument("--target-bits", type=float, default=None,
+                       help="draw more (same strata, merged) until every sampled exposure's 95%% interval is at most "
+                            "this many bits on each side, or --max-samples is reached (default: one set)")
+    audit.add_argument("--max-samples", type=int, default=None,
+                       help="most draws in all with --target-bits (default: 8 x --samples)")
     audit.add_argument("--max-forwards", type=int, default=None,
                        help=f"most prefixes the exact index forwards before sampling or bracketing (default: "
                             f"{DEFAULT_AUTO_FORWARDS:,}; {DEFAULT_MAX_FORWARDS:,} with --method exact)")
@@ -108,8 +113,14 @@ def _check(args: argparse.Namespace) -> tuple[Any, list[str], str]:
     check_at_least(args.max_len, 1, "--max-len")
     check_at_least(args.max_forwards, 0, "--max-forwards")
     check_at_least(args.seed, 0, "--seed")
-    if args.method == "exact" and args.samples is not None:
-        raise CLIError("--samples goes with --method auto or sampled (--method exact never samples)")
+    if args.method == "exact" and (args.samples is not None or args.target_bits is not None):
+        raise CLIError("--samples and --target-bits go with --method auto or sampled (--method exact never samples)")
+    if args.target_bits is not None and not args.target_bits > 0:
+        raise CLIError(f"--target-bits must be above 0, got {args.target_bits}")
+    if args.max_samples is not None and args.target_bits is None:
+        raise CLIError("--max-samples goes with --target-bits")
+    if args.max_samples is not None and args.max_samples < (args.samples or DEFAULT_SAMPLES):
+        raise CLIError(f"--max-samples must be at least the first set's draws ({args.samples or DEFAULT_SAMPLES})")
     canaries = read_lines(args.canaries, "canaries file", "audit")
     if args.regex is not None:
         constraint = _regex(utf8_text(args.regex, "--regex", "audit"))
@@ -188,7 +199,8 @@ def run_audit(args: argparse.Namespace) -> int:
     samples = None if args.method == "exact" else (args.samples or DEFAULT_SAMPLES)
     reports = estimate_ranks(target, items, constraint=constraint, prompt=prompt, strings=args.strings,
                              method=args.method, max_forwards=args.max_forwards, samples=samples,
-                             seed=args.seed, index=index, progress=_terminal_bar(sample_bar))
+                             seed=args.seed, index=index, target_bits=args.target_bits,
+                             max_samples=args.max_samples, progress=_terminal_bar(sample_bar))
     seconds = time.perf_counter() - started
     space = reports[0].space_size
     space_bits = reports[0].space_bits

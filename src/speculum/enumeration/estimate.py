@@ -14,13 +14,13 @@ of ``c`` itself is never before it: identity decides, not the log-probs, since `
 its draws' (next-token rows) differ by float rounding (2e-5 nats on a float32 SmolLM2), and counting ``c``
 above itself would add about one to the rank and to the sure lower bound below.
 
-**Interval (ESTIMATED, 95%).** The draws are independent within each stratum of the set (model, uniform),
-so ``Var(rank_hat) = sum_k n_k Var_k(term) / n^2``, estimated with each stratum's sample variance. The
+**Interval (ESTIMATED, 95%).** The draws are independent within each stratum of the set (each tilt of the
+model), so ``Var(rank_hat) = sum_k n_k Var_k(term) / n^2``, estimated with each stratum's sample variance. The
 interval is normal on ``log rank_hat`` (the delta method: ``rank_hat * exp(+-1.96 se / rank_hat)``), which
 follows the estimate's right skew (a miss of a rare heavy term pulls it low) better than a symmetric one.
-When no draw falls before ``c`` the upper end is the rule of three on the model stratum: ``q_model(x) >=
-p(x) > p(c)`` for every ``x`` before ``c``, so ``R(c) < q_model(before c) / p(c) < 3 / (n_model p(c))``
-at 95%. The lower end never goes below the distinct members seen before ``c`` (a sure bound). Measured
+When no draw falls before ``c`` the upper end is the rule of three on the model stratum (tilt 1;
+infinite without one): ``q_model(x) >= p(x) > p(c)`` for every ``x`` before ``c``, so ``R(c) <
+q_model(before c) / p(c) < 3 / (n_model p(c))`` at 95%. The lower end never goes below the distinct members seen before ``c`` (a sure bound). Measured
 coverage: tests/test_exposure_estimate.py (200 canaries, each with its own draws, on a reference chain) and
 benchmarks/exposure.py (SmolLM2, over several sets of draws: the canaries of one set share its draws, so one
 set's coverage is nearly all or nothing and is no measure of the interval).
@@ -33,7 +33,7 @@ Example:
     >>> sample = sample_format(model, Regex("[ab]{6}", vocabulary=["a", "b", "c"]), prompt=[2], seed=0)
     >>> item = (0, 1, 0, 1, 0, 1)
     >>> guess = rank_from_sample(sample, item, float(model.score_sequences([item], prompt=[2])[0]))
-    >>> guess.ci_lo <= guess.rank <= guess.ci_hi and 0 <= guess.rank < 64
+    >>> guess.seen_before <= guess.ci_lo <= guess.ci_hi and 0 <= guess.rank < 64
     True
 """
 from __future__ import annotations
@@ -75,21 +75,21 @@ def rank_from_sample(sample: Any, item: Any, log_prob: float, *, z: float = Z_95
     z = check_number(z, "z", above=0.0)
     if log_prob == -math.inf:
         raise InputError("the item has zero probability under the model")
-    before = _before(sample, item, log_prob)
     n = len(sample)
-    weights = -sample.proposal_logprob                    # log of 1 / q(x_i)
-    hits = int(np.count_nonzero(before))
-    seen = len({sample.items[i] for i in np.flatnonzero(before).tolist()})
-    n_model = sample.stratum_sizes[0]
+    log_terms = _log_terms(sample, item, log_prob)          # log of each draw's term (-inf: none)
+    hit = np.isfinite(log_terms)
+    hits = int(np.count_nonzero(hit))
+    seen = _seen_before(sample, item, log_prob, hit)
+    n_model = sample.stratum_sizes[sample.tilts.index(1.0)] if 1.0 in sample.tilts else 0
     if not hits:
         upper = math.inf if not n_model else math.exp(math.log(_RULE_OF_THREE / n_model) - log_prob)
         return RankEstimate(0.0, 0.0, 0.0, upper, n, 0, 0)
-    # Terms 1[before] / q scaled by the largest, so that a space of 10^300 members stays in range.
-    shift = float(weights[before].max())
-    terms = np.where(before, np.exp(np.where(before, weights - shift, 0.0)), 0.0)
+    # Terms scaled by the largest, so that a space of 10^300 members stays in range.
+    shift = float(log_terms[hit].max())
+    terms = np.where(hit, np.exp(np.where(hit, log_terms - shift, 0.0)), 0.0)
     mean = terms.sum() / n
     variance = 0.0
-    for stratum in (0, 1):
+    for stratum in range(len(sample.tilts)):
         part = terms[sample.stratum == stratum]
         if len(part) > 1:
             variance += len(part) * float(part.var(ddof=1))
@@ -100,6 +100,54 @@ def rank_from_sample(sample: Any, item: Any, log_prob: float, *, z: float = Z_95
     lo = max(float(seen), rank * math.exp(-half))
     hi = rank * math.exp(half) if half < 709.0 else math.inf
     return RankEstimate(rank, standard_error, lo, max(hi, lo), n, hits, seen)
+
+
+def _log_terms(sample: Any, item: Any, log_prob: float) -> np.ndarray:
+    """``(n,)``: the log of each draw's term, ``-log q(x)`` where ``x`` comes before the item, or, for a
+    draw with siblings, the log of its conditional term ``sum_t q_k(t | y) 1[y t before c] / q(y t)``."""
+    log_terms = np.where(_before(sample, item, log_prob), -sample.proposal_logprob, -np.inf)
+    siblings = sample.siblings
+    if siblings is None or not siblings.token.shape[1]:
+        return log_terms
+    present = siblings.present
+    counts = np.asarray(sample.stratum_sizes, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        mixture = np.logaddexp.reduce(siblings.laws + np.log(counts / counts.sum()), axis=2)   # (n, width)
+    ahead = _siblings_before(sample, item, log_prob)
+    with np.errstate(invalid="ignore"):
+        conditional = np.logaddexp.reduce(np.where(ahead, siblings.own - mixture, -np.inf), axis=1)
+    return np.where(present, conditional, log_terms)
+
+
+def _siblings_before(sample: Any, item: Any, log_prob: float) -> np.ndarray:
+    """``(n, width)`` bool: the sibling members ``y t`` that come before ``item`` (token mode), the item
+    itself never (identity decides, as for the draws)."""
+    key = tuple(int(t) for t in item)
+    siblings = sample.siblings
+    valid = siblings.token >= 0
+    ahead = valid & (siblings.target > log_prob)
+    same_prefix = np.fromiter((x[:-1] == key[:-1] for x in sample.items), dtype=bool, count=len(sample))
+    itself = same_prefix[:, None] & (siblings.token == (key[-1] if key else -2))
+    ahead &= ~itself
+    for i, j in zip(*np.nonzero(valid & ~itself & (siblings.target == log_prob))):
+        ahead[i, j] = sample.items[i][:-1] + (int(siblings.token[i, j]),) < key
+    return ahead
+
+
+def _seen_before(sample: Any, item: Any, log_prob: float, hit: np.ndarray) -> int:
+    """Distinct members drawn (or one last token from a draw) that surely come before the item."""
+    siblings = sample.siblings
+    present = siblings.present if siblings is not None and siblings.token.shape[1] else np.zeros(len(sample), bool)
+    seen = {sample.items[i] for i in np.flatnonzero(hit & ~present).tolist()}
+    if present.any():
+        ahead = _siblings_before(sample, item, log_prob)
+        rows, cols = np.nonzero(ahead)
+        prefixes = {}
+        ids = np.fromiter((prefixes.setdefault(sample.items[i][:-1], len(prefixes)) for i in rows.tolist()),
+                          dtype=np.int64, count=len(rows))
+        width = int(siblings.token.max()) + 1
+        return len(seen) + len(np.unique(ids * width + siblings.token[rows, cols]))
+    return len(seen)
 
 
 def _before(sample: Any, item: Any, log_prob: float) -> np.ndarray:

@@ -25,11 +25,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..models.base import as_model, check_prompt, check_token_ids
-from ..validation import InputError, check_int
+from ..validation import InputError, check_int, check_number
 from .envelope import DEFAULT_RESOLUTION, AREnvelopeIndex
 from .estimate import rank_from_sample
 from .exact import AutoregressiveEnumerable
-from .sampling import DEFAULT_SAMPLES, DEFAULT_UNIFORM_SHARE, sample_format
+from .sampling import DEFAULT_SAMPLES, check_strata, sample_format
 from .support import Support
 
 __all__ = ["RankReport", "estimate_rank", "estimate_ranks", "DEFAULT_EXACT_RANK_LIMIT", "DEFAULT_MAX_FORWARDS",
@@ -152,7 +152,8 @@ def estimate_ranks(model: Any, items: Sequence[Any], *, constraint: Any, prompt:
                    strings: bool = False, eos: int | bool | None = None, max_len: int | None = None,
                    method: str = "auto", max_forwards: int | None = None, samples: int | None = None,
                    seed: int | np.random.Generator = 0, sample: Any = None,
-                   uniform_share: float = DEFAULT_UNIFORM_SHARE, index: Any = None,
+                   strata: Any = None, uniform_share: float | None = None, index: Any = None,
+                   target_bits: float | None = None, max_samples: int | None = None,
                    progress: Callable[[Any], None] | None = None, **index_options: Any) -> list[RankReport]:
     """Rank and exposure of each of ``items`` within the language of ``constraint``, all on one shared index
     and, when sampled, one shared set of draws.
@@ -172,10 +173,17 @@ def estimate_ranks(model: Any, items: Sequence[Any], *, constraint: Any, prompt:
       (default :data:`DEFAULT_AUTO_FORWARDS`).
 
     The draws are made once, on the first item that needs them (``seed``: an int or a
-    ``numpy.random.Generator``; ``uniform_share``: see :mod:`speculum.enumeration.sampling`), or taken from
+    ``numpy.random.Generator``; ``strata``, ``uniform_share``: see
+    :func:`~speculum.enumeration.sampling.sample_format`), or taken from
     ``sample`` (a :class:`~speculum.enumeration.sampling.FormatSample` of the same format, prompt and mode):
     each further item costs the scoring of its own tokens. ``progress`` receives the sampler's
     :class:`~speculum.enumeration.sampling.SampleProgress` events.
+
+    ``target_bits``: grow the set (more draws of the same strata, merged: ``FormatSample.merged``) until
+    every sampled item's 95% exposure interval is at most ``target_bits`` wide on each side, or the set
+    holds ``max_samples`` draws (default: 8 x ``samples``). The half-width falls as ``1 / sqrt(draws)``,
+    so each round draws what the widest interval asks for, plus a tenth. The estimate stays unbiased for
+    each fixed set size; the data-dependent stopping is that of any sequential Monte Carlo.
 
     Example:
         >>> from speculum.models import MarkovModel
@@ -199,6 +207,10 @@ def estimate_ranks(model: Any, items: Sequence[Any], *, constraint: Any, prompt:
     default_budget = DEFAULT_MAX_FORWARDS if method == "exact" else DEFAULT_AUTO_FORWARDS
     max_forwards = check_int(default_budget if max_forwards is None else max_forwards, "max_forwards", minimum=0)
     samples = check_int(DEFAULT_SAMPLES if samples is None else samples, "samples", minimum=2)
+    strata = check_strata(strata, uniform_share)
+    if target_bits is not None:
+        target_bits = check_number(target_bits, "target_bits", above=0.0)
+    max_samples = check_int(8 * samples if max_samples is None else max_samples, "max_samples", minimum=samples)
     if index is None:
         index = AutoregressiveEnumerable(model, prompt=prompt, constraint=constraint, strings=strings, eos=eos,
                                          max_len=max_len, **index_options)
@@ -212,11 +224,41 @@ def estimate_ranks(model: Any, items: Sequence[Any], *, constraint: Any, prompt:
     def draws() -> Any:
         if drawn[0] is None:
             drawn[0] = sample_format(model, constraint, samples=samples, seed=seed, strings=strings,
-                                     uniform_share=uniform_share, index=index, progress=progress)
+                                     strata=strata, index=index, progress=progress)
         return drawn[0]
 
-    return [_rank_one(index, seek, item, strings=strings, size=size, max_forwards=max_forwards, method=method,
-                      draws=draws) for item in items]
+    def rank(item: Any) -> RankReport:
+        return _rank_one(index, seek, item, strings=strings, size=size, max_forwards=max_forwards, method=method,
+                         draws=draws)
+
+    reports = [rank(item) for item in items]
+    rounds = 0
+    while target_bits is not None:
+        wide = [i for i, r in enumerate(reports) if r.method == "sampled" and _half_width(r) > target_bits]
+        if not wide or len(drawn[0]) >= max_samples:
+            break
+        have = len(drawn[0])
+        wanted = max(math.ceil(have * 1.1 * (_half_width(reports[i]) / target_bits) ** 2) for i in wide)
+        rounds += 1
+        more = min(max(wanted, have + 64), max_samples) - have
+        # The set's own composition, so that the rounds merge with a set passed in as well.
+        same = tuple(zip(drawn[0].tilts, np.array(drawn[0].stratum_sizes) / have))
+        drawn[0] = drawn[0].merged(sample_format(model, constraint, samples=more, seed=_round_seed(seed, rounds),
+                                                 strings=strings, strata=same, index=index, progress=progress))
+        reports = [rank(item) if r.method == "sampled" else r for item, r in zip(items, reports)]
+    return reports
+
+
+def _half_width(report: RankReport) -> float:
+    low, high = report.exposure_interval
+    return (high - low) / 2
+
+
+def _round_seed(seed: int | np.random.Generator, rounds: int) -> np.random.Generator:
+    """An independent stream for the draws of growth round ``rounds``."""
+    if isinstance(seed, np.random.Generator):
+        return seed.spawn(1)[0]
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(1 << 20, rounds)))
 
 
 def _check_method(method: Any) -> str:

@@ -1,19 +1,27 @@
 """Members of a format drawn from a known law, each with the model's probability and the law's.
 
 The sampled rank estimate (:mod:`speculum.enumeration.estimate`) needs draws ``x`` from a proposal law
-``q`` over the format's members together with ``q(x)`` and the model's own ``p(x)``. Two laws share the
+``q`` over the format's members together with ``q(x)`` and the model's own ``p(x)``. Several laws share the
 draws, in fixed numbers (stratified, so that their mixture is the balance law of multiple importance
-sampling: Veach & Guibas 1995; Owen & Zhou 2000, "Safe and effective importance sampling"):
+sampling: Veach & Guibas 1995; Owen & Zhou 2000, "Safe and effective importance sampling"). Each is the
+model *tilted* by an exponent ``beta`` in [0, 1] and restricted to the format: at each step the tokens that
+can still complete a member are kept and drawn with probability ``p(t | prefix) ** beta``, renormalised, so
 
-* the **model** stratum samples the model restricted to the format: at each step the tokens that can
-  still complete a member are kept and renormalised, so ``q_model(x) = prod p(t | prefix) / mass(prefix)``;
-* the **uniform** stratum draws, at each step, one of those tokens uniformly: ``u(x) = prod 1 / k(prefix)``
-  (uniform over the members of a format whose members have one spelling each, like ``" \\d{9}"``).
+    q_beta(x) = prod_t p(x_t | x_<t) ** beta / Z_beta(x_<t),     Z_beta(prefix) = sum_viable p(t | prefix) ** beta
 
-Each draw records ``log q(x) = log((n_model q_model(x) + n_uniform u(x)) / n)``: the law of a draw picked
-at random from the set. The uniform stratum bounds every weight ``1 / q(x)`` by ``n / (n_uniform u(x))``,
-which keeps the estimate of a deep rank (a random canary) precise; the model stratum finds the probable
-members above a shallow one.
+* ``beta = 1``, the **model** stratum, samples the model restricted to the format and finds the probable
+  members above a shallow canary;
+* ``beta = 0``, the **uniform** stratum, draws one of the viable tokens uniformly (uniform over the members
+  of a format whose members have one spelling each, like ``" \\d{9}"``) and bounds every weight
+  ``1 / q(x)``, which keeps the estimate of a deep rank (a random canary) precise;
+* ``0 < beta < 1``, **tilted** strata, aim between: the members above a canary of moderate exposure are too
+  rare for uniform draws and too improbable for the model's. Tilting a law by ``p ** beta`` moves its
+  typical log-probability from the format's typical member (``beta = 0``) to the model's (``beta = 1``),
+  as exponential tilting does for the rare events of importance sampling (Siegmund 1976; Bucklew,
+  "Introduction to Rare Event Simulation", 2004).
+
+Each draw records ``log q(x) = log(sum_k n_k q_k(x) / n)``: the law of a draw picked at random from the
+set, every stratum's law evaluated on the rows its path already forwarded.
 
 Draws advance as a trie: at each depth the distinct live prefixes are forwarded once, in batched
 ``next_logprobs`` calls, and the draws at a prefix branch from its row, so hundreds of draws share a
@@ -30,8 +38,8 @@ Example:
     >>> from speculum.enumeration import Regex
     >>> sample = sample_format(MarkovModel.random(4, seed=0), Regex("[ab]{3}", vocabulary=["a", "b", "c", "d"]),
     ...                        prompt=[2], samples=64, seed=1)
-    >>> len(sample), sample.stratum_sizes, bool((sample.proposal_logprob <= 0).all())
-    (64, (32, 32), True)
+    >>> len(sample), sample.tilts, sample.stratum_sizes, bool((sample.proposal_logprob <= 0).all())
+    (64, (1.0, 0.0), (45, 19), True)
 """
 from __future__ import annotations
 
@@ -46,14 +54,17 @@ from ..models.base import as_model, check_prompt
 from ..validation import InputError, check_int, check_number
 from .constraint import compile_for
 from .exact import AutoregressiveEnumerable
+from .siblings import SiblingRecorder, Siblings, row_laws
 
-__all__ = ["FormatSample", "SampleProgress", "sample_format", "DEFAULT_SAMPLES",
-           "DEFAULT_UNIFORM_SHARE", "DEFAULT_SAMPLE_BATCH"]
+__all__ = ["FormatSample", "SampleProgress", "sample_format", "check_strata", "DEFAULT_SAMPLES", "DEFAULT_STRATA",
+           "DEFAULT_SAMPLE_BATCH"]
 
 DEFAULT_SAMPLES = 4096
-# Half the draws uniform: a deep rank's weights stay bounded (the relative variance of a rank R in a space
-# of N members is at most about N / (R * uniform share)), at twice the variance of a shallow one at most.
-DEFAULT_UNIFORM_SHARE = 0.5
+# (tilt, share) of each stratum. The model's draws find the members above a canary of some exposure, the
+# canaries an audit is about, whose variance they carry; the uniform ones bound a deep rank's weights (the
+# relative variance of a rank R in a space of N members is at most about N / (R * uniform share)). Tilted
+# strata between them measured no better on SmolLM2 (benchmarks/RESULTS.md).
+DEFAULT_STRATA = ((1.0, 0.7), (0.0, 0.3))
 DEFAULT_SAMPLE_BATCH = 256          # prefixes per next_logprobs call: (batch, vocab) float64 rows
 _DRAW_CELLS = 1 << 22               # draws x allowed tokens held at once when inverting a CDF
 
@@ -73,40 +84,59 @@ class FormatSample:
 
     ``items``: token-id tuples (token mode) or texts (string mode). ``target_logprob``: the model's exact
     log-probability of each item (string mode: over all its tokenizations). ``proposal_logprob``: the log
-    of the mixture law the draws came from. ``model_logprob`` / ``uniform_logprob``: each stratum's own law.
-    ``stratum``: 0 for a model draw, 1 for a uniform one. ``forwards``: prefixes forwarded to draw the set.
+    of the mixture law the draws came from. ``tilts``: each stratum's exponent, largest first.
+    ``stratum_logprob``: ``(n, strata)``, each stratum's own law at every draw. ``stratum``: the index in
+    ``tilts`` of the stratum each draw came from. ``forwards``: prefixes forwarded to draw the set.
+    ``siblings``: each draw's members one last token away (:mod:`speculum.enumeration.siblings`; token
+    mode, final steps), or None.
     """
 
     items: tuple
     target_logprob: np.ndarray
     proposal_logprob: np.ndarray
-    model_logprob: np.ndarray
-    uniform_logprob: np.ndarray
+    stratum_logprob: np.ndarray
     stratum: np.ndarray
+    tilts: tuple
     strings: bool
     support: Any
     prompt: tuple
     forwards: int
     seconds: float = 0.0
+    siblings: Any = None
 
     def __len__(self) -> int:
         return len(self.items)
 
     @property
-    def stratum_sizes(self) -> tuple[int, int]:
-        """``(model draws, uniform draws)``."""
-        uniform = int(np.count_nonzero(self.stratum))
-        return len(self.stratum) - uniform, uniform
+    def stratum_sizes(self) -> tuple[int, ...]:
+        """Draws of each stratum, in the order of ``tilts``."""
+        return tuple(int(c) for c in np.bincount(self.stratum, minlength=len(self.tilts)))
+
+    def law(self, tilt: float) -> np.ndarray:
+        """``(n,)``: the law of the stratum of this ``tilt`` at every draw."""
+        if float(tilt) not in self.tilts:
+            raise InputError(f"the set has no stratum of tilt {tilt} (its tilts: {list(self.tilts)})")
+        return self.stratum_logprob[:, self.tilts.index(float(tilt))]
+
+    @property
+    def model_logprob(self) -> np.ndarray:
+        """The model stratum's law (tilt 1) at every draw."""
+        return self.law(1.0)
+
+    @property
+    def uniform_logprob(self) -> np.ndarray:
+        """The uniform stratum's law (tilt 0) at every draw."""
+        return self.law(0.0)
 
     def matches(self, support: Any, prompt: Sequence[int], strings: bool) -> bool:
         """Whether the set was drawn from this support after this prompt, in this mode."""
         return self.support == support and self.prompt == tuple(prompt) and self.strings == bool(strings)
 
     def merged(self, other: "FormatSample") -> "FormatSample":
-        """One set holding the draws of both (of the same format, prompt and mode, drawn with independent
-        seeds): each stratum's draws pooled, each draw's law the balance mixture over the pooled counts.
-        Exact laws; what a larger set drawn at once would estimate, so a set can grow until an interval is
-        narrow enough.
+        """One set holding the draws of both (of the same format, prompt, mode and tilts, drawn with
+        independent seeds): each stratum's draws pooled, each draw's law the balance mixture over the pooled
+        counts. Exact laws; what a larger set drawn at once would estimate, so a set can grow until an
+        interval is narrow enough.
 
         Example:
             >>> from speculum.models import MarkovModel
@@ -115,20 +145,27 @@ class FormatSample:
             >>> first = sample_format(model, ab, prompt=[2], samples=8, seed=0)
             >>> both = first.merged(sample_format(model, ab, prompt=[2], samples=12, seed=1))
             >>> len(both), both.stratum_sizes
-            (20, (10, 10))
+            (20, (14, 6))
         """
         if not isinstance(other, FormatSample) or not other.matches(self.support, self.prompt, self.strings):
             raise InputError("only a set drawn from the same format, prompt and mode can be merged")
+        if other.tilts != self.tilts:
+            raise InputError(f"only sets of the same strata can be merged: tilts {list(self.tilts)} and "
+                             f"{list(other.tilts)}")
         stratum = np.concatenate([self.stratum, other.stratum])
-        model_lp = np.concatenate([self.model_logprob, other.model_logprob])
-        uniform_lp = np.concatenate([self.uniform_logprob, other.uniform_logprob])
-        n_uniform = int(np.count_nonzero(stratum))
+        laws = np.concatenate([self.stratum_logprob, other.stratum_logprob])
+        counts = np.bincount(stratum, minlength=len(self.tilts))
+        siblings = None
+        if self.siblings is not None or other.siblings is not None:
+            mine, theirs = (s.siblings if s.siblings is not None else Siblings.none(len(s), len(s.tilts))
+                            for s in (self, other))
+            siblings = mine.concatenated(theirs)
         return FormatSample(items=self.items + other.items,
                             target_logprob=np.concatenate([self.target_logprob, other.target_logprob]),
-                            proposal_logprob=_mixture(model_lp, uniform_lp, len(stratum) - n_uniform, n_uniform),
-                            model_logprob=model_lp, uniform_logprob=uniform_lp, stratum=stratum, strings=self.strings,
-                            support=self.support, prompt=self.prompt, forwards=self.forwards + other.forwards,
-                            seconds=self.seconds + other.seconds)
+                            proposal_logprob=_mixture(laws, counts), stratum_logprob=laws, stratum=stratum,
+                            tilts=self.tilts, strings=self.strings, support=self.support, prompt=self.prompt,
+                            forwards=self.forwards + other.forwards, seconds=self.seconds + other.seconds,
+                            siblings=siblings)
 
 
 # --------------------------------------------------------------------------------------------- walk
@@ -207,31 +244,50 @@ class _Walk:
             yield start, rows
 
 
-def _step_laws(rows: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(target, model)``: each row's log-prob at ``tokens`` and the model stratum's step law there (the
-    rows renormalised over ``tokens``; uniform where the model gives them no mass at all). Steps are
-    clipped at 0, as the prefix tree clips them, so that a member's log-prob is the index's."""
-    target = np.minimum(rows[:, tokens], 0.0)
-    top = target.max(axis=1, keepdims=True)
-    safe = np.where(np.isfinite(top), top, 0.0)
-    with np.errstate(divide="ignore"):
-        mass = safe + np.log(np.exp(target - safe).sum(axis=1, keepdims=True))
-    dead = ~np.isfinite(mass[:, 0])
-    model = target - np.where(np.isfinite(mass), mass, 0.0)
-    model[dead] = -math.log(len(tokens))
-    return target, model
+def _step_partitions(target: np.ndarray, tilts: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """``(log_z, dead)``: ``(rows, strata)`` log-partition ``log sum_t exp(beta * target_t)`` of each row
+    under each tilt, and ``(rows,)`` whether a row gives the viable tokens no mass at all (its laws are then
+    uniform, whatever the tilt)."""
+    k = target.shape[1]
+    top = target.max(axis=1)
+    dead = ~np.isfinite(top)
+    safe = np.where(dead, 0.0, top)[:, None]
+    log_z = np.empty((len(target), len(tilts)))
+    for s, beta in enumerate(tilts):
+        if beta == 0.0:
+            log_z[:, s] = math.log(k)
+            continue
+        with np.errstate(divide="ignore", invalid="ignore"):
+            shifted = np.exp(beta * (target - safe))
+            log_z[:, s] = beta * safe[:, 0] + np.log(shifted.sum(axis=1))
+    return log_z, dead
+
+
+def _laws_at(target_at: np.ndarray, log_z: np.ndarray, dead: np.ndarray, tilts: Sequence[float],
+             k: int) -> np.ndarray:
+    """``(draws, strata)``: each stratum's step law at the tokens taken (``target_at``, ``(draws,)``), from
+    their rows' partitions ``log_z`` (``(draws, strata)``) and ``dead`` flags (``(draws,)``)."""
+    laws = np.empty(log_z.shape)
+    for s, beta in enumerate(tilts):
+        if beta == 0.0:
+            laws[:, s] = -math.log(k)
+        else:
+            with np.errstate(invalid="ignore"):
+                laws[:, s] = np.where(dead, -math.log(k), beta * target_at - log_z[:, s])
+    return laws
 
 
 # ------------------------------------------------------------------------------------------- drawing
-def _draw_tokens(walk: _Walk, n_model: int, n_uniform: int, model_rng: np.random.Generator,
-                 uniform_rng: np.random.Generator, progress: Callable[[SampleProgress], None] | None):
-    """Token sequences of the two strata, each with ``(target, model, uniform)`` log-laws."""
-    n = n_model + n_uniform
+def _draw_tokens(walk: _Walk, counts: Sequence[int], tilts: Sequence[float], streams: Sequence[np.random.Generator],
+                 progress: Callable[[SampleProgress], None] | None, siblings: SiblingRecorder | None):
+    """Token sequences of the strata (``counts[s]`` draws of tilt ``tilts[s]``, coins from ``streams[s]``),
+    each with its target log-prob and ``(n, strata)`` laws; final steps recorded into ``siblings``."""
+    n = int(sum(counts))
     horizon = walk.max_len if walk.max_len is not None else walk.automaton.longest_path() + (
         1 if walk.eos is not None else 0)
-    stratum = np.concatenate([np.zeros(n_model, dtype=np.int8), np.ones(n_uniform, dtype=np.int8)])
+    stratum = np.repeat(np.arange(len(counts), dtype=np.int8), counts)
     tokens = np.full((n, max(horizon, 1)), -1, dtype=np.int64)
-    target, model, uniform = np.zeros(n), np.zeros(n), np.zeros(n)
+    target, laws = np.zeros(n), np.zeros((n, len(tilts)))
     states = np.zeros(n, dtype=np.int64)
     active = np.arange(n)
     node = np.zeros(n, dtype=np.int64)                 # each active draw's prefix at this depth
@@ -240,7 +296,9 @@ def _draw_tokens(walk: _Walk, n_model: int, n_uniform: int, model_rng: np.random
             break
         # One uniform number per draw and depth from its stratum's stream: the draws do not depend on how
         # the prefixes are batched.
-        coin = np.where(stratum == 0, model_rng.random(n), uniform_rng.random(n))
+        coin = np.empty(n)
+        for s, stream in enumerate(streams):
+            coin[stratum == s] = stream.random(int(counts[s]))
         keys, first, node_of = np.unique(node[active], return_index=True, return_inverse=True)
         representative = active[first]
         prefixes = tokens[representative, :depth]
@@ -253,15 +311,19 @@ def _draw_tokens(walk: _Walk, n_model: int, n_uniform: int, model_rng: np.random
                 allowed, targets = walk.viable(int(state), depth)
                 if not len(allowed):
                     raise InputError("a prefix of the format has no viable continuation (an inconsistent automaton)")
-                step_target, step_model = _step_laws(rows[nodes - start], allowed)
+                step_target = np.minimum(rows[nodes - start][:, allowed], 0.0)
+                log_z, dead = _step_partitions(step_target, tilts)
                 draws = np.flatnonzero(np.isin(node_of, nodes))
                 local = np.searchsorted(nodes, node_of[draws])
-                pick = _invert(step_model, local, coin[active[draws]], stratum[active[draws]], len(allowed))
                 who = active[draws]
+                pick = _invert(step_target, log_z, dead, local, coin[who], stratum[who], tilts)
+                if siblings is not None and walk.complete(allowed, targets).all():
+                    siblings.record(who, allowed, target[who, None] + step_target[local], laws[who],
+                                    row_laws(step_target, log_z, dead, tilts)[local], stratum[who])
                 chosen[draws] = allowed[pick]
-                target[who] += step_target[local, pick]
-                model[who] += step_model[local, pick]
-                uniform[who] -= math.log(len(allowed))
+                taken = step_target[local, pick]
+                target[who] += taken
+                laws[who] += _laws_at(taken, log_z[local], dead[local], tilts, len(allowed))
                 states[who] = targets[pick]
         tokens[active, depth] = chosen
         done = walk.complete(chosen, states[active])
@@ -274,30 +336,37 @@ def _draw_tokens(walk: _Walk, n_model: int, n_uniform: int, model_rng: np.random
         raise InputError("a draw passed the format's longest member without completing it")
     lengths = (tokens >= 0).sum(axis=1)
     sequences = tuple(tuple(row[:length]) for row, length in zip(tokens.tolist(), lengths.tolist()))
-    return sequences, stratum, target, model, uniform
+    return sequences, stratum, target, laws
 
 
-def _invert(step_model: np.ndarray, local: np.ndarray, coin: np.ndarray, stratum: np.ndarray, k: int) -> np.ndarray:
-    """The token index each draw takes: inverse CDF of its row's model law (model stratum) or ``floor(coin k)``
-    (uniform stratum)."""
+def _invert(step_target: np.ndarray, log_z: np.ndarray, dead: np.ndarray, local: np.ndarray, coin: np.ndarray,
+            stratum: np.ndarray, tilts: Sequence[float]) -> np.ndarray:
+    """The token index each draw takes: the inverse CDF of its row's law under its stratum's tilt, or
+    ``floor(coin k)`` where that law is uniform (tilt 0, or a dead row)."""
+    k = step_target.shape[1]
     pick = np.minimum((coin * k).astype(np.int64), k - 1)
-    by_model = np.flatnonzero(stratum == 0)
     step = max(1, _DRAW_CELLS // max(k, 1))
-    for lo in range(0, len(by_model), step):
-        rows = by_model[lo:lo + step]
-        cdf = np.cumsum(np.exp(step_model[local[rows]]), axis=1)
-        # Scaled by the row's total, so that rounding in the sum never leaves a coin past the last token.
-        pick[rows] = np.minimum((cdf < coin[rows, None] * cdf[:, -1:]).sum(axis=1), k - 1)
+    for s, beta in enumerate(tilts):
+        if beta == 0.0:
+            continue
+        tilted = np.flatnonzero((stratum == s) & ~dead[local])
+        for lo in range(0, len(tilted), step):
+            draws = tilted[lo:lo + step]
+            rows = local[draws]
+            cdf = np.cumsum(np.exp(beta * step_target[rows] - log_z[rows, s, None]), axis=1)
+            # Scaled by the row's total, so that rounding in the sum never leaves a coin past the last token.
+            pick[draws] = np.minimum((cdf < coin[draws, None] * cdf[:, -1:]).sum(axis=1), k - 1)
     return pick
 
 
-def path_logprobs(walk: _Walk, sequences: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(target, model, uniform)`` log-laws of given member sequences, each distinct prefix forwarded once.
-    Exact (the same rows and formulas as the draws)."""
+def path_logprobs(walk: _Walk, sequences: Sequence[Sequence[int]],
+                  tilts: Sequence[float] = (1.0, 0.0)) -> tuple[np.ndarray, np.ndarray]:
+    """``(target, laws)``: the target log-prob ``(n,)`` and the ``(n, strata)`` laws of each tilt of given
+    member sequences, each distinct prefix forwarded once. Exact (the same rows and formulas as the draws)."""
     n = len(sequences)
-    target, model, uniform = np.zeros(n), np.zeros(n), np.zeros(n)
+    target, laws = np.zeros(n), np.zeros((n, len(tilts)))
     if not n:
-        return target, model, uniform
+        return target, laws
     longest = max(len(s) for s in sequences)
     tokens = np.full((n, longest), -1, dtype=np.int64)
     for i, seq in enumerate(sequences):
@@ -318,18 +387,19 @@ def path_logprobs(walk: _Walk, sequences: Sequence[Sequence[int]]) -> tuple[np.n
             for state in np.unique(node_state[members]):
                 nodes = members[node_state[members] == state]
                 allowed, targets = walk.viable(int(state), depth)
-                step_target, step_model = _step_laws(rows[nodes - start], allowed)
+                step_target = np.minimum(rows[nodes - start][:, allowed], 0.0)
+                log_z, dead = _step_partitions(step_target, tilts)
                 draws = np.flatnonzero(np.isin(node_of, nodes))
                 local = np.searchsorted(nodes, node_of[draws])
                 who = active[draws]
                 at = _positions(allowed, tokens[who, depth])
                 if (at < 0).any():
                     raise InputError("a sequence leaves the format")
-                target[who] += step_target[local, at]
-                model[who] += step_model[local, at]
-                uniform[who] -= math.log(len(allowed))
+                taken = step_target[local, at]
+                target[who] += taken
+                laws[who] += _laws_at(taken, log_z[local], dead[local], tilts, len(allowed))
                 states[who] = targets[at]
-    return target, model, uniform
+    return target, laws
 
 
 def _positions(allowed: np.ndarray, wanted: np.ndarray) -> np.ndarray:
@@ -343,33 +413,35 @@ def _positions(allowed: np.ndarray, wanted: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------------------- public
 def sample_format(model: Any, constraint: Any, *, prompt: Sequence[int] = (), samples: int = DEFAULT_SAMPLES,
                   seed: int | np.random.Generator = 0, strings: bool = False, eos: int | bool | None = None,
-                  max_len: int | None = None, uniform_share: float = DEFAULT_UNIFORM_SHARE,
+                  max_len: int | None = None, strata: Any = None, uniform_share: float | None = None,
                   batch_size: int = DEFAULT_SAMPLE_BATCH, index: Any = None,
                   progress: Callable[[SampleProgress], None] | None = None) -> FormatSample:
     """``samples`` members of the format of ``constraint`` (``Regex`` / ``Choices``) after ``prompt``, drawn
     from the stratified proposal of the module doc, each with its exact laws. Token mode (items are token
     sequences) or ``strings=True`` (items are texts, laws summed over all their tokenizations).
 
-    ``seed``: an int or a ``numpy.random.Generator``; the model and uniform strata draw from two separate
-    streams spawned from it. ``uniform_share``: the fraction of uniform draws (0: the model alone, as in
-    Dell'Amico & Filippone 2015; 1: uniform alone). ``index``: an ``AutoregressiveEnumerable`` over the same
-    format, prompt and mode to reuse (its compiled automaton; in string mode its tokenizations).
-    ``progress``: a callable receiving a :class:`SampleProgress` after each depth. Guarantee: exact laws.
+    ``seed``: an int or a ``numpy.random.Generator``; each stratum draws from its own stream spawned from
+    it. ``strata``: ``{tilt: share}`` (or ``(tilt, share)`` pairs), tilts in [0, 1] (1: the model, 0:
+    uniform), shares summing to 1; default :data:`DEFAULT_STRATA`. ``uniform_share``: shorthand for
+    ``{1: 1 - share, 0: share}`` (0: the model alone, as in Dell'Amico & Filippone 2015). ``index``: an
+    ``AutoregressiveEnumerable`` over the same format, prompt and mode to reuse (its compiled automaton; in
+    string mode its tokenizations). ``progress``: a callable receiving a :class:`SampleProgress` after each
+    depth. Guarantee: exact laws.
 
     Example:
         >>> from speculum.models import MarkovModel
         >>> from speculum.enumeration import Regex
         >>> vocab = ["7", "8", "77", "x"]
         >>> sample = sample_format(MarkovModel.random(4, seed=0), Regex("[78]{2}", vocabulary=vocab),
-        ...                        prompt=[3], samples=8, strings=True, seed=0)
-        >>> set(sample.items) <= {"77", "78", "87", "88"}
-        True
+        ...                        prompt=[3], samples=8, strings=True, seed=0, uniform_share=0.5)
+        >>> set(sample.items) <= {"77", "78", "87", "88"}, sample.tilts, sample.stratum_sizes
+        (True, (1.0, 0.0), (4, 4))
     """
 
     started = time.perf_counter()
     samples = check_int(samples, "samples", minimum=2)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
-    uniform_share = check_number(uniform_share, "uniform_share", minimum=0.0, maximum=1.0)
+    tilts, counts = _allocate(samples, check_strata(strata, uniform_share))
     if index is None:
         index = AutoregressiveEnumerable(model, prompt=prompt, constraint=constraint, eos=eos, max_len=max_len,
                                          strings=strings)
@@ -381,49 +453,82 @@ def sample_format(model: Any, constraint: Any, *, prompt: Sequence[int] = (), sa
     if compile_for(constraint, model, eos=support.eos) != support.constraint:
         raise InputError("the index given enumerates another format than the constraint")
     prompt = tuple(index.prompt)
-    n_uniform = int(round(samples * uniform_share))
-    n_model = samples - n_uniform
-    if 0 < n_model < 2 or 0 < n_uniform < 2:
-        raise InputError(f"{samples} samples with uniform_share={uniform_share} leave a stratum with one draw: "
-                         "each stratum needs two or none for its variance")
-    streams = np.random.default_rng(seed).spawn(2) if isinstance(seed, np.random.Generator) else [
-        np.random.default_rng(s) for s in np.random.SeedSequence(check_int(seed, "seed", minimum=0)).spawn(2)]
+    streams = np.random.default_rng(seed).spawn(len(tilts)) if isinstance(seed, np.random.Generator) else [
+        np.random.default_rng(s)
+        for s in np.random.SeedSequence(check_int(seed, "seed", minimum=0)).spawn(len(tilts))]
     walk = _Walk(model, support, check_prompt(model, list(prompt), name="prompt"), batch_size)
-    sequences, stratum, target, model_lp, uniform_lp = _draw_tokens(walk, n_model, n_uniform, streams[0],
-                                                                     streams[1], progress)
+    recorder = None if strings else SiblingRecorder(samples, len(tilts))
+    sequences, stratum, target, laws = _draw_tokens(walk, counts, tilts, streams, progress, recorder)
     items: tuple = sequences
     if strings:
-        items, target, model_lp, uniform_lp = _string_laws(walk, index, sequences, target, model_lp, uniform_lp)
-    proposal = _mixture(model_lp, uniform_lp, n_model, n_uniform)
-    return FormatSample(items=items, target_logprob=target, proposal_logprob=proposal, model_logprob=model_lp,
-                        uniform_logprob=uniform_lp, stratum=stratum, strings=bool(strings), support=support,
-                        prompt=prompt, forwards=walk.forwards, seconds=time.perf_counter() - started)
+        items, target, laws = _string_laws(walk, index, sequences, target, laws, tilts)
+    return FormatSample(items=items, target_logprob=target, proposal_logprob=_mixture(laws, counts),
+                        stratum_logprob=laws, stratum=stratum, tilts=tilts, strings=bool(strings), support=support,
+                        prompt=prompt, forwards=walk.forwards, seconds=time.perf_counter() - started,
+                        siblings=None if recorder is None else recorder.finish())
 
 
-def _mixture(model_lp: np.ndarray, uniform_lp: np.ndarray, n_model: int, n_uniform: int) -> np.ndarray:
-    """``log((n_model q_model + n_uniform u) / n)``: the law of a draw picked at random from the set."""
-    n = n_model + n_uniform
+def check_strata(strata: Any, uniform_share: float | None = None) -> tuple[tuple[float, float], ...]:
+    """``((tilt, share), ...)``, largest tilt first, the shares normalised to sum to 1, strata of share 0
+    left out; from ``strata`` (a mapping or pairs; None: :data:`DEFAULT_STRATA`) or ``uniform_share``."""
+    if uniform_share is not None:
+        if strata is not None:
+            raise InputError("give strata or uniform_share, not both")
+        share = check_number(uniform_share, "uniform_share", minimum=0.0, maximum=1.0)
+        strata = ((1.0, 1.0 - share), (0.0, share))
+    if strata is None:
+        strata = DEFAULT_STRATA
+    pairs = list(strata.items()) if isinstance(strata, dict) else list(strata)
+    checked: dict[float, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise InputError(f"strata are (tilt, share) pairs or a {{tilt: share}} mapping, got {pair!r}")
+        tilt = check_number(pair[0], "a stratum's tilt", minimum=0.0, maximum=1.0)
+        share = check_number(pair[1], "a stratum's share", minimum=0.0)
+        if tilt in checked:
+            raise InputError(f"the tilt {tilt} is given twice in strata")
+        checked[tilt] = share
+    total = math.fsum(checked.values())
+    if not total > 0:
+        raise InputError("strata need a positive share somewhere")
+    return tuple(sorted(((t, s / total) for t, s in checked.items() if s > 0), reverse=True))
+
+
+def _allocate(samples: int, strata: Sequence[tuple[float, float]]) -> tuple[tuple[float, ...], np.ndarray]:
+    """``(tilts, counts)``: ``samples`` split by the shares (largest remainders); every stratum needs two
+    draws or more for its variance."""
+    shares = np.array([share for _, share in strata])
+    exact = shares * samples
+    counts = np.floor(exact).astype(np.int64)
+    counts[np.argsort(counts - exact, kind="stable")[:samples - int(counts.sum())]] += 1
+    if (counts < 2).any():
+        raise InputError(f"{samples} samples over the strata {[(t, round(s, 4)) for t, s in strata]} leave a "
+                         "stratum with fewer than two draws: each stratum needs two for its variance")
+    return tuple(tilt for tilt, _ in strata), counts
+
+
+def _mixture(laws: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+    """``log(sum_k n_k q_k / n)``: the law of a draw picked at random from the set (``laws``:
+    ``(n, strata)``; ``counts``: ``(strata,)``)."""
+    counts = np.asarray(counts, dtype=np.float64)
     with np.errstate(divide="ignore"):
-        parts = [np.log(n_model / n) + model_lp if n_model else np.full_like(model_lp, -np.inf),
-                 np.log(n_uniform / n) + uniform_lp if n_uniform else np.full_like(uniform_lp, -np.inf)]
-    return np.logaddexp(*parts)
+        weighted = laws + np.log(counts / counts.sum())[None, :]
+    return np.logaddexp.reduce(weighted, axis=1)
 
 
-def _string_laws(walk: _Walk, index: Any, sequences, target, model_lp, uniform_lp):
+def _string_laws(walk: _Walk, index: Any, sequences, target, laws, tilts):
     """Each draw's string and its laws summed over every tokenization (the undrawn ones forwarded once)."""
     strings = index.queries            # the index's StringIndex: every tokenization of a member
     pieces, eos = walk.automaton.token_bytes, walk.eos
-    known = {seq: (t, m, u) for seq, t, m, u in zip(sequences, target.tolist(), model_lp.tolist(),
-                                                     uniform_lp.tolist())}
+    known = {seq: np.concatenate([[t], row]) for seq, t, row in zip(sequences, target.tolist(), laws)}
     texts = [b"".join(pieces[t] for t in seq if t != eos) for seq in sequences]
     spellings = {text: strings.tokenizations(text) for text in dict.fromkeys(texts)}
     missing = sorted({seq for seqs in spellings.values() for seq in seqs if seq not in known})
-    for seq, t, m, u in zip(missing, *path_logprobs(walk, missing)):
-        known[seq] = (float(t), float(m), float(u))
-    laws = {}
-    for text, seqs in spellings.items():
-        values = np.array([known[seq] for seq in seqs])
-        laws[text] = np.logaddexp.reduce(values, axis=0)
-    stacked = np.array([laws[text] for text in texts])
+    missing_target, missing_laws = path_logprobs(walk, missing, tilts)
+    for seq, t, row in zip(missing, missing_target.tolist(), missing_laws):
+        known[seq] = np.concatenate([[t], row])
+    summed = {text: np.logaddexp.reduce(np.array([known[seq] for seq in seqs]), axis=0)
+              for text, seqs in spellings.items()}
+    stacked = np.array([summed[text] for text in texts])
     items = tuple(text.decode("utf-8", "replace") for text in texts)
-    return items, stacked[:, 0], stacked[:, 1], stacked[:, 2]
+    return items, stacked[:, 0], stacked[:, 1:]
