@@ -215,7 +215,7 @@ def part_b(model, args) -> dict:
     if exact_try.method != "exact":
         # A pilot set grown (merged draws, fresh seeds) until the 95% half-width reaches the target: the
         # half-width shrinks as 1 / sqrt(draws), so each round draws what the last interval asks for.
-        started_draws, forwards_before = time.perf_counter(), index.seek_index().forwards
+        started_draws = time.perf_counter()
         progress = _Forwards()
         [report] = estimate_ranks(model, [canary], constraint=constraint, prompt=prompt, index=index,
                                   samples=args.pilot_b, seed=args.seed, target_bits=args.target_bits,
@@ -297,7 +297,8 @@ def print_report(report: dict) -> None:
         print(f"b) \" \\d{{{b['digits']}}}\", canary {b['canary']!r}: {b['method']}, exposure {b['exposure_bits']:.3f} "
               f"bits in [{b['exposure_interval'][0]:.3f}, {b['exposure_interval'][1]:.3f}] (half-width "
               f"{b['half_width_bits']:.3f} bit; {b['samples_for_target']:,} draws for the target), {b['samples']:,} "
-              f"draws ({b['top_up_rounds']} top-ups); {b['seconds']:.0f} s: exact attempt {b['exact_attempt_seconds']:.0f} s "
+              f"draws ({b['top_up_rounds']} top-ups); {b['seconds']:.0f} s: exact attempt "
+              f"{b['exact_attempt_seconds']:.0f} s "
               f"({b['index_forwards']:,} forwards), draws {b['sample_seconds']:.0f} s ({b['sample_forwards']:,} "
               f"forwards); peak memory {b['peak_mb']:,.0f} MB")
     if "c" in report:

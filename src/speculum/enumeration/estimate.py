@@ -20,7 +20,13 @@ interval is normal on ``log rank_hat`` (the delta method: ``rank_hat * exp(+-1.9
 follows the estimate's right skew (a miss of a rare heavy term pulls it low) better than a symmetric one.
 When no draw falls before ``c`` the upper end is the rule of three on the model stratum (tilt 1;
 infinite without one): ``q_model(x) >= p(x) > p(c)`` for every ``x`` before ``c``, so ``R(c) <
-q_model(before c) / p(c) < 3 / (n_model p(c))`` at 95%. The lower end never goes below the distinct members seen before ``c`` (a sure bound). Measured
+q_model(before c) / p(c) < 3 / (n_model p(c))`` at 95%. The lower end never goes below the distinct members
+seen before ``c`` (a sure bound).
+
+**The last step conditioned.** A draw whose set kept its siblings (:mod:`speculum.enumeration.siblings`:
+token mode, a final last step) contributes its term averaged over its own stratum's last-step law,
+``sum_t q_k(t | y) 1[y t before c] / q(y t)``: unbiased, never noisier, and still independent across the
+draws of a stratum, so the variance formula above holds for these terms. Measured
 coverage: tests/test_exposure_estimate.py (200 canaries, each with its own draws, on a reference chain) and
 benchmarks/exposure.py (SmolLM2, over several sets of draws: the canaries of one set share its draws, so one
 set's coverage is nearly all or nothing and is no measure of the interval).

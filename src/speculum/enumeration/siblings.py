@@ -92,8 +92,8 @@ class SiblingRecorder:
     def record(self, who: np.ndarray, allowed: np.ndarray, member_target: np.ndarray, prefix_laws: np.ndarray,
                step_laws: np.ndarray, stratum: np.ndarray) -> None:
         """Draws ``who`` (``(d,)``), at a final step over ``allowed`` (``(k,)``): the sibling members'
-        target log-probs ``(d, k)``, their prefixes' laws ``(d, strata)``, the rows' step laws ``(d, k, strata)`` and each
-        draw's stratum ``(d,)``."""
+        target log-probs ``(d, k)``, their prefixes' laws ``(d, strata)``, the rows' step laws
+        ``(d, k, strata)`` and each draw's stratum ``(d,)``."""
         if not 1 < len(allowed) <= MAX_SIBLINGS:
             return
         own = step_laws[np.arange(len(who)), :, stratum.astype(np.int64)]          # (d, k)
