@@ -114,9 +114,12 @@ class _Forwards:
 
     def __init__(self) -> None:
         self.total, self.rounds, self._last = 0, -1, None
+        self.first_at: float | None = None            # when the first depth of draws was done
 
     def __call__(self, event) -> None:
-        if event.depth == 1:
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
+        if self._last is None or event.forwards < self._last:      # a new set: its own count from 0
             self.rounds += 1
             self._last = 0
         self.total += event.forwards - self._last
@@ -206,21 +209,15 @@ def part_b(model, args) -> dict:
     sample_format(model, short, prompt=prompt, samples=64, seed=args.seed, index=warm)
     started = time.perf_counter()
     index = AutoregressiveEnumerable(model, prompt=prompt, constraint=constraint)
-    # method="auto" as estimate_rank runs it, in its two steps: the capped exact attempt (with the bracket),
-    # then the draws; timed apart.
-    [exact_try] = estimate_ranks(model, [canary], constraint=constraint, prompt=prompt, index=index,
-                                 method="exact", max_forwards=DEFAULT_AUTO_FORWARDS)
-    exact_seconds = time.perf_counter() - started
-    report, sample_seconds, sample_forwards = exact_try, 0.0, 0
-    if exact_try.method != "exact":
-        # A pilot set grown (merged draws, fresh seeds) until the 95% half-width reaches the target: the
-        # half-width shrinks as 1 / sqrt(draws), so each round draws what the last interval asks for.
-        started_draws = time.perf_counter()
-        progress = _Forwards()
-        [report] = estimate_ranks(model, [canary], constraint=constraint, prompt=prompt, index=index,
-                                  samples=args.pilot_b, seed=args.seed, target_bits=args.target_bits,
-                                  max_samples=args.samples_b, max_forwards=DEFAULT_AUTO_FORWARDS, progress=progress)
-        sample_seconds, sample_forwards = time.perf_counter() - started_draws, progress.total
+    # method="auto" as estimate_rank runs it, in one call: the capped exact attempt (with the bracket), then,
+    # from the first draw on, a pilot set grown (merged draws, fresh seeds) until the 95% half-width reaches
+    # the target. The attempt's time is the time to the first depth of draws.
+    progress = _Forwards()
+    [report] = estimate_ranks(model, [canary], constraint=constraint, prompt=prompt, index=index,
+                              samples=args.pilot_b, seed=args.seed, target_bits=args.target_bits,
+                              max_samples=args.samples_b, progress=progress)
+    exact_seconds = (progress.first_at or time.perf_counter()) - started
+    sample_forwards = progress.total
     seconds = time.perf_counter() - started
     low, high = report.exposure_interval
     half = (high - low) / 2
@@ -232,7 +229,8 @@ def part_b(model, args) -> dict:
             "samples_for_target": (int(math.ceil(report.samples * (half / args.target_bits) ** 2))
                                    if report.samples else 0), "top_up_rounds": progress.rounds if report.samples else 0,
             "exact_attempt_seconds": exact_seconds, "index_forwards": index.seek_index().forwards,
-            "sample_seconds": sample_seconds, "sample_forwards": sample_forwards,
+            "sample_seconds": time.perf_counter() - progress.first_at if progress.first_at else 0.0,
+            "sample_forwards": sample_forwards,
             "seconds": seconds, "peak_mb": peak_mb()}
 
 
@@ -328,7 +326,8 @@ def main() -> None:
     parser.add_argument("--pilot-b", type=int, default=512, help="part b: draws of the pilot set")
     parser.add_argument("--samples-b", type=int, default=8192, help="part b: most draws in all")
     parser.add_argument("--samples-c", type=int, default=4096, help="part c: draws shared by the canaries")
-    parser.add_argument("--max-samples-c", type=int, default=20480, help="part c: most draws in all")
+    parser.add_argument("--max-samples-c", type=int, default=None,
+                        help="part c: most draws in all (default: estimate_ranks', 8 x --samples-c)")
     parser.add_argument("--shared", type=int, default=100, help="part c: canaries sharing one set of draws")
     parser.add_argument("--target-bits", type=float, default=0.1, help="parts b and c: the half-width aimed at")
     parser.add_argument("--seed", type=int, default=0)

@@ -16,7 +16,8 @@ from scipy.stats import chisquare
 
 from speculum.enumeration import AutoregressiveEnumerable, Regex, estimate_rank, estimate_ranks
 from speculum.enumeration.estimate import rank_from_sample
-from speculum.enumeration.sampling import FormatSample, _Walk, path_logprobs, sample_format
+from speculum.enumeration.format_walk import FormatWalk, path_logprobs
+from speculum.enumeration.sampling import FormatSample, sample_format
 from speculum.models import MarkovModel
 from speculum.validation import InputError
 
@@ -82,7 +83,7 @@ def test_both_laws_sum_to_one_over_the_support_and_draws_record_them(pattern, su
     draw carries its own path's laws."""
     model = chain(VOCAB)
     index, truth = token_truth(model, VOCAB, pattern, **support)
-    walk = _Walk(model, index.support, PROMPT, 64)
+    walk = FormatWalk(model, index.support, PROMPT, 64)
     members = list(truth)
     sample = sample_format(model, Regex(pattern, vocabulary=VOCAB), prompt=PROMPT, samples=300, seed=2,
                            strata={1: 0.25, 0.5: 0.25, 0.25: 0.25, 0: 0.25}, **support)
@@ -109,7 +110,7 @@ def test_draws_follow_their_stratum_laws(tokens_case):
     members = list(truth)
     sample = sample_format(model, Regex(FORMAT, vocabulary=VOCAB), prompt=PROMPT, samples=40_000, seed=5,
                            index=index, strata={1: 0.3, 0.4: 0.4, 0: 0.3})
-    _, laws = path_logprobs(_Walk(model, index.support, PROMPT, 512), members, sample.tilts)
+    _, laws = path_logprobs(FormatWalk(model, index.support, PROMPT, 512), members, sample.tilts)
     for stratum, law in enumerate(laws.T):
         counts = Counter(item for item, s in zip(sample.items, sample.stratum) if s == stratum)
         observed = np.array([counts.get(m, 0) for m in members], dtype=float)
@@ -270,7 +271,7 @@ def test_string_mode_counts_each_string_once_and_covers(strings_case):
 
 def test_the_string_law_sums_to_one_over_strings(strings_case):
     model, index, truth = strings_case
-    walk = _Walk(model, index.support, PROMPT, 512)
+    walk = FormatWalk(model, index.support, PROMPT, 512)
     members = {}
     for text in truth:
         for seq in index._queries.tokenizations(text):
@@ -290,7 +291,7 @@ def test_siblings_hold_every_member_one_last_token_away_with_exact_laws(tokens_c
     siblings = sample.siblings
     assert siblings.present.all() and siblings.token.shape == (200, 10)
     members = sorted({x[:-1] + (int(t),) for x, row in zip(sample.items, siblings.token) for t in row})
-    _, laws = path_logprobs(_Walk(model, index.support, PROMPT, 512), members, sample.tilts)
+    _, laws = path_logprobs(FormatWalk(model, index.support, PROMPT, 512), members, sample.tilts)
     law_of = dict(zip(members, laws))
     for i, x in enumerate(sample.items):
         tokens = siblings.token[i].tolist()

@@ -104,6 +104,49 @@ def test_next_logprobs_batch_matches_sessions_trie_duplicates_and_chunks(tiny, m
     assert tiny.next_logprobs([]).shape == (0, tiny.vocab_size)
 
 
+def test_prefix_levels_give_the_rows_of_their_prefixes(tiny):
+    """A walk of levels (each node one token on its parent's keys and values) gives each node the row a
+    fresh session gives its whole prefix; the level it extends is left as it was."""
+    assert tiny.capabilities.prefix_levels
+    prompt = [1, 3, 4]
+    root = tiny.start_levels(prompt)
+    first, rows = tiny.extend_level(root, [0], [prompt[-1]])
+    np.testing.assert_allclose(rows, plain_rows(tiny, prompt)[None], atol=1e-5)
+    second, rows = tiny.extend_level(first, [0, 0, 0], [5, 6, 7])
+    third, deeper = tiny.extend_level(second, [2, 0, 2], [9, 8, 5])
+    np.testing.assert_allclose(rows, np.stack([plain_rows(tiny, prompt + [t]) for t in (5, 6, 7)]), atol=1e-5)
+    np.testing.assert_allclose(deeper, np.stack([plain_rows(tiny, prompt + p) for p in ([7, 9], [5, 8], [7, 5])]),
+                               atol=1e-5)
+    _, again = tiny.extend_level(second, [1], [3])           # second is untouched by the extension above
+    np.testing.assert_allclose(again[0], plain_rows(tiny, prompt + [6, 3]), atol=1e-5)
+    assert tiny.level_capacity(16) >= 1
+    with pytest.raises(InputError, match="tokens"):
+        tiny.extend_level(second, [0], [tiny.vocab_size])
+
+
+def test_sampling_on_levels_equals_sampling_on_whole_prefixes(tiny, monkeypatch):
+    """The format sampler walks a model's levels where it keeps them: the same draws and laws as through
+    ``next_logprobs`` of whole prefixes, up to float rounding."""
+    import dataclasses
+
+    from speculum.enumeration import Regex
+    from speculum.enumeration.sampling import sample_format
+
+    constraint = Regex(r"(cat|dog|sat|ran){4}")
+    kept = sample_format(tiny, constraint, prompt=[1, 4], samples=120, seed=3, batch_size=8)
+    # The same model declaring no levels: next_logprobs of whole prefixes.
+    monkeypatch.setattr(tiny, "capabilities", dataclasses.replace(tiny.capabilities, prefix_levels=False))
+    whole = sample_format(tiny, constraint, prompt=[1, 4], samples=120, seed=3, batch_size=8)
+    assert kept.items == whole.items and len(set(kept.items)) > 5
+    monkeypatch.undo()                                          # levels again, of one node each
+    monkeypatch.setattr(hf_module, "KV_BUDGET_BYTES", 1)
+    one_by_one = sample_format(tiny, constraint, prompt=[1, 4], samples=120, seed=3)
+    assert one_by_one.items == kept.items and one_by_one.forwards > kept.forwards
+    np.testing.assert_allclose(kept.target_logprob, whole.target_logprob, atol=1e-5)
+    np.testing.assert_allclose(kept.proposal_logprob, whole.proposal_logprob, atol=1e-5)
+    np.testing.assert_allclose(kept.siblings.target, whole.siblings.target, atol=1e-5)
+
+
 def test_shared_prefix_cache_is_reused_and_revalidated(tiny):
     first = tiny.next_logprobs([[1, 3, 4, 5], [1, 3, 4, 6]])
     # A different prompt sharing only [1] must not reuse stale keys.

@@ -169,9 +169,12 @@ def sample_bar(**tqdm_kwargs: Any) -> Callable[[Any], None]:
     (:class:`speculum.enumeration.sampling.SampleProgress` events)."""
 
     bar = tqdm(unit="prefix", desc="sampling the format", **tqdm_kwargs)
+    last = [0]
 
     def update(event: Any) -> None:
-        bar.update(event.forwards - bar.n)
+        # Each set counts its forwards from 0 (a set grown with --target-bits draws several).
+        bar.update(event.forwards - last[0] if event.forwards >= last[0] else event.forwards)
+        last[0] = event.forwards
         bar.set_postfix(depth=event.depth, live=event.live, refresh=False)
 
     return update

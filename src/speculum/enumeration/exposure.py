@@ -285,11 +285,14 @@ def _rank_one(index, seek, item, *, strings: bool, size, max_forwards: int, meth
     if log_prob == -math.inf:
         raise InputError("the item has zero probability under the model")
     budget -= 1e-6 * (1.0 + abs(budget))
-    # Deepen in steps that at most about double the forwards, until the item's budget is certified or the
-    # forward budget is spent.
+    # Deepen in steps that at most about double the forwards (and are predicted to stay within the forward
+    # budget), until the item's budget is certified or the forward budget is spent.
     while seek.certified_logprob > budget and not seek.tree.exhausted and seek.forwards < max_forwards:
         built = -seek.tree.budget / math.log(2.0) if math.isfinite(seek.tree.budget) else 0.0
-        target = max(budget, -(built + max(1.0, seek.work_step_bits(max(built, 1.0)))) * math.log(2.0))
+        if method != "exact" and built > 0 and seek.forwards_to(-budget / math.log(2.0), built) > max_forwards:
+            break        # predicted past the budget: a hopeless attempt gives up at once (auto and sampled only)
+        step = seek.work_step_bits(max(built, 1.0), limit=max_forwards)
+        target = max(budget, -(built + step) * math.log(2.0))
         seek.extend_to(target)
     common = dict(log_prob=log_prob, length=length, vocab_size=seek.vocab_size, space_size=size, item=item)
     if seek.certified_logprob <= budget or seek.tree.exhausted:

@@ -23,11 +23,14 @@ can still complete a member are kept and drawn with probability ``p(t | prefix) 
 Each draw records ``log q(x) = log(sum_k n_k q_k(x) / n)``: the law of a draw picked at random from the
 set, every stratum's law evaluated on the rows its path already forwarded.
 
-Draws advance as a trie: at each depth the distinct live prefixes are forwarded once, in batched
-``next_logprobs`` calls, and the draws at a prefix branch from its row, so hundreds of draws share a
-forward (and the prompt). In string mode each sampled string's laws are summed over every tokenization
-of it (:meth:`~speculum.enumeration.strings.StringIndex.tokenizations`): ``Q(s) = sum_{x -> s} q(x)`` and
-``P(s) = sum_{x -> s} p(x)``, exact, the tokenizations not drawn forwarded once each.
+Draws advance as a trie: at each depth the distinct live prefixes are forwarded once and the draws at a
+prefix branch from its row, so hundreds of draws share a forward (and the prompt). A model that keeps
+levels of keys and values (``Capabilities.prefix_levels``: the PyTorch backend) forwards each prefix as
+one token on its parent's cache, the draws walked in groups as large as a level may be; any other model
+answers batched ``next_logprobs`` calls of whole prefixes. In string mode each sampled string's laws are
+summed over every tokenization of it (:meth:`~speculum.enumeration.strings.StringIndex.tokenizations`):
+``Q(s) = sum_{x -> s} q(x)`` and ``P(s) = sum_{x -> s} p(x)``, exact, the tokenizations not drawn
+forwarded once each.
 
 Guarantee: EXACT laws. ``proposal_logprob`` is the exact log-probability that a draw of the set is that
 item (up to float rounding of the model's rows), and ``target_logprob`` the model's exact (unrenormalised)
@@ -54,6 +57,7 @@ from ..models.base import as_model, check_prompt
 from ..validation import InputError, check_int, check_number
 from .constraint import compile_for
 from .exact import AutoregressiveEnumerable
+from .format_walk import FormatWalk, laws_at, path_logprobs, step_partitions
 from .siblings import SiblingRecorder, Siblings, row_laws
 
 __all__ = ["FormatSample", "SampleProgress", "sample_format", "check_strata", "DEFAULT_SAMPLES", "DEFAULT_STRATA",
@@ -168,175 +172,101 @@ class FormatSample:
                             siblings=siblings)
 
 
-# --------------------------------------------------------------------------------------------- walk
-class _Walk:
-    """The format's allowed steps and the model's rows for them: what sampling and path scoring share.
-
-    A token is *viable* after a prefix when a member can still be completed within ``max_len`` tokens
-    through it; without a cap every allowed token is (every automaton state reaches acceptance)."""
-
-    def __init__(self, model: Any, support: Any, prompt: Sequence[int], batch_size: int) -> None:
-        self.model, self.support, self.prompt = model, support, list(prompt)
-        self.automaton = support.constraint
-        self.eos, self.max_len = support.eos, support.max_len
-        self.batch_size = batch_size
-        self.forwards = 0
-        if self.max_len is None and self.automaton.longest_path() is None:
-            raise InputError(f"sampling the {self.automaton.description} needs a bound on the tokens of a member "
-                             "(the language is unbounded): pass max_len")
-        self._distance = self._steps_to_accept() if self.max_len is not None else None
-        self._viable: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-
-    def _steps_to_accept(self) -> np.ndarray:
-        """Fewest tokens from each state to an accepting one, over the states within the cap."""
-        body = self.max_len - (1 if self.eos is not None else 0)
-        expanded = self.automaton.explore(depth=max(body, 0))
-        distance = np.where(self.automaton.accepting, 0.0, np.inf)
-        for _ in range(max(body, 0)):
-            changed = False
-            for state in expanded:
-                targets = self.automaton.moves(state)[1]
-                if len(targets):
-                    best = 1.0 + distance[targets].min()
-                    if best < distance[state]:
-                        distance[state], changed = best, True
-            if not changed:
-                break
-        return distance
-
-    def viable(self, state: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(tokens, next states)`` that may follow a prefix of ``depth`` tokens in ``state`` (eos keeps
-        the state); cached."""
-        key = (state, depth if self.max_len is not None else 0)
-        found = self._viable.get(key)
-        if found is not None:
-            return found
-        tokens, targets = self.automaton.moves(state)
-        tokens, targets = tokens.astype(np.int64), targets.astype(np.int64)
-        if self.max_len is not None:
-            room = self.max_len - (depth + 1) - (1 if self.eos is not None else 0)
-            distance = self._distance
-            if len(distance) < self.automaton.n_states:    # states built after the distances: beyond the cap
-                distance = np.concatenate([distance, np.where(
-                    self.automaton.accepting[len(distance):], 0.0, np.inf)])
-            keep = distance[targets] <= room
-            tokens, targets = tokens[keep], targets[keep]
-        if self.eos is not None and self.automaton.accepting[state] and (
-                self.max_len is None or depth + 1 <= self.max_len):
-            tokens, targets = np.append(tokens, self.eos), np.append(targets, state)
-        self._viable[key] = (tokens, targets)
-        return tokens, targets
-
-    def complete(self, tokens: np.ndarray, states: np.ndarray) -> np.ndarray:
-        """Element-wise: whether a prefix that just took ``tokens`` into ``states`` is a member."""
-        if self.eos is not None:
-            return tokens == self.eos
-        return self.automaton.accepting[states]
-
-    def rows(self, prefixes: np.ndarray) -> Any:
-        """Yield ``(start, rows)``: the model's next-token rows for ``prefixes`` (continuation tokens, one
-        per row), in batches."""
-        for start in range(0, len(prefixes), self.batch_size):
-            chunk = prefixes[start:start + self.batch_size]
-            full = [self.prompt + row for row in chunk.tolist()]
-            rows = np.asarray(self.model.next_logprobs(full), dtype=np.float64)
-            self.forwards += len(full)
-            yield start, rows
-
-
-def _step_partitions(target: np.ndarray, tilts: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    """``(log_z, dead)``: ``(rows, strata)`` log-partition ``log sum_t exp(beta * target_t)`` of each row
-    under each tilt, and ``(rows,)`` whether a row gives the viable tokens no mass at all (its laws are then
-    uniform, whatever the tilt)."""
-    k = target.shape[1]
-    top = target.max(axis=1)
-    dead = ~np.isfinite(top)
-    safe = np.where(dead, 0.0, top)[:, None]
-    log_z = np.empty((len(target), len(tilts)))
-    for s, beta in enumerate(tilts):
-        if beta == 0.0:
-            log_z[:, s] = math.log(k)
-            continue
-        with np.errstate(divide="ignore", invalid="ignore"):
-            shifted = np.exp(beta * (target - safe))
-            log_z[:, s] = beta * safe[:, 0] + np.log(shifted.sum(axis=1))
-    return log_z, dead
-
-
-def _laws_at(target_at: np.ndarray, log_z: np.ndarray, dead: np.ndarray, tilts: Sequence[float],
-             k: int) -> np.ndarray:
-    """``(draws, strata)``: each stratum's step law at the tokens taken (``target_at``, ``(draws,)``), from
-    their rows' partitions ``log_z`` (``(draws, strata)``) and ``dead`` flags (``(draws,)``)."""
-    laws = np.empty(log_z.shape)
-    for s, beta in enumerate(tilts):
-        if beta == 0.0:
-            laws[:, s] = -math.log(k)
-        else:
-            with np.errstate(invalid="ignore"):
-                laws[:, s] = np.where(dead, -math.log(k), beta * target_at - log_z[:, s])
-    return laws
-
-
 # ------------------------------------------------------------------------------------------- drawing
-def _draw_tokens(walk: _Walk, counts: Sequence[int], tilts: Sequence[float], streams: Sequence[np.random.Generator],
-                 progress: Callable[[SampleProgress], None] | None, siblings: SiblingRecorder | None):
+def _draw_tokens(walk: FormatWalk, counts: Sequence[int], tilts: Sequence[float],
+                 streams: Sequence[np.random.Generator], progress: Callable[[SampleProgress], None] | None,
+                 siblings: SiblingRecorder | None):
     """Token sequences of the strata (``counts[s]`` draws of tilt ``tilts[s]``, coins from ``streams[s]``),
     each with its target log-prob and ``(n, strata)`` laws; final steps recorded into ``siblings``."""
     n = int(sum(counts))
     horizon = walk.max_len if walk.max_len is not None else walk.automaton.longest_path() + (
         1 if walk.eos is not None else 0)
+    horizon = max(horizon, 1)
     stratum = np.repeat(np.arange(len(counts), dtype=np.int8), counts)
-    tokens = np.full((n, max(horizon, 1)), -1, dtype=np.int64)
-    target, laws = np.zeros(n), np.zeros((n, len(tilts)))
-    states = np.zeros(n, dtype=np.int64)
-    active = np.arange(n)
-    node = np.zeros(n, dtype=np.int64)                 # each active draw's prefix at this depth
+    # One uniform number per draw and depth from its stratum's stream, drawn up front: the draws do not
+    # depend on how they are grouped or batched.
+    coins = np.empty((n, horizon))
+    for s, stream in enumerate(streams):
+        coins[stratum == s] = stream.random((int(counts[s]), horizon))
+    drawn = _Drawn(tokens=np.full((n, horizon), -1, dtype=np.int64), target=np.zeros(n),
+                   laws=np.zeros((n, len(tilts))), stratum=stratum, coins=coins)
+    group = walk.group_size(n, horizon)
+    live = n
+    for lo in range(0, n, group):
+        for depth, finished in _draw_group(walk, np.arange(lo, min(n, lo + group)), drawn, tilts, siblings):
+            live -= finished
+            if progress is not None:
+                progress(SampleProgress(depth=depth, live=live, forwards=walk.forwards))
+    tokens = drawn.tokens
+    lengths = (tokens >= 0).sum(axis=1)
+    sequences = tuple(tuple(row[:length]) for row, length in zip(tokens.tolist(), lengths.tolist()))
+    return sequences, stratum, drawn.target, drawn.laws
+
+
+@dataclass
+class _Drawn:
+    """The draws being made: ``tokens`` ``(n, horizon)`` (-1 past the end), target log-probs ``(n,)``,
+    laws ``(n, strata)``, strata ``(n,)`` and coins ``(n, horizon)``."""
+
+    tokens: np.ndarray
+    target: np.ndarray
+    laws: np.ndarray
+    stratum: np.ndarray
+    coins: np.ndarray
+
+
+def _draw_group(walk: FormatWalk, members: np.ndarray, drawn: _Drawn, tilts: Sequence[float],
+                siblings: SiblingRecorder | None):
+    """Advance the draws ``members`` to completion as a trie, one depth at a time: each depth's distinct
+    prefixes forwarded once (on the last depth's keys and values where the model keeps levels). Yields
+    ``(depth, draws completed at it)``."""
+    tokens, horizon = drawn.tokens, drawn.tokens.shape[1]
+    states = np.zeros(len(drawn.target), dtype=np.int64)
+    node = np.zeros(len(drawn.target), dtype=np.int64)        # each active draw's prefix at this depth
+    place = np.zeros(len(drawn.target), dtype=np.int64)       # its prefix's index in the last level
+    active = members
+    level = walk.start_level()
     for depth in range(horizon):
         if not len(active):
-            break
-        # One uniform number per draw and depth from its stratum's stream: the draws do not depend on how
-        # the prefixes are batched.
-        coin = np.empty(n)
-        for s, stream in enumerate(streams):
-            coin[stratum == s] = stream.random(int(counts[s]))
+            return
         keys, first, node_of = np.unique(node[active], return_index=True, return_inverse=True)
         representative = active[first]
-        prefixes = tokens[representative, :depth]
+        if depth:
+            parents, last = place[representative], tokens[representative, depth - 1]
+        else:
+            parents, last = np.zeros(1, dtype=np.int64), np.array([walk.prompt[-1]])
         node_state = states[representative]
         chosen = np.empty(len(active), dtype=np.int64)
-        for start, rows in walk.rows(prefixes):
-            members = np.arange(start, start + len(rows))
-            for state in np.unique(node_state[members]):
-                nodes = members[node_state[members] == state]
+        level, chunks = walk.level_rows(level, parents, last, tokens[representative, :depth])
+        for start, rows in chunks:
+            chunk = np.arange(start, start + len(rows))
+            for state in np.unique(node_state[chunk]):
+                nodes = chunk[node_state[chunk] == state]
                 allowed, targets = walk.viable(int(state), depth)
                 if not len(allowed):
                     raise InputError("a prefix of the format has no viable continuation (an inconsistent automaton)")
                 step_target = np.minimum(rows[nodes - start][:, allowed], 0.0)
-                log_z, dead = _step_partitions(step_target, tilts)
+                log_z, dead = step_partitions(step_target, tilts)
                 draws = np.flatnonzero(np.isin(node_of, nodes))
                 local = np.searchsorted(nodes, node_of[draws])
                 who = active[draws]
-                pick = _invert(step_target, log_z, dead, local, coin[who], stratum[who], tilts)
+                pick = _invert(step_target, log_z, dead, local, drawn.coins[who, depth], drawn.stratum[who], tilts)
                 if siblings is not None and walk.complete(allowed, targets).all():
-                    siblings.record(who, allowed, target[who, None] + step_target[local], laws[who],
-                                    row_laws(step_target, log_z, dead, tilts)[local], stratum[who])
+                    siblings.record(who, allowed, drawn.target[who, None] + step_target[local], drawn.laws[who],
+                                    row_laws(step_target, log_z, dead, tilts)[local], drawn.stratum[who])
                 chosen[draws] = allowed[pick]
                 taken = step_target[local, pick]
-                target[who] += taken
-                laws[who] += _laws_at(taken, log_z[local], dead[local], tilts, len(allowed))
+                drawn.target[who] += taken
+                drawn.laws[who] += laws_at(taken, log_z[local], dead[local], tilts, len(allowed))
                 states[who] = targets[pick]
         tokens[active, depth] = chosen
         done = walk.complete(chosen, states[active])
-        node = np.zeros(n, dtype=np.int64)
+        place[active] = node_of
         node[active] = node_of * (walk.model.vocab_size + 1) + chosen
         active = active[~done]
-        if progress is not None:
-            progress(SampleProgress(depth=depth + 1, live=len(active), forwards=walk.forwards))
+        yield depth + 1, int(np.count_nonzero(done))
     if len(active):
         raise InputError("a draw passed the format's longest member without completing it")
-    lengths = (tokens >= 0).sum(axis=1)
-    sequences = tuple(tuple(row[:length]) for row, length in zip(tokens.tolist(), lengths.tolist()))
-    return sequences, stratum, target, laws
 
 
 def _invert(step_target: np.ndarray, log_z: np.ndarray, dead: np.ndarray, local: np.ndarray, coin: np.ndarray,
@@ -357,57 +287,6 @@ def _invert(step_target: np.ndarray, log_z: np.ndarray, dead: np.ndarray, local:
             # Scaled by the row's total, so that rounding in the sum never leaves a coin past the last token.
             pick[draws] = np.minimum((cdf < coin[draws, None] * cdf[:, -1:]).sum(axis=1), k - 1)
     return pick
-
-
-def path_logprobs(walk: _Walk, sequences: Sequence[Sequence[int]],
-                  tilts: Sequence[float] = (1.0, 0.0)) -> tuple[np.ndarray, np.ndarray]:
-    """``(target, laws)``: the target log-prob ``(n,)`` and the ``(n, strata)`` laws of each tilt of given
-    member sequences, each distinct prefix forwarded once. Exact (the same rows and formulas as the draws)."""
-    n = len(sequences)
-    target, laws = np.zeros(n), np.zeros((n, len(tilts)))
-    if not n:
-        return target, laws
-    longest = max(len(s) for s in sequences)
-    tokens = np.full((n, longest), -1, dtype=np.int64)
-    for i, seq in enumerate(sequences):
-        tokens[i, :len(seq)] = seq
-    states = np.zeros(n, dtype=np.int64)
-    for depth in range(longest):
-        active = np.flatnonzero(tokens[:, depth] >= 0)
-        if depth:
-            prefixes, node_of = np.unique(tokens[active, :depth], axis=0, return_inverse=True)
-            node_of = node_of.reshape(-1)
-        else:
-            prefixes, node_of = np.zeros((1, 0), dtype=np.int64), np.zeros(len(active), dtype=np.int64)
-        first = np.full(len(prefixes), -1, dtype=np.int64)
-        first[node_of[::-1]] = active[::-1]
-        node_state = states[first]
-        for start, rows in walk.rows(prefixes):
-            members = np.arange(start, start + len(rows))
-            for state in np.unique(node_state[members]):
-                nodes = members[node_state[members] == state]
-                allowed, targets = walk.viable(int(state), depth)
-                step_target = np.minimum(rows[nodes - start][:, allowed], 0.0)
-                log_z, dead = _step_partitions(step_target, tilts)
-                draws = np.flatnonzero(np.isin(node_of, nodes))
-                local = np.searchsorted(nodes, node_of[draws])
-                who = active[draws]
-                at = _positions(allowed, tokens[who, depth])
-                if (at < 0).any():
-                    raise InputError("a sequence leaves the format")
-                taken = step_target[local, at]
-                target[who] += taken
-                laws[who] += _laws_at(taken, log_z[local], dead[local], tilts, len(allowed))
-                states[who] = targets[at]
-    return target, laws
-
-
-def _positions(allowed: np.ndarray, wanted: np.ndarray) -> np.ndarray:
-    """Index of each ``wanted`` token in ``allowed`` (-1 where absent)."""
-    order = np.argsort(allowed, kind="stable")
-    ranked = allowed[order]
-    at = np.minimum(np.searchsorted(ranked, wanted), len(ranked) - 1)
-    return np.where(ranked[at] == wanted, order[at], -1)
 
 
 # ------------------------------------------------------------------------------------------- public
@@ -456,7 +335,7 @@ def sample_format(model: Any, constraint: Any, *, prompt: Sequence[int] = (), sa
     streams = np.random.default_rng(seed).spawn(len(tilts)) if isinstance(seed, np.random.Generator) else [
         np.random.default_rng(s)
         for s in np.random.SeedSequence(check_int(seed, "seed", minimum=0)).spawn(len(tilts))]
-    walk = _Walk(model, support, check_prompt(model, list(prompt), name="prompt"), batch_size)
+    walk = FormatWalk(model, support, check_prompt(model, list(prompt), name="prompt"), batch_size)
     recorder = None if strings else SiblingRecorder(samples, len(tilts))
     sequences, stratum, target, laws = _draw_tokens(walk, counts, tilts, streams, progress, recorder)
     items: tuple = sequences
@@ -516,7 +395,7 @@ def _mixture(laws: np.ndarray, counts: Sequence[int]) -> np.ndarray:
     return np.logaddexp.reduce(weighted, axis=1)
 
 
-def _string_laws(walk: _Walk, index: Any, sequences, target, laws, tilts):
+def _string_laws(walk: FormatWalk, index: Any, sequences, target, laws, tilts):
     """Each draw's string and its laws summed over every tokenization (the undrawn ones forwarded once)."""
     strings = index.queries            # the index's StringIndex: every tokenization of a member
     pieces, eos = walk.automaton.token_bytes, walk.eos

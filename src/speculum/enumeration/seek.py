@@ -214,21 +214,40 @@ class SeekIndex(SupportAttributes):
                 expected = -min(built + reach, bits + cap) * _LN2
             self._deepen(bits, expected=expected)
 
-    def work_step_bits(self, built: float) -> float:
+    def work_step_bits(self, built: float, limit: int | None = None) -> float:
         """Largest deepening (bits) past ``built`` whose forwards are predicted to at most double those so far,
-        or to add one batch (``batch_size`` prefixes cost about one batched call, little more than a few).
+        or to add one batch (``batch_size`` prefixes cost about one batched call, little more than a few), and
+        to stay within ``limit`` forwards in all when given (at least a quarter bit).
 
         The forward count grows about exponentially in the budget's bits; its rate is taken as the larger of
         the rate from the origin and the rate over the last deepening (growth speeds up with depth, and an
         underestimate would overshoot)."""
         forwards = max(self.tree.forwards, 1)
-        growth = math.log2(max(2.0 * forwards, forwards + self.tree.batch_size) / forwards)
+        growth = math.log2(self._allowed_forwards(forwards, limit) / forwards)
+        return max(0.25, min(growth / max(self._growth_rate(built), 1e-9), max(built, 4.0)))
+
+    def forwards_to(self, bits: float, built: float) -> float:
+        """The forwards predicted to deepen from ``built`` to ``bits`` (the rate of :meth:`work_step_bits`):
+        a guide to give up early, never part of an answer."""
+        forwards = max(self.tree.forwards, 1)
+        return forwards * 2.0 ** min(self._growth_rate(built) * max(bits - built, 0.0), 1000.0)
+
+    def _allowed_forwards(self, forwards: int, limit: int | None) -> float:
+        allowed = max(2.0 * forwards, forwards + self.tree.batch_size)
+        if limit is not None:
+            allowed = max(min(allowed, float(limit)), float(forwards))
+        return allowed
+
+    def _growth_rate(self, built: float) -> float:
+        """Forwards' growth in log2 per bit of budget: the larger of the rate from the origin and over the
+        last deepening."""
+        forwards = max(self.tree.forwards, 1)
         rate = math.log2(forwards + 1) / max(built, 1e-9)
         if self._last_deepening is not None:
             past_bits, past_forwards = self._last_deepening
             if built > past_bits and forwards > past_forwards:
                 rate = max(rate, math.log2(forwards / max(past_forwards, 1)) / (built - past_bits))
-        return max(0.25, min(growth / max(rate, 1e-9), max(built, 4.0)))
+        return rate
 
     def _deepen(self, bits: float, *, expected: float | None = None) -> None:
         """Extend the tree to ``bits`` of information (the whole support past 2000 bits) and re-index."""

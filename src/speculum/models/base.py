@@ -323,6 +323,12 @@ class Capabilities:
     in as few forwards as it can; BATCH-INVARIANT: each session's rows are bitwise those the same call gives
     it alone. Its sessions offer ``fork()`` (the same state, shared until either changes). A prompt scorer
     then packs several prompts into one forward and still answers each as if alone.
+    ``prefix_levels``: ``start_levels(prompt) -> level``, ``extend_level(level, parents, tokens) -> (level,
+    rows)`` and ``level_capacity(length) -> nodes``: a breadth-first walk over a tree of continuations that
+    keeps each level's keys and values, so that a node's row costs one token's forward on its parent's
+    cache (``rows``: ``(nodes, vocab)`` float64 log-probs after each parent node extended by its token;
+    the root level holds ``prompt`` less its last token, which a first extension of node 0 feeds). Rows
+    equal ``next_logprobs``' up to float rounding of other batch shapes.
     ``independent_sessions`` (default True): each session keeps its own state, so several can advance in
     turn. False (llama.cpp's single resident KV cache: switching sessions re-evaluates the context): the
     serving engine and ``generate_batch`` run one generation at a time.
@@ -338,6 +344,7 @@ class Capabilities:
     batched_extend: bool = False
     deferred_prefill: bool = False
     invariant_extend: bool = False
+    prefix_levels: bool = False
     independent_sessions: bool = True
     parallel_calls: int = 1
 

@@ -105,7 +105,8 @@ class HFModel(BaseModel):
         # Declared once, here: many sessions in one forward needs the fused forward's packed variant.
         self.capabilities = Capabilities(sparse_rows=True, session_advance=True, shares_prefix_cache=True,
                                          batched_extend=self._fused is not None,
-                                         deferred_prefill=self._fused is not None, invariant_extend=True)
+                                         deferred_prefill=self._fused is not None, invariant_extend=True,
+                                         prefix_levels=True)
         self._rows_forward = RowInvariantForward(self._fused) if self._fused is not None else None
         self.prepacked_layers = prepack_linears(module) if prepack and self._fused is None else 0
         head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
@@ -330,6 +331,27 @@ class HFModel(BaseModel):
             rows = order[lo: lo + chunk]
             self._trie_forward(root, [suffixes[i] for i in rows], out, rows)
         return out
+
+    def start_levels(self, prompt: Sequence[int]) -> OwnCache:
+        """The root level of a walk over continuations of ``prompt`` (``Capabilities.prefix_levels``): one
+        node holding ``prompt`` less its last token, which the first ``extend_level`` feeds."""
+        prompt = self.check_context(prompt, name="prompt")
+        return self._cache_for(prompt[:-1])
+
+    @torch.inference_mode()
+    def extend_level(self, level: OwnCache, parents: Sequence[int], tokens: Sequence[int]
+                     ) -> tuple[OwnCache, np.ndarray]:
+        """``(level, rows)``: the nodes ``parents[i]`` of ``level`` extended by ``tokens[i]``, as a new level
+        (``level`` untouched), and ``(nodes, vocab)`` log-probs after each: one forward of one token a node.
+        Exact up to float rounding (batch shapes may perturb logits by ~1e-6, as in ``next_logprobs``)."""
+        tokens = check_token_ids(tokens, self.vocab_size, name="tokens")
+        cache = level.rows(torch.tensor(list(parents), dtype=torch.long))
+        logits = self.forward(torch.tensor([[t] for t in tokens]), cache, keep=1)[:, 0, :]
+        return cache, logprob_rows(logits)
+
+    def level_capacity(self, length: int) -> int:
+        """Nodes a level of ``length`` tokens may hold within the KV and logits budgets."""
+        return self._chunk_rows(length, 1)
 
     @torch.inference_mode()
     def next_logprobs_above(self, prefixes: Sequence[Sequence[int]], min_logprobs: Sequence[float]
