@@ -365,6 +365,25 @@ def test_auto_is_exact_when_cheap_and_sampled_beyond_with_the_bracket_beside(tok
     assert default.method == "sampled" and default.samples == 4096
 
 
+def test_auto_gives_up_at_once_an_exact_attempt_predicted_past_its_budget(tokens_case):
+    """A deep canary: auto stops deepening as soon as the index's growth predicts its budget cannot reach the
+    canary, where method="exact" spends the whole budget on a bracket; a shallow one is still exact."""
+    model, _, truth = tokens_case
+    constraint = Regex(FORMAT, vocabulary=VOCAB)
+    by_rank = {rank: item for item, (rank, _) in truth.items()}
+    spent = {}
+    for method in ("auto", "exact"):
+        index = AutoregressiveEnumerable(model, prompt=PROMPT, constraint=constraint)
+        [report] = estimate_ranks(model, [by_rank[9_000]], constraint=constraint, prompt=PROMPT, index=index,
+                                  method=method, max_forwards=300, **({"samples": 256} if method == "auto" else {}))
+        spent[method] = index.seek_index().forwards
+        assert report.method == ("sampled" if method == "auto" else "bracket")
+    assert spent["exact"] >= 300 > 4 * spent["auto"]
+    [shallow] = estimate_ranks(model, [by_rank[2]], constraint=constraint, prompt=PROMPT, samples=256,
+                               max_forwards=300)
+    assert shallow.method == "exact" and shallow.rank == 2
+
+
 def test_exact_method_keeps_the_exact_or_bracket_answer(tokens_case):
     model, _, truth = tokens_case
     item = next(m for m, (rank, _) in truth.items() if rank == 5_000)
