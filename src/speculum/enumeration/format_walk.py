@@ -4,7 +4,8 @@ laws, and the exact laws of given members.
 A token is *viable* after a prefix when a member can still be completed through it (within ``max_len``
 tokens). A stratum of tilt ``beta`` takes a viable token ``t`` with probability ``p(t | prefix) ** beta /
 Z_beta(prefix)`` (:mod:`speculum.enumeration.sampling`); a row giving the viable tokens no mass at all is
-*dead* and every stratum takes them uniformly there. Guarantee: EXACT laws (up to float rounding of the
+*dead* and every stratum takes them uniformly there. Step log-probs are clipped at 0, as the prefix tree
+clips them, so that a member's log-prob is the index's. Guarantee: EXACT laws (up to float rounding of the
 model's rows).
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..models.base import capabilities_of
 from ..validation import InputError
 
 __all__ = ["FormatWalk", "step_partitions", "laws_at", "path_logprobs"]
+
 
 class FormatWalk:
     """The format's allowed steps and the model's rows for them: what sampling and path scoring share.
