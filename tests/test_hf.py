@@ -122,6 +122,8 @@ def test_prefix_levels_give_the_rows_of_their_prefixes(tiny):
     assert tiny.level_capacity(16) >= 1
     with pytest.raises(InputError, match="tokens"):
         tiny.extend_level(second, [0], [tiny.vocab_size])
+    with pytest.raises(InputError, match="one parent for each token"):
+        tiny.extend_level(second, [0, 1], [5])
 
 
 def test_sampling_on_levels_equals_sampling_on_whole_prefixes(tiny, monkeypatch):

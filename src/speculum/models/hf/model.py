@@ -345,6 +345,9 @@ class HFModel(BaseModel):
         (``level`` untouched), and ``(nodes, vocab)`` log-probs after each: one forward of one token a node.
         Exact up to float rounding (batch shapes may perturb logits by ~1e-6, as in ``next_logprobs``)."""
         tokens = check_token_ids(tokens, self.vocab_size, name="tokens")
+        if len(parents) != len(tokens) or not tokens:
+            raise InputError(f"extend_level needs one parent for each token: {len(parents)} parents, "
+                             f"{len(tokens)} tokens")
         cache = level.rows(torch.tensor(list(parents), dtype=torch.long))
         logits = self.forward(torch.tensor([[t] for t in tokens]), cache, keep=1)[:, 0, :]
         return cache, logprob_rows(logits)
