@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from ..validation import InputError, check_number
+from .format_walk import mixture_logprob
 
 __all__ = ["RankEstimate", "rank_from_sample", "Z_95"]
 
@@ -82,10 +83,13 @@ def rank_from_sample(sample: Any, item: Any, log_prob: float, *, z: float = Z_95
     if log_prob == -math.inf:
         raise InputError("the item has zero probability under the model")
     n = len(sample)
-    log_terms = _log_terms(sample, item, log_prob)          # log of each draw's term (-inf: none)
+    before = _before(sample, item, log_prob)
+    kept = sample.siblings is not None and sample.siblings.token.shape[1] > 0
+    ahead = _siblings_before(sample, item, log_prob) if kept else None
+    log_terms = _log_terms(sample, before, ahead)          # log of each draw's term (-inf: none)
     hit = np.isfinite(log_terms)
     hits = int(np.count_nonzero(hit))
-    seen = _seen_before(sample, item, log_prob, hit)
+    seen = _seen_before(sample, before, ahead)
     n_model = sample.stratum_sizes[sample.tilts.index(1.0)] if 1.0 in sample.tilts else 0
     if not hits:
         upper = math.inf if not n_model else math.exp(math.log(_RULE_OF_THREE / n_model) - log_prob)
@@ -108,21 +112,18 @@ def rank_from_sample(sample: Any, item: Any, log_prob: float, *, z: float = Z_95
     return RankEstimate(rank, standard_error, lo, max(hi, lo), n, hits, seen)
 
 
-def _log_terms(sample: Any, item: Any, log_prob: float) -> np.ndarray:
-    """``(n,)``: the log of each draw's term, ``-log q(x)`` where ``x`` comes before the item, or, for a
-    draw with siblings, the log of its conditional term ``sum_t q_k(t | y) 1[y t before c] / q(y t)``."""
-    log_terms = np.where(_before(sample, item, log_prob), -sample.proposal_logprob, -np.inf)
-    siblings = sample.siblings
-    if siblings is None or not siblings.token.shape[1]:
+def _log_terms(sample: Any, before: np.ndarray, ahead: np.ndarray | None) -> np.ndarray:
+    """``(n,)``: the log of each draw's term, ``-log q(x)`` where ``x`` comes before the item (``before``),
+    or, for a draw with siblings, the log of its conditional term ``sum_t q_k(t | y) 1[y t before c] / q(y
+    t)`` (``ahead``: :func:`_siblings_before`, None for a set without siblings)."""
+    log_terms = np.where(before, -sample.proposal_logprob, -np.inf)
+    if ahead is None:
         return log_terms
-    present = siblings.present
-    counts = np.asarray(sample.stratum_sizes, dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        mixture = np.logaddexp.reduce(siblings.laws + np.log(counts / counts.sum()), axis=2)   # (n, width)
-    ahead = _siblings_before(sample, item, log_prob)
+    siblings = sample.siblings
+    mixture = mixture_logprob(siblings.laws, sample.stratum_sizes)                   # (n, width)
     with np.errstate(invalid="ignore"):
         conditional = np.logaddexp.reduce(np.where(ahead, siblings.own - mixture, -np.inf), axis=1)
-    return np.where(present, conditional, log_terms)
+    return np.where(siblings.present, conditional, log_terms)
 
 
 def _siblings_before(sample: Any, item: Any, log_prob: float) -> np.ndarray:
@@ -140,20 +141,18 @@ def _siblings_before(sample: Any, item: Any, log_prob: float) -> np.ndarray:
     return ahead
 
 
-def _seen_before(sample: Any, item: Any, log_prob: float, hit: np.ndarray) -> int:
+def _seen_before(sample: Any, before: np.ndarray, ahead: np.ndarray | None) -> int:
     """Distinct members drawn (or one last token from a draw) that surely come before the item."""
-    siblings = sample.siblings
-    present = siblings.present if siblings is not None and siblings.token.shape[1] else np.zeros(len(sample), bool)
-    seen = {sample.items[i] for i in np.flatnonzero(hit & ~present).tolist()}
-    if present.any():
-        ahead = _siblings_before(sample, item, log_prob)
-        rows, cols = np.nonzero(ahead)
-        prefixes = {}
-        ids = np.fromiter((prefixes.setdefault(sample.items[i][:-1], len(prefixes)) for i in rows.tolist()),
-                          dtype=np.int64, count=len(rows))
-        width = int(siblings.token.max()) + 1
-        return len(seen) + len(np.unique(ids * width + siblings.token[rows, cols]))
-    return len(seen)
+    present = np.zeros(len(sample), bool) if ahead is None else sample.siblings.present
+    seen = len({sample.items[i] for i in np.flatnonzero(before & ~present).tolist()})
+    if ahead is None:
+        return seen
+    rows, cols = np.nonzero(ahead)
+    prefixes: dict = {}
+    ids = np.fromiter((prefixes.setdefault(sample.items[i][:-1], len(prefixes)) for i in rows.tolist()),
+                      dtype=np.int64, count=len(rows))
+    width = int(sample.siblings.token.max()) + 1
+    return seen + len(np.unique(ids * width + sample.siblings.token[rows, cols]))
 
 
 def _before(sample: Any, item: Any, log_prob: float) -> np.ndarray:

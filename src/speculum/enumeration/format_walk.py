@@ -18,7 +18,7 @@ import numpy as np
 from ..models.base import capabilities_of
 from ..validation import InputError
 
-__all__ = ["FormatWalk", "step_partitions", "laws_at", "path_logprobs"]
+__all__ = ["FormatWalk", "step_partitions", "laws_at", "mixture_logprob", "path_logprobs"]
 
 
 class FormatWalk:
@@ -138,17 +138,28 @@ def step_partitions(target: np.ndarray, tilts: Sequence[float]) -> tuple[np.ndar
 
 
 def laws_at(target_at: np.ndarray, log_z: np.ndarray, dead: np.ndarray, tilts: Sequence[float],
-             k: int) -> np.ndarray:
-    """``(draws, strata)``: each stratum's step law at the tokens taken (``target_at``, ``(draws,)``), from
-    their rows' partitions ``log_z`` (``(draws, strata)``) and ``dead`` flags (``(draws,)``)."""
-    laws = np.empty(log_z.shape)
+            k: int) -> np.ndarray:
+    """``target_at.shape + (strata,)``: each stratum's step law at the tokens ``target_at`` (their target
+    log-probs, over a row of ``k`` viable tokens), from their rows' partitions ``log_z`` (``(..., strata)``)
+    and ``dead`` flags, both broadcast against ``target_at``: ``(draws,)`` with ``(draws, strata)`` for the
+    tokens taken, ``(rows, k)`` with ``(rows, 1, strata)`` for every token of each row."""
+    laws = np.empty(np.shape(target_at) + (len(tilts),))
     for s, beta in enumerate(tilts):
         if beta == 0.0:
-            laws[:, s] = -math.log(k)
+            laws[..., s] = -math.log(k)
         else:
             with np.errstate(invalid="ignore"):
-                laws[:, s] = np.where(dead, -math.log(k), beta * target_at - log_z[:, s])
+                laws[..., s] = np.where(dead, -math.log(k), beta * target_at - log_z[..., s])
     return laws
+
+
+def mixture_logprob(laws: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+    """``log(sum_k n_k q_k / n)`` over the last axis of ``laws`` (``(..., strata)``; ``counts``:
+    ``(strata,)``): the law of a draw picked at random from a set of ``counts[k]`` draws of each stratum."""
+    counts = np.asarray(counts, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        weighted = laws + np.log(counts / counts.sum())
+    return np.logaddexp.reduce(weighted, axis=-1)
 
 
 def path_logprobs(walk: FormatWalk, sequences: Sequence[Sequence[int]],

@@ -57,8 +57,8 @@ from ..models.base import as_model, check_prompt
 from ..validation import InputError, check_int, check_number
 from .constraint import compile_for
 from .exact import AutoregressiveEnumerable
-from .format_walk import FormatWalk, laws_at, path_logprobs, step_partitions
-from .siblings import SiblingRecorder, Siblings, row_laws
+from .format_walk import FormatWalk, laws_at, mixture_logprob, path_logprobs, step_partitions
+from .siblings import SiblingRecorder, Siblings
 
 __all__ = ["FormatSample", "SampleProgress", "sample_format", "check_strata", "DEFAULT_SAMPLES", "DEFAULT_STRATA",
            "DEFAULT_SAMPLE_BATCH"]
@@ -166,7 +166,7 @@ class FormatSample:
             siblings = mine.concatenated(theirs)
         return FormatSample(items=self.items + other.items,
                             target_logprob=np.concatenate([self.target_logprob, other.target_logprob]),
-                            proposal_logprob=_mixture(laws, counts), stratum_logprob=laws, stratum=stratum,
+                            proposal_logprob=mixture_logprob(laws, counts), stratum_logprob=laws, stratum=stratum,
                             tilts=self.tilts, strings=self.strings, support=self.support, prompt=self.prompt,
                             forwards=self.forwards + other.forwards, seconds=self.seconds + other.seconds,
                             siblings=siblings)
@@ -189,7 +189,9 @@ def _draw_tokens(walk: FormatWalk, counts: Sequence[int], tilts: Sequence[float]
     for s, stream in enumerate(streams):
         coins[stratum == s] = stream.random((int(counts[s]), horizon))
     drawn = _Drawn(tokens=np.full((n, horizon), -1, dtype=np.int64), target=np.zeros(n),
-                   laws=np.zeros((n, len(tilts))), stratum=stratum, coins=coins)
+                   laws=np.zeros((n, len(tilts))), stratum=stratum, coins=coins,
+                   states=np.zeros(n, dtype=np.int64), node=np.zeros(n, dtype=np.int64),
+                   place=np.zeros(n, dtype=np.int64))
     group = walk.group_size(n, horizon)
     live = n
     for lo in range(0, n, group):
@@ -206,13 +208,18 @@ def _draw_tokens(walk: FormatWalk, counts: Sequence[int], tilts: Sequence[float]
 @dataclass
 class _Drawn:
     """The draws being made: ``tokens`` ``(n, horizon)`` (-1 past the end), target log-probs ``(n,)``,
-    laws ``(n, strata)``, strata ``(n,)`` and coins ``(n, horizon)``."""
+    laws ``(n, strata)``, strata ``(n,)``, coins ``(n, horizon)``, and per draw while it grows: its
+    automaton state, its prefix's key at this depth (``node``) and its prefix's index in the last level
+    (``place``)."""
 
     tokens: np.ndarray
     target: np.ndarray
     laws: np.ndarray
     stratum: np.ndarray
     coins: np.ndarray
+    states: np.ndarray
+    node: np.ndarray
+    place: np.ndarray
 
 
 def _draw_group(walk: FormatWalk, members: np.ndarray, drawn: _Drawn, tilts: Sequence[float],
@@ -221,15 +228,13 @@ def _draw_group(walk: FormatWalk, members: np.ndarray, drawn: _Drawn, tilts: Seq
     prefixes forwarded once (on the last depth's keys and values where the model keeps levels). Yields
     ``(depth, draws completed at it)``."""
     tokens, horizon = drawn.tokens, drawn.tokens.shape[1]
-    states = np.zeros(len(drawn.target), dtype=np.int64)
-    node = np.zeros(len(drawn.target), dtype=np.int64)        # each active draw's prefix at this depth
-    place = np.zeros(len(drawn.target), dtype=np.int64)       # its prefix's index in the last level
+    states, node, place = drawn.states, drawn.node, drawn.place
     active = members
     level = walk.start_level()
     for depth in range(horizon):
         if not len(active):
             return
-        keys, first, node_of = np.unique(node[active], return_index=True, return_inverse=True)
+        _, first, node_of = np.unique(node[active], return_index=True, return_inverse=True)
         representative = active[first]
         if depth:
             parents, last = place[representative], tokens[representative, depth - 1]
@@ -252,8 +257,10 @@ def _draw_group(walk: FormatWalk, members: np.ndarray, drawn: _Drawn, tilts: Seq
                 who = active[draws]
                 pick = _invert(step_target, log_z, dead, local, drawn.coins[who, depth], drawn.stratum[who], tilts)
                 if siblings is not None and walk.complete(allowed, targets).all():
+                    # Every stratum's law of every viable token: (nodes, k, strata).
+                    every = laws_at(step_target, log_z[:, None], dead[:, None], tilts, len(allowed))
                     siblings.record(who, allowed, drawn.target[who, None] + step_target[local], drawn.laws[who],
-                                    row_laws(step_target, log_z, dead, tilts)[local], drawn.stratum[who])
+                                    every[local], drawn.stratum[who])
                 chosen[draws] = allowed[pick]
                 taken = step_target[local, pick]
                 drawn.target[who] += taken
@@ -341,7 +348,7 @@ def sample_format(model: Any, constraint: Any, *, prompt: Sequence[int] = (), sa
     items: tuple = sequences
     if strings:
         items, target, laws = _string_laws(walk, index, sequences, target, laws, tilts)
-    return FormatSample(items=items, target_logprob=target, proposal_logprob=_mixture(laws, counts),
+    return FormatSample(items=items, target_logprob=target, proposal_logprob=mixture_logprob(laws, counts),
                         stratum_logprob=laws, stratum=stratum, tilts=tilts, strings=bool(strings), support=support,
                         prompt=prompt, forwards=walk.forwards, seconds=time.perf_counter() - started,
                         siblings=None if recorder is None else recorder.finish())
@@ -384,15 +391,6 @@ def _allocate(samples: int, strata: Sequence[tuple[float, float]]) -> tuple[tupl
         raise InputError(f"{samples} samples over the strata {[(t, round(s, 4)) for t, s in strata]} leave a "
                          "stratum with fewer than two draws: each stratum needs two for its variance")
     return tuple(tilt for tilt, _ in strata), counts
-
-
-def _mixture(laws: np.ndarray, counts: Sequence[int]) -> np.ndarray:
-    """``log(sum_k n_k q_k / n)``: the law of a draw picked at random from the set (``laws``:
-    ``(n, strata)``; ``counts``: ``(strata,)``)."""
-    counts = np.asarray(counts, dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        weighted = laws + np.log(counts / counts.sum())[None, :]
-    return np.logaddexp.reduce(weighted, axis=1)
 
 
 def _string_laws(walk: FormatWalk, index: Any, sequences, target, laws, tilts):

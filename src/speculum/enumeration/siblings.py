@@ -17,13 +17,11 @@ in token mode (a string's law sums tokenizations that end on different steps).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Siblings", "SiblingRecorder", "MAX_SIBLINGS", "row_laws"]
+__all__ = ["Siblings", "SiblingRecorder", "MAX_SIBLINGS"]
 
 MAX_SIBLINGS = 64       # widest final step whose siblings are kept (digits: 10)
 
@@ -66,20 +64,6 @@ def _padded(siblings: Siblings, width: int) -> tuple[np.ndarray, ...]:
             np.concatenate([siblings.target, np.full((n, extra), -np.inf)], axis=1),
             np.concatenate([siblings.laws, np.full((n, extra, strata), -np.inf)], axis=1),
             np.concatenate([siblings.own, np.full((n, extra), -np.inf)], axis=1))
-
-
-def row_laws(step_target: np.ndarray, log_z: np.ndarray, dead: np.ndarray, tilts: Sequence[float]) -> np.ndarray:
-    """``(rows, k, strata)``: each stratum's step law at every viable token of each row (``step_target``
-    ``(rows, k)``, partitions ``log_z`` ``(rows, strata)``, ``dead`` ``(rows,)``: see the sampler)."""
-    rows, k = step_target.shape
-    laws = np.empty((rows, k, len(tilts)))
-    for s, beta in enumerate(tilts):
-        if beta == 0.0:
-            laws[:, :, s] = -math.log(k)
-        else:
-            with np.errstate(invalid="ignore"):
-                laws[:, :, s] = np.where(dead[:, None], -math.log(k), beta * step_target - log_z[:, s, None])
-    return laws
 
 
 class SiblingRecorder:
