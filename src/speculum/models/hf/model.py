@@ -348,8 +348,7 @@ class HFModel(BaseModel):
         if len(parents) != len(tokens) or not tokens:
             raise InputError(f"extend_level needs one parent for each token: {len(parents)} parents, "
                              f"{len(tokens)} tokens")
-        cache = level.rows(torch.tensor(list(parents), dtype=torch.long))
-        logits = self.forward(torch.tensor([[t] for t in tokens]), cache, keep=1)[:, 0, :]
+        cache, logits = self._level_step(level, list(parents), tokens)
         return cache, logprob_rows(logits)
 
     def level_capacity(self, length: int) -> int:
@@ -493,6 +492,12 @@ class HFModel(BaseModel):
         by_logits = LOGITS_BUDGET_BYTES // (logit_positions * self.vocab_size * 8)
         return max(1, min(by_kv, by_logits))
 
+    def _level_step(self, level: OwnCache, parents: list[int], tokens: list[int]) -> tuple[OwnCache, torch.Tensor]:
+        """``(cache, logits)``: the rows ``parents`` of ``level`` (left untouched) each extended by its token in
+        one forward, and the ``(nodes, vocab)`` logits after each."""
+        cache = level.rows(torch.tensor(parents, dtype=torch.long))
+        return cache, self.forward(torch.tensor([[t] for t in tokens]), cache, keep=1)[:, 0, :]
+
     def _trie_forward(self, root: OwnCache, suffixes: list[tuple[int, ...]], out: np.ndarray | None, rows: list[int],
                       emit: Any = None) -> None:
         """Fill ``out[rows[j]]`` with the row after ``root + suffixes[j]``, one forward per trie depth (or,
@@ -508,9 +513,7 @@ class HFModel(BaseModel):
             if not nodes:
                 break
             parent_of = {node: k for k, node in enumerate(level_nodes)}
-            parents = torch.tensor([parent_of[n[:-1]] for n in nodes], dtype=torch.long)
-            cache = level_cache.rows(parents)
-            logits = self.forward(torch.tensor([[n[-1]] for n in nodes]), cache, keep=1)[:, 0, :]
+            cache, logits = self._level_step(level_cache, [parent_of[n[:-1]] for n in nodes], [n[-1] for n in nodes])
             done = [k for k, n in enumerate(nodes) if n in wanted]
             if done and emit is not None:
                 emit([wanted[nodes[k]] for k in done], logits[done])
