@@ -97,7 +97,9 @@ def test_extend_after_rollback_equals_fresh_session(tiny):
 def test_next_logprobs_batch_matches_sessions_trie_duplicates_and_chunks(tiny, monkeypatch):
     prefixes = [[1, 3, 4], [1, 3, 4, 5], [1, 3, 4, 5, 6], [1, 3, 7], [1, 3, 4, 5], [1, 3, 9, 9, 9], []]
     expected = np.stack([plain_rows(tiny, p or [tiny.bos_token_id]) for p in prefixes])
-    np.testing.assert_allclose(tiny.next_logprobs(prefixes), expected, atol=1e-5)
+    rows = tiny.next_logprobs(prefixes)
+    np.testing.assert_allclose(rows, expected, atol=1e-5)
+    assert np.array_equal(rows[1], rows[4])          # a prefix asked twice: its one node's row, twice
     # A one-row KV budget forces one chunk per prefix: same answer.
     monkeypatch.setattr(hf_module, "KV_BUDGET_BYTES", 1)
     np.testing.assert_allclose(tiny.next_logprobs(prefixes), expected, atol=1e-5)

@@ -47,6 +47,7 @@ from .logprobs import log_mass, logprob_rows
 from .precision import parse_dtype, prepare_module, warn_if_slow
 from .prepack import prepack_linears
 from .row_invariant import RowInvariantForward
+from .trie import trie_forward
 from .session import HFSession
 
 __all__ = ["HFModel", "HFSession", "parse_dtype"]
@@ -318,18 +319,11 @@ class HFModel(BaseModel):
         """
         contexts = [self.check_context(prefix, name=f"prefixes[{i}]") for i, prefix in enumerate(prefixes)]
         out = np.empty((len(contexts), self.vocab_size))
-        if not contexts:
-            return out
-        # Keep at least one token per prefix outside the shared part: it is the input whose logits we need.
-        shared_len = min(common_prefix_length(*contexts), min(len(c) for c in contexts) - 1)
-        root = self._cache_for(contexts[0][:shared_len])
-        suffixes = [tuple(c[shared_len:]) for c in contexts]
-        order = sorted(range(len(suffixes)), key=lambda i: suffixes[i])  # siblings adjacent: chunks share parents
-        longest = max(len(s) for s in suffixes)
-        chunk = self._chunk_rows(shared_len + longest, 1)
-        for lo in range(0, len(order), chunk):
-            rows = order[lo: lo + chunk]
-            self._trie_forward(root, [suffixes[i] for i in rows], out, rows)
+
+        def fill(rows: list[int], logits: torch.Tensor) -> None:
+            out[rows] = logprob_rows(logits)
+
+        self._walk_prefixes(contexts, fill)
         return out
 
     def start_levels(self, prompt: Sequence[int]) -> OwnCache:
@@ -388,15 +382,7 @@ class HFModel(BaseModel):
             finite[rows_np] = torch.isfinite(logits).sum(dim=-1).numpy()
             parts.append((rows_np[r.numpy()], tok.numpy(), values.numpy()))
 
-        if contexts:
-            shared_len = min(common_prefix_length(*contexts), min(len(c) for c in contexts) - 1)
-            root = self._cache_for(contexts[0][:shared_len])
-            suffixes = [tuple(c[shared_len:]) for c in contexts]
-            order = sorted(range(len(suffixes)), key=lambda i: suffixes[i])
-            chunk = self._chunk_rows(shared_len + max(len(s) for s in suffixes), 1)
-            for lo in range(0, len(order), chunk):
-                rows = order[lo: lo + chunk]
-                self._trie_forward(root, [suffixes[i] for i in rows], None, rows, emit=select)
+        self._walk_prefixes(contexts, select)
         if not parts:
             return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), finite
         row, token, logprob = (np.concatenate(a) for a in zip(*parts))
@@ -498,34 +484,21 @@ class HFModel(BaseModel):
         cache = level.rows(torch.tensor(parents, dtype=torch.long))
         return cache, self.forward(torch.tensor([[t] for t in tokens]), cache, keep=1)[:, 0, :]
 
-    def _trie_forward(self, root: OwnCache, suffixes: list[tuple[int, ...]], out: np.ndarray | None, rows: list[int],
-                      emit: Any = None) -> None:
-        """Fill ``out[rows[j]]`` with the row after ``root + suffixes[j]``, one forward per trie depth (or,
-        with ``emit``, call ``emit(rows, logits)`` with those rows' raw logits instead; duplicates once)."""
-        wanted = {s: rows[j] for j, s in enumerate(suffixes)}
-        duplicates = [(rows[j], s) for j, s in enumerate(suffixes) if wanted[s] != rows[j]]
-        level_nodes: list[tuple[int, ...]] = [()]
-        level_cache = root
-        depth = 0
-        while True:
-            depth += 1
-            nodes = sorted({s[:depth] for s in suffixes if len(s) >= depth})
-            if not nodes:
-                break
-            parent_of = {node: k for k, node in enumerate(level_nodes)}
-            cache, logits = self._level_step(level_cache, [parent_of[n[:-1]] for n in nodes], [n[-1] for n in nodes])
-            done = [k for k, n in enumerate(nodes) if n in wanted]
-            if done and emit is not None:
-                emit([wanted[nodes[k]] for k in done], logits[done])
-            elif done:
-                out[[wanted[nodes[k]] for k in done]] = logprob_rows(logits[done])
-            level_nodes, level_cache = nodes, cache
-        if emit is not None:  # a prefix asked twice in one call (rare): forward its copies on their own
-            for row, s in duplicates:
-                self._trie_forward(root, [s], None, [row], emit=emit)
+    def _walk_prefixes(self, contexts: list[list[int]], emit: Any) -> None:
+        """``emit(rows, logits)`` with the raw logits after every context (rows: indices into ``contexts``):
+        the common prefix from one kept cache (:meth:`_cache_for`), the rest by a prefix tree
+        (:func:`~speculum.models.hf.trie.trie_forward`) in chunks that bound memory."""
+        if not contexts:
             return
-        for row, s in duplicates:
-            out[row] = out[wanted[s]]
+        # Keep at least one token per prefix outside the shared part: it is the input whose logits we need.
+        shared_len = min(common_prefix_length(*contexts), min(len(c) for c in contexts) - 1)
+        root = self._cache_for(contexts[0][:shared_len])
+        suffixes = [tuple(c[shared_len:]) for c in contexts]
+        order = sorted(range(len(suffixes)), key=lambda i: suffixes[i])  # siblings adjacent: chunks share parents
+        chunk = self._chunk_rows(shared_len + max(len(s) for s in suffixes), 1)
+        for lo in range(0, len(order), chunk):
+            rows = order[lo: lo + chunk]
+            trie_forward(self._level_step, root, [suffixes[i] for i in rows], rows, emit)
 
 
 def _first_id(*candidates: Any) -> int | None:
