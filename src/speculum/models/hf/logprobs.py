@@ -17,13 +17,19 @@ from ...validation import InputError
 
 __all__ = ["log_mass", "logprob_rows"]
 
+# Rows whose float64 soft-max temporaries exist at once: a verification or enumeration forward returns
+# hundreds of 49,152-wide rows, and a float64 copy plus its exponentials for all of them at once is a
+# peak of several hundred MB (kept by the allocator afterwards). Each row's value is the same either way.
+_ROWS_AT_ONCE = 32
+
 
 def log_mass(logits: torch.Tensor) -> torch.Tensor:
     """``(n,)`` float64 log-sum-exp of ``(n, vocab)`` logits; ``InputError`` for NaN / +inf, at the origin.
 
     float64 because float32 rows' mass drifts by ~1e-5, which downstream normalisation checks rightly
     reject."""
-    mass = torch.logsumexp(logits.double(), dim=-1)                          # (n,); NaN / inf propagate
+    parts = [torch.logsumexp(part.double(), dim=-1) for part in logits.split(_ROWS_AT_ONCE)]
+    mass = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)   # (n,); NaN / inf propagate
     if not bool(torch.isfinite(mass).all()):
         raise InputError("the model produced NaN or infinite logits")
     return mass
@@ -31,4 +37,7 @@ def log_mass(logits: torch.Tensor) -> torch.Tensor:
 
 def logprob_rows(logits: torch.Tensor) -> np.ndarray:
     """``(n, vocab)`` logits (any float dtype) -> ``(n, vocab)`` float64 NumPy log-probs, normalised."""
-    return (logits.double() - log_mass(logits)[:, None]).numpy()
+    rows = logits.double()                       # the one full-size float64 array (no copy if already float64)
+    rows = rows.clone() if rows is logits else rows
+    rows -= log_mass(rows)[:, None]
+    return rows.numpy()
