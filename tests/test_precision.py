@@ -1,9 +1,11 @@
-"""The target's precision (``dtype``): int8 weight-only targets and the advice on which dtype pays.
+"""The target's precision (``dtype``): int8 weight-only and bfloat16 targets, and the advice on which dtype pays.
 
 Invariants: an :class:`Int8Linear` computes the product of its dequantised weights (to float rounding); an
 int8 target runs the fused forward with the same kernels for one session and for packed ones; greedy
 speculative output of an int8 target equals that target's plain greedy output; the batched rows equal its
-sessions' rows; a bad dtype is a clear error; bfloat16 / float16 advice follows the CPU's flags.
+sessions' rows; a bfloat16 target runs the fused forward (bfloat16 weights, float32 activations), is exact
+for itself in the same ways and closer to float32 than transformers' bfloat16 forward; a bad dtype is a
+clear error; bfloat16 / float16 advice follows the CPU's flags.
 """
 from __future__ import annotations
 
@@ -92,3 +94,51 @@ def test_a_bad_dtype_is_a_clear_error(tmp_path):
 ])
 def test_dtype_advice_follows_the_cpus_flags(dtype, flags, slow):
     assert (dtype_advice(dtype, frozenset(flags)) is not None) == slow
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory) -> HFModel:
+    return HFModel.from_pretrained(save_tiny_model(tmp_path_factory.mktemp("tiny16") / "model"), dtype="bfloat16")
+
+
+def test_a_bfloat16_target_runs_the_fused_forward_and_speculation_is_exact(tiny_bf16):
+    assert tiny_bf16.fused_forward and tiny_bf16.dtype == torch.bfloat16
+    rotary = tiny_bf16.module.model.rotary_emb
+    assert rotary.inv_freq.dtype == torch.float32          # angles are not rounded to bfloat16
+    prompt = [1, 3, 4, 5, 3, 4]
+    plain = speculum.generate(tiny_bf16, prompt, max_new_tokens=20, temperature=0, eos_token_id=None)
+    fast = speculum.generate(tiny_bf16, prompt, draft=PromptLookup(), gamma=3, max_new_tokens=20, temperature=0,
+                             eos_token_id=None)
+    assert fast.tokens == plain.tokens
+
+
+def test_bfloat16_batched_calls_and_packed_sessions_equal_each_sessions_own_rows(tiny_bf16):
+    prefixes = [[1, 3], [1, 3, 4], [5, 6, 7, 8]]
+    rows = tiny_bf16.next_logprobs(prefixes)
+    # Batch shapes change bfloat16 products' blocking: rows agree to bfloat16 rounding of the products.
+    for prefix, row in zip(prefixes, rows):
+        np.testing.assert_allclose(row, tiny_bf16.start(prefix).next_logprobs(), atol=0.05)
+    sessions = [tiny_bf16.start([1, 3]), tiny_bf16.start([4, 5, 6])]
+    packed = tiny_bf16.extend_sessions([Feed(sessions[0], [7, 8]), Feed(sessions[1], [9])])
+    alone = [tiny_bf16.start([1, 3]).extend([7, 8]), tiny_bf16.start([4, 5, 6]).extend([9])]
+    for a, b in zip(packed, alone):
+        np.testing.assert_allclose(a, b, atol=0.05)
+    assert np.allclose(tiny_bf16.score_sequences([[7, 8]], [1, 3]),
+                       rows[0][7] + tiny_bf16.start([1, 3, 7]).next_logprobs()[8], atol=0.05)
+
+
+def test_bfloat16_fused_is_closer_to_float32_than_transformers_bfloat16(tmp_path):
+    path = save_tiny_model(tmp_path / "model")
+    exact = HFModel.from_pretrained(path)
+    fused = HFModel.from_pretrained(path, dtype="bfloat16")
+    plain = HFModel.from_pretrained(path, dtype="bfloat16", prepack=False)
+    assert fused.fused_forward and not plain.fused_forward
+
+    def divergence(model: HFModel) -> float:
+        total = 0.0
+        for prompt in ([1, 3, 4, 5, 6, 7, 8, 9], [2, 9, 9, 4, 1, 7], [5] * 12):
+            row, other = exact.start(prompt).next_logprobs(), model.start(prompt).next_logprobs()
+            total += float(np.sum(np.exp(row) * (row - other)))
+        return total
+
+    assert 0 < divergence(fused) < divergence(plain)

@@ -31,6 +31,7 @@ import torch
 
 from ..models.hf import HFModel
 from ..models.hf.fused_llama import RELEASED
+from ..models.hf.precision import cast_module
 from ..models.hf.prepack import unpacked_copy
 from ..validation import InputError
 
@@ -60,7 +61,7 @@ def int8_twin(target: HFModel) -> HFModel:
 def bf16_twin(target: HFModel) -> HFModel:
     """A bfloat16 copy of ``target`` (its logits are converted to float32 before the log-softmax)."""
     _check_weights_held(target)
-    module = unpacked_copy(target.module).to(torch.bfloat16)
+    module = cast_module(unpacked_copy(target.module), torch.bfloat16)
     return HFModel(module, target.tokenizer, name=f"{target.name}-bf16")
 
 

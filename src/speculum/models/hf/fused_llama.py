@@ -15,8 +15,16 @@ speculative decoding both run it, so greedy speculative output equals plain gree
 
 The int8 twin (``speculum.drafts.twins``: every Linear int8 dynamically quantised) runs it too: its products call
 the twin's own ``quantized::linear_dynamic`` ops on the same inputs, so its log-probs equal the twin's
-transformers forward, at less cost per draft step. Mixed or other quantisation, bf16 and biases keep
+transformers forward, at less cost per draft step. Mixed or other quantisation and biases keep
 transformers' forward.
+
+A bfloat16 module (the ``bfloat16`` target, the bf16 twin) runs it with bfloat16 weights and float32
+everywhere else: each product's rows are rounded to bfloat16 and multiplied by oneDNN (AMX or AVX-512 BF16
+where the CPU has them, accumulating in float32), while the residual stream, norms, rotary tables,
+attention and logits stay float32. That is its own target, closer to float32 than transformers' bfloat16
+forward (which rounds the residual stream to bfloat16 after every block); every path of the model runs it,
+so each guarantee holds relative to it, and the load-time probe checks it against transformers' float32
+forward of the same bfloat16 weights, to bfloat16 rounding (:data:`_SELF_CHECK_TOLERANCE_BF16`).
 
 It reads and writes any :class:`~speculum.models.hf.kv_cache.KVCache` through its protocol (``length``,
 ``append``, ``exclusive``): a cache of its own, which transformers' forward reads too, or a slot of the
@@ -43,7 +51,7 @@ import torch.nn.functional as F
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache, SlotCache
 from .pages import drop_mapped_pages
-from .precision import Int8Linear
+from .precision import Int8Linear, cast_module
 from .prepack import onednn_available, pack_weight, packed_linear
 
 __all__ = ["FusedLlama", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]
@@ -51,6 +59,10 @@ __all__ = ["FusedLlama", "unsupported_reason", "release_block_weights", "rms_nor
 # Relative logit difference above which the load-time probe rejects the fused forward: float32 reordering
 # moves logits by ~1e-6 relative, a formula change by far more.
 _SELF_CHECK_TOLERANCE = 1e-4
+# The same for bfloat16 weights, against transformers' float32 forward of those very weights: the fused
+# forward rounds each product's rows and outputs to bfloat16 (8 bits), which moves logits by 1-4e-2
+# relative; a formula change (a rotation, a norm, a mask) moves them by far more.
+_SELF_CHECK_TOLERANCE_BF16 = 1e-1
 # Fused products per decoder block (and output head), keyed by the module itself: a layer-truncated draft
 # shares the target's block objects and so shares their packed weights, and deep copies (the twins) never
 # see oneDNN tensors, which cannot be copied.
@@ -110,6 +122,8 @@ def _product(layers: list) -> Product:
     their modules run; fusing them would re-quantise the weights with other scales)."""
     if all(_is_float_linear(layer) for layer in layers):
         packed = pack_weight(torch.cat([layer.weight for layer in layers]))
+        if packed.dtype == torch.bfloat16:       # float32 rows in and out, multiplied in bfloat16
+            return lambda rows: packed_linear(rows.to(torch.bfloat16), packed).float()
         return lambda rows: packed_linear(rows, packed)
     if all(_is_weight_int8(layer) for layer in layers):
         # Concatenated rows keep each output channel's own weights and scale: the same products.
@@ -176,8 +190,14 @@ def unsupported_reason(module: torch.nn.Module) -> str | None:
     if any(_is_float_linear(lin) and not lin.weight.numel() for lin in linears):
         return "its block weights were released (release_block_weights): only its own fused forward runs it"
     tensors = [*module.parameters()]
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
-        return "not float32 on CPU"
+    if any(t.device.type != "cpu" for t in tensors):
+        return "not on CPU"
+    dtypes = {t.dtype for t in tensors}
+    if dtypes == {torch.bfloat16}:
+        if not all(_is_float_linear(lin) for lin in linears):
+            return "bfloat16 with quantised projections"
+    elif dtypes != {torch.float32}:
+        return "neither float32 nor bfloat16 throughout"
     return None
 
 
@@ -195,8 +215,9 @@ class FusedLlama:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
         self.scale = self.head_dim ** -0.5
         self.embed = decoder.embed_tokens.weight
+        self.weight_dtype = self.embed.dtype
         self.rotary = decoder.rotary_emb
-        self.norm, self.norm_eps = decoder.norm.weight, float(decoder.norm.variance_epsilon)
+        self.norm, self.norm_eps = decoder.norm.weight.detach().float(), float(decoder.norm.variance_epsilon)
         count = int(config.num_hidden_layers)
         self.blocks = [self._block(block) for block in list(decoder.layers)[:count]]
         head = module.get_output_embeddings()
@@ -216,7 +237,16 @@ class FusedLlama:
                 fused = cls(module)
         except RuntimeError:        # a shape or op this oneDNN build refuses
             return None
-        difference = fused.self_check(module)
+        if fused.weight_dtype == torch.bfloat16:
+            # The reference is transformers' float32 forward of the same weights (bfloat16 -> float32 ->
+            # bfloat16 is lossless): its own bfloat16 forward rounds far more than the fused one.
+            cast_module(module, torch.float32)
+            try:
+                difference = fused.self_check(module, _SELF_CHECK_TOLERANCE_BF16)
+            finally:
+                cast_module(module, torch.bfloat16)
+        else:
+            difference = fused.self_check(module)
         if difference is not None:
             warnings.warn(f"the fused Llama forward differs from transformers' forward by {difference:.2g} "
                           "(relative) on a probe; using transformers' forward", RuntimeWarning, stacklevel=2)
@@ -238,7 +268,7 @@ class FusedLlama:
         with torch.inference_mode():
             for chunk in (probe[:, :3], probe[:, 3:]):
                 ours = self(chunk, ours_cache)
-                theirs = module(input_ids=chunk, cache=theirs_cache, use_cache=True).logits
+                theirs = module(input_ids=chunk, cache=theirs_cache, use_cache=True).logits.float()
                 scale = float(theirs.abs().max()) or 1.0
                 if ours.shape != theirs.shape:
                     return float("inf")
@@ -254,8 +284,8 @@ class FusedLlama:
                 out=_product([attn.o_proj]),
                 gate_up=_product([mlp.gate_proj, mlp.up_proj]),
                 down=_product([mlp.down_proj]),
-                attn_norm=block.input_layernorm.weight.detach(),
-                mlp_norm=block.post_attention_layernorm.weight.detach(),
+                attn_norm=block.input_layernorm.weight.detach().float(),
+                mlp_norm=block.post_attention_layernorm.weight.detach().float(),
                 attn_eps=float(block.input_layernorm.variance_epsilon),
                 mlp_eps=float(block.post_attention_layernorm.variance_epsilon),
             )
@@ -269,7 +299,7 @@ class FusedLlama:
     def _call(self, input_ids: torch.Tensor, cache: KVCache, keep: int) -> torch.Tensor:
         batch, n = input_ids.shape
         past = cache.length
-        x = F.embedding(input_ids, self.embed)                                      # (batch, n, hidden)
+        x = self.embedded(input_ids)                                                # (batch, n, hidden)
         positions = (torch.arange(n) + past).unsqueeze(0)                           # (1, n)
         cos, sin = (t.unsqueeze(1) for t in self.rotary(x, positions))              # (1, 1, n, head_dim)
         # Causal mask offset by the cached length; one new token attends to everything (no mask).
@@ -296,7 +326,7 @@ class FusedLlama:
         pasts = [cache.length for cache in caches]
         bounds = [0, *itertools.accumulate(lengths)]                                # sequence b: bounds[b]:bounds[b+1]
         ids = torch.tensor([[t for tokens in token_lists for t in tokens]])        # (1, T)
-        x = F.embedding(ids, self.embed)                                            # (1, T, hidden)
+        x = self.embedded(ids)                                                      # (1, T, hidden)
         position = torch.cat([torch.arange(n) + past for n, past in zip(lengths, pasts)])   # (T,) in its sequence
         cos, sin = (t.unsqueeze(1) for t in self.rotary(x, position.unsqueeze(0)))  # (1, 1, T, head_dim)
         store = caches[0].store if caches else None
@@ -344,7 +374,7 @@ class FusedLlama:
         limit[grid_slot, grid_row] = position[grid_tokens]
         allowed = (torch.arange(keys_seen) <= limit[..., None]).unsqueeze(1)    # (slots, 1, grid, keys)
         # Additive form, made once: a bool mask would be converted in every layer's attention call.
-        mask = torch.zeros(allowed.shape, dtype=self.embed.dtype).masked_fill_(~allowed, float("-inf"))
+        mask = torch.zeros(allowed.shape, dtype=x.dtype).masked_fill_(~allowed, float("-inf"))
         grid = x.new_zeros(view_slots, self.heads, grid_length, self.head_dim)  # every layer fills the same cells
         attn = x.new_empty(len(slot), self.heads, self.head_dim)                 # (T, heads, d)
         for index, block in enumerate(self.blocks):
@@ -378,6 +408,10 @@ class FusedLlama:
             x = x[:, rows]
         logits = self._head(x)[0]                                                # (kept, vocab)
         return list(logits.split(keep))
+
+    def embedded(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 embeddings of token ids ``(...,)`` -> ``(..., hidden)`` (bfloat16 tables widened)."""
+        return F.embedding(ids, self.embed).float()
 
     def _qkv(self, block: _Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """Rotated queries and keys, and values, of ``x (batch, n, hidden)``: ``(batch, heads, n, d)``."""

@@ -15,7 +15,7 @@ import torch
 
 from ...validation import InputError
 
-__all__ = ["log_mass", "logprob_rows"]
+__all__ = ["finite_counts", "log_mass", "logprob_rows"]
 
 # Rows whose float64 soft-max temporaries exist at once: a verification or enumeration forward returns
 # hundreds of 49,152-wide rows, and a float64 copy plus its exponentials for all of them at once is a
@@ -41,3 +41,14 @@ def logprob_rows(logits: torch.Tensor) -> np.ndarray:
     rows = rows.clone() if rows is logits else rows
     rows -= log_mass(rows)[:, None]
     return rows.numpy()
+
+
+def finite_counts(logits: torch.Tensor) -> torch.Tensor:
+    """``(n,)`` int64: each row's number of finite logits, for logits that :func:`log_mass` accepted (so
+    ``-inf`` is the only non-finite value). A row minimum is one fast pass; only rows holding a ``-inf``
+    are counted entry by entry."""
+    counts = torch.full((logits.shape[0],), logits.shape[-1], dtype=torch.int64)
+    masked = torch.nonzero(logits.amin(dim=-1) == float("-inf"), as_tuple=True)[0]
+    if len(masked):
+        counts[masked] = torch.isfinite(logits[masked]).sum(dim=-1)
+    return counts

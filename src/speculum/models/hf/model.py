@@ -15,7 +15,8 @@
   the prompt's shared cache. Right padding needs no attention mask: under causal attention a real
   position never sees the padding that follows it.
 
-Precision: the forward runs in the model's dtype (float32 by default); logits are log-softmaxed in
+Precision: the forward runs in the model's dtype (float32 by default; a bfloat16 Llama multiplies its
+bfloat16 weights in the fused forward with float32 activations, see ``fused_llama.py``); logits are log-softmaxed in
 float64 by torch and returned as float64 NumPy rows (normalised to ~1e-15). Batched verification uses
 different matrix shapes from one-token decoding, so two logits closer than ~1e-6 may swap order between
 the two (floating-point sums depend on their order); in float32 this is rare enough that greedy
@@ -43,7 +44,7 @@ from ..vocabulary import hf_token_bytes
 from .fused_llama import FusedLlama, release_block_weights
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache
-from .logprobs import log_mass, logprob_rows
+from .logprobs import finite_counts, log_mass, logprob_rows
 from .precision import parse_dtype, prepare_module, warn_if_slow
 from .prepack import prepack_linears
 from .row_invariant import RowInvariantForward
@@ -124,7 +125,9 @@ class HFModel(BaseModel):
         self._shared_caches: dict[tuple[int, ...], OwnCache] = {}
         layers, kv_heads, head_dim = _kv_geometry(self.config)
         # The sessions' KV store for packed forwards (it holds no memory until a session moves in).
-        self._arena = KVArena(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=self.dtype)
+        # Its keys and values in the forward's activation dtype: float32 in the fused forward, whatever the weights.
+        kv_dtype = torch.float32 if self._fused is not None else self.dtype
+        self._arena = KVArena(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=kv_dtype)
         self._kv_bytes_per_token = self._arena.bytes_for(1, 1)
 
     @property
@@ -379,7 +382,7 @@ class HFModel(BaseModel):
             r, tok = torch.nonzero(logits >= loose[:, None], as_tuple=True)
             values = logits[r, tok].double() - mass[r]
             rows_np = np.asarray(rows)
-            finite[rows_np] = torch.isfinite(logits).sum(dim=-1).numpy()
+            finite[rows_np] = finite_counts(logits).numpy()
             parts.append((rows_np[r.numpy()], tok.numpy(), values.numpy()))
 
         self._walk_prefixes(contexts, select)

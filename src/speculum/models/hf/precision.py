@@ -24,7 +24,8 @@ import torch
 
 from ...validation import InputError
 
-__all__ = ["DTYPES", "parse_dtype", "Int8Linear", "quantise_int8", "prepare_module", "dtype_advice", "cpu_flags"]
+__all__ = ["DTYPES", "parse_dtype", "cast_module", "Int8Linear", "quantise_int8", "prepare_module", "dtype_advice",
+           "cpu_flags"]
 
 # Weights' precision -> the dtype the module's float tensors (activations, norms, embeddings) are kept in.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float32}
@@ -80,9 +81,21 @@ def quantise_int8(module: torch.nn.Module) -> int:
     return count
 
 
+def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``module.to(dtype)`` (in place), except the rotary embedding's inverse frequencies (buffers named
+    ``*inv_freq``), which stay float32 as transformers loads them: rounded to bfloat16 they would turn a
+    rotation angle by up to ~1 radian per thousand positions."""
+    kept = {name: buffer for name, buffer in module.named_buffers() if name.endswith("inv_freq")}
+    module.to(dtype)
+    for name, buffer in kept.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(owner) if owner else module, leaf, buffer)
+    return module
+
+
 def prepare_module(module: torch.nn.Module, dtype: str | torch.dtype) -> torch.nn.Module:
     """``module`` in the precision ``dtype`` (converted in place where it needs converting)."""
-    module = module.to(parse_dtype(dtype))
+    module = cast_module(module, parse_dtype(dtype))
     if dtype == "int8":
         quantise_int8(module)
     return module

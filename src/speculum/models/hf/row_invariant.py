@@ -96,7 +96,7 @@ class RowInvariantForward:
         lengths = [len(tokens) for tokens in token_lists]
         bounds = [0, *itertools.accumulate(lengths)]                            # sequence b: bounds[b]:bounds[b+1]
         ids = torch.tensor([t for tokens in token_lists for t in tokens])       # (T,)
-        x = F.embedding(ids, fused.embed)                                       # (T, hidden)
+        x = fused.embedded(ids)                                                 # (T, hidden)
         tables, masks = [], []
         for b, (n, cache) in enumerate(zip(lengths, caches)):
             past = cache.length
