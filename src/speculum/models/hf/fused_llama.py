@@ -22,9 +22,13 @@ A bfloat16 module (the ``bfloat16`` target, the bf16 twin) runs it with bfloat16
 everywhere else: each product's rows are rounded to bfloat16 and multiplied by oneDNN (AMX or AVX-512 BF16
 where the CPU has them, accumulating in float32), while the residual stream, norms, rotary tables,
 attention and logits stay float32. That is its own target, closer to float32 than transformers' bfloat16
-forward (which rounds the residual stream to bfloat16 after every block); every path of the model runs it,
-so each guarantee holds relative to it, and the load-time probe checks it against transformers' float32
-forward of the same bfloat16 weights, to bfloat16 rounding (:data:`_SELF_CHECK_TOLERANCE_BF16`).
+forward (which rounds the residual stream to bfloat16 after every block). Every path of the model runs it
+and its products give each row the same in any batch, but attention over another number of queries or
+keys still moves a row by float32 rounding, which the next product's bfloat16 rounding can enlarge: greedy
+speculative output equals plain greedy output except at near-ties at bfloat16 precision (in float32 such
+ties are rare enough that no test or benchmark has met one). The load-time probe checks it against
+transformers' float32 forward of the same bfloat16 weights, to bfloat16 rounding
+(:data:`_SELF_CHECK_TOLERANCE_BF16`).
 
 It reads and writes any :class:`~speculum.models.hf.kv_cache.KVCache` through its protocol (``length``,
 ``append``, ``exclusive``): a cache of its own, which transformers' forward reads too, or a slot of the
@@ -52,7 +56,7 @@ from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache, SlotCache
 from .pages import drop_mapped_pages
 from .precision import Int8Linear, cast_module
-from .prepack import onednn_available, pack_weight, packed_linear
+from .prepack import gives_rows_alone, onednn_available, pack_weight, packed_linear
 
 __all__ = ["FusedLlama", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]
 
@@ -70,6 +74,8 @@ _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDict
 
 
 Product = Callable[[torch.Tensor], torch.Tensor]   # rows (m, in) -> (m, out)
+_BF16_ROWS_A_CALL = 32      # most rows a bfloat16 kernel call multiplies (see _bf16_product)
+_BF16_ROWS_ALONE: dict[tuple[int, int], bool] = {}   # weight shape -> its padded bfloat16 product passed the probe
 RELEASED = "_speculum_weights_released"   # set on a module whose block weights live only in packed form
 
 
@@ -121,9 +127,10 @@ def _product(layers: list) -> Product:
     product. int8 layers run their own ``quantized::linear_dynamic`` ops one after another (exactly what
     their modules run; fusing them would re-quantise the weights with other scales)."""
     if all(_is_float_linear(layer) for layer in layers):
-        packed = pack_weight(torch.cat([layer.weight for layer in layers]))
-        if packed.dtype == torch.bfloat16:       # float32 rows in and out, multiplied in bfloat16
-            return lambda rows: packed_linear(rows.to(torch.bfloat16), packed).float()
+        weight = torch.cat([layer.weight for layer in layers])
+        if weight.dtype == torch.bfloat16:
+            return _bf16_product(weight)
+        packed = pack_weight(weight)
         return lambda rows: packed_linear(rows, packed)
     if all(_is_weight_int8(layer) for layer in layers):
         # Concatenated rows keep each output channel's own weights and scale: the same products.
@@ -137,6 +144,32 @@ def _product(layers: list) -> Product:
         return lambda rows: torch.ops.quantized.linear_dynamic(rows, params, reduce_range=reduce_range)
     return lambda rows: torch.cat([torch.ops.quantized.linear_dynamic(rows, params, reduce_range=reduce_range)
                                    for params, reduce_range in ops], dim=-1)
+
+
+def _bf16_product(weight: torch.Tensor) -> Product:
+    """float32 rows in and out, multiplied by the bfloat16 ``weight (out, in)``: the rows rounded to bfloat16,
+    at most :data:`_BF16_ROWS_A_CALL` a kernel call (more are split). oneDNN's bfloat16 kernels take one
+    path up to 32 rows and others beyond, and only the first gives each row the same result at any
+    position and any row count, so every row stays on it: a product's row does not depend on how many rows
+    share the forward (a decode step of one row, a verification of eight, a packed forward of two hundred).
+    Split calls re-read the weights, which the caches serve for all but the largest. Where this machine's
+    kernel still depends on the rows around (:func:`~speculum.models.hf.prepack.gives_rows_alone`, once
+    per shape), the product runs in float32 on the same weights instead."""
+    shape = tuple(weight.shape)
+    packed = pack_weight(weight)
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.to(torch.bfloat16)
+        if rows.shape[0] <= _BF16_ROWS_A_CALL:
+            return packed_linear(rows, packed).float()
+        return torch.cat([packed_linear(part, packed) for part in rows.split(_BF16_ROWS_A_CALL)]).float()
+
+    if shape not in _BF16_ROWS_ALONE:
+        _BF16_ROWS_ALONE[shape] = gives_rows_alone(product, shape[1], torch.Generator().manual_seed(0))
+    if _BF16_ROWS_ALONE[shape]:
+        return product
+    packed_float = pack_weight(weight.float())
+    return lambda rows: packed_linear(rows, packed_float)
 
 
 def release_block_weights(module: torch.nn.Module) -> int:
