@@ -151,3 +151,17 @@ def test_bfloat16_fused_is_closer_to_float32_than_transformers_bfloat16(tmp_path
         return total
 
     assert 0 < divergence(fused) < divergence(plain)
+
+
+def test_a_large_bfloat16_module_is_probed_without_widening_it(tmp_path, monkeypatch):
+    """Past the float32 budget the load-time probe compares with transformers' own bfloat16 forward
+    (no float32 copy of the module at load): the fused forward is still taken, and the weights are
+    untouched bfloat16."""
+    from speculum.models.hf import fused_llama
+
+    monkeypatch.setattr(fused_llama, "_SELF_CHECK_FLOAT32_BYTES", 0)
+    widened = []
+    monkeypatch.setattr(fused_llama, "cast_module", lambda *a: widened.append(a))
+    model = HFModel.from_pretrained(save_tiny_model(tmp_path / "model"), dtype="bfloat16")
+    assert model.fused_forward and not widened
+    assert {p.dtype for p in model.module.parameters()} == {torch.bfloat16}

@@ -67,6 +67,10 @@ _SELF_CHECK_TOLERANCE = 1e-4
 # forward rounds each product's rows and outputs to bfloat16 (8 bits), which moves logits by 1-4e-2
 # relative; a formula change (a rotation, a norm, a mask) moves them by far more.
 _SELF_CHECK_TOLERANCE_BF16 = 1e-1
+# Past this many float32 bytes the probe does not widen the module to float32 (that would double its memory
+# at load); it compares with transformers' own bfloat16 forward, which rounds more, at a wider tolerance.
+_SELF_CHECK_FLOAT32_BYTES = 2 << 30
+_SELF_CHECK_TOLERANCE_BF16_OWN = 2e-1
 # Fused products per decoder block (and output head), keyed by the module itself: a layer-truncated draft
 # shares the target's block objects and so shares their packed weights, and deep copies (the twins) never
 # see oneDNN tensors, which cannot be copied.
@@ -75,7 +79,7 @@ _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDict
 
 Product = Callable[[torch.Tensor], torch.Tensor]   # rows (m, in) -> (m, out)
 _BF16_ROWS_A_CALL = 32      # most rows a bfloat16 kernel call multiplies (see _bf16_product)
-_BF16_ROWS_ALONE: dict[tuple[int, int], bool] = {}   # weight shape -> its padded bfloat16 product passed the probe
+_BF16_ROWS_ALONE: dict[tuple[int, int], bool] = {}   # weight shape -> its split bfloat16 product passed the probe
 RELEASED = "_speculum_weights_released"   # set on a module whose block weights live only in packed form
 
 
@@ -270,7 +274,10 @@ class FusedLlama:
                 fused = cls(module)
         except RuntimeError:        # a shape or op this oneDNN build refuses
             return None
-        if fused.weight_dtype == torch.bfloat16:
+        widened_bytes = 4 * sum(t.numel() for t in module.parameters())
+        if fused.weight_dtype == torch.bfloat16 and widened_bytes > _SELF_CHECK_FLOAT32_BYTES:
+            difference = fused.self_check(module, _SELF_CHECK_TOLERANCE_BF16_OWN)
+        elif fused.weight_dtype == torch.bfloat16:
             # The reference is transformers' float32 forward of the same weights (bfloat16 -> float32 ->
             # bfloat16 is lossless): its own bfloat16 forward rounds far more than the fused one.
             cast_module(module, torch.float32)
