@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-
 from ..decoding.plan import plan_generation
 from ..decoding.scheduler import Scheduler
 from ..models.base import check_token_ids

@@ -274,10 +274,11 @@ class FusedLlama:
                 fused = cls(module)
         except RuntimeError:        # a shape or op this oneDNN build refuses
             return None
-        widened_bytes = 4 * sum(t.numel() for t in module.parameters())
-        if fused.weight_dtype == torch.bfloat16 and widened_bytes > _SELF_CHECK_FLOAT32_BYTES:
+        if fused.weight_dtype != torch.bfloat16:
+            difference = fused.self_check(module)
+        elif 4 * sum(t.numel() for t in module.parameters()) > _SELF_CHECK_FLOAT32_BYTES:
             difference = fused.self_check(module, _SELF_CHECK_TOLERANCE_BF16_OWN)
-        elif fused.weight_dtype == torch.bfloat16:
+        else:
             # The reference is transformers' float32 forward of the same weights (bfloat16 -> float32 ->
             # bfloat16 is lossless): its own bfloat16 forward rounds far more than the fused one.
             cast_module(module, torch.float32)
@@ -285,8 +286,6 @@ class FusedLlama:
                 difference = fused.self_check(module, _SELF_CHECK_TOLERANCE_BF16)
             finally:
                 cast_module(module, torch.bfloat16)
-        else:
-            difference = fused.self_check(module)
         if difference is not None:
             warnings.warn(f"the fused Llama forward differs from transformers' forward by {difference:.2g} "
                           "(relative) on a probe; using transformers' forward", RuntimeWarning, stacklevel=2)

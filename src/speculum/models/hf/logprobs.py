@@ -37,8 +37,7 @@ def log_mass(logits: torch.Tensor) -> torch.Tensor:
 
 def logprob_rows(logits: torch.Tensor) -> np.ndarray:
     """``(n, vocab)`` logits (any float dtype) -> ``(n, vocab)`` float64 NumPy log-probs, normalised."""
-    rows = logits.double()                       # the one full-size float64 array (no copy if already float64)
-    rows = rows.clone() if rows is logits else rows
+    rows = logits.to(torch.float64, copy=True)   # the one full-size float64 array, normalised in place
     rows -= log_mass(rows)[:, None]
     return rows.numpy()
 
