@@ -115,6 +115,47 @@ def test_the_first_layers_adopted_from_either_kind_are_the_same_and_independent(
     assert slot_cache.prefix_layers(LAYERS + 1, None) is None and own.prefix_layers(LAYERS + 1, None) is None
 
 
+@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["append", "trim", "fork"]), st.integers(0, 4),
+                          st.integers(0, 70)), max_size=30), st.integers(0, 2**31))
+@settings(max_examples=60, deadline=None)
+def test_caches_sharing_layers_keep_their_own_keys_whatever_the_others_do(operations, seed):
+    """Caches of their own forked from each other (shared layers, batch-1 appends written into room) and a
+    slot twin of each: appends (with a span of room to read), trims and forks in any order leave every
+    cache holding exactly its own keys, and every append's views agree between the kinds up to ``span``."""
+    generator = torch.Generator().manual_seed(seed)
+    arena = small_store()
+    caches = [(OwnCache(), SlotCache(arena))]
+    for which, kind, n, span in operations:
+        own, slot_cache = caches[which % len(caches)]
+        if kind == "append":
+            end = own.length + n
+            for layer in range(LAYERS):
+                keys, values = torch.randn(2, 1, KV_HEADS, n, HEAD_DIM, generator=generator)
+                own_views = own.append(keys, values, layer, span)
+                slot_views = slot_cache.append(keys, values, layer, span)
+                for a, b in zip(own_views, slot_views):
+                    assert a.shape[2] == b.shape[2] == max(end, span) and torch.isfinite(a).all()
+                    assert torch.equal(a[:, :, :end], b[:, :, :end])
+        elif kind == "trim":
+            n = min(n, own.length)
+            own.trim(n), slot_cache.trim(n)
+        elif own.length:
+            caches.append((own.prefix_layers(LAYERS, None), slot_cache.prefix_layers(LAYERS, None).into_store(arena)))
+        assert all(hold_the_same(*pair) for pair in caches)
+
+
+def test_a_trimmed_cache_never_writes_into_keys_a_fork_still_holds():
+    generator = torch.Generator().manual_seed(0)
+    source = OwnCache()
+    for _ in range(2):                                   # the second append writes into room
+        source.append(*torch.randn(2, 1, KV_HEADS, 2, HEAD_DIM, generator=generator), 0)
+    fork = source.prefix_layers(1, None)
+    held = [t.clone() for t in fork.view(0)]
+    source.trim(2)
+    source.append(*torch.randn(2, 1, KV_HEADS, 2, HEAD_DIM, generator=generator), 0)
+    assert all(torch.equal(a, b) for a, b in zip(fork.view(0), held))
+
+
 def test_both_kinds_declare_their_capabilities():
     arena = small_store()
     slot_cache, own = SlotCache(arena), OwnCache()

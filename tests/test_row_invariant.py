@@ -19,6 +19,8 @@ from hypothesis import strategies as st  # noqa: E402
 from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.models import TinyTransformer  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
+from speculum.models.hf.prepack import gives_rows_alone  # noqa: E402
+from speculum.models.hf.products import RowProduct  # noqa: E402
 from speculum.models.hf.row_invariant import RowInvariantForward  # noqa: E402
 from speculum.serving.scoring import PromptScorer  # noqa: E402
 
@@ -63,10 +65,14 @@ def test_packed_rows_are_the_models_rows(tiny):
 def test_a_kernel_whose_rows_depend_on_the_batch_is_caught_and_not_packed(tiny):
     fused = tiny._fused
     head = fused.head
-    object.__setattr__(fused, "head", lambda rows: head(rows) + rows.mean() * 1e-3)   # batch-dependent
+    def batch_dependent(rows):
+        return head(rows) + rows.mean() * 1e-3
+
+    object.__setattr__(fused, "head", RowProduct(batch_dependent,
+                                                 gives_rows_alone(batch_dependent, fused.embed.shape[1])))
     try:
         forward = RowInvariantForward(fused)
-        assert not forward.packs
+        assert not fused.canonical_rows and not forward.packs
         caches = [tiny.new_cache(), tiny.new_cache()]
         together = forward([[3, 4, 5], [6, 7]], caches)
         alone = forward([[6, 7]], [tiny.new_cache()])

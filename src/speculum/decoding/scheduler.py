@@ -8,7 +8,9 @@ each block. Every generation keeps its own session, drafter and random streams, 
 the target's whatever else runs. With ``batch_invariant=True`` (or a target without batched extend) each
 generation's target calls are exactly those it makes alone, so its greedy tokens and seeded samples are
 identical to its solo run. A batched call computes the same rows up to float rounding (other matrix
-shapes), so at a near-tie a greedy token may differ from the solo run's.
+shapes), so at a near-tie a greedy token may differ from the solo run's, except on a target that declares
+``Capabilities.canonical_rows`` (the PyTorch backend's fused forward): its rows are bitwise the same in
+any batch, so packed verification keeps every solo output too.
 
 Example:
     >>> from speculum.models import MarkovModel
@@ -87,8 +89,8 @@ class Scheduler:
     """Generations on one target, advanced together one block per :meth:`step`.
 
     Guarantee: exact — every generation has the law of :func:`speculum.stream` with its own arguments,
-    independent of the others; with ``batch_invariant=True`` its output is identical to its solo run
-    (greedy tokens, seeded samples).
+    independent of the others; with ``batch_invariant=True``, or a target declaring ``canonical_rows``, its
+    output is identical to its solo run (greedy tokens, seeded samples).
     """
 
     def __init__(self, target: Any, *, batch_invariant: bool = False, prompt_tokens_per_step: int = 512) -> None:
@@ -239,8 +241,8 @@ def generate_batch(target: Any, prompts: Sequence[Sequence[int]], *, draft: Any 
     (``SeedSequence.spawn``), so a prompt's output depends on its position in the list and the seed only.
 
     Guarantee: exact, as :func:`generate`, for every prompt; with ``batch_invariant=True`` (or a target
-    without batched extend) each output is identical to :func:`generate` of that prompt with its seed
-    alone, otherwise up to float rounding in the target's rows.
+    without batched extend, or one declaring ``canonical_rows``) each output is identical to
+    :func:`generate` of that prompt with its seed alone, otherwise up to float rounding in the target's rows.
 
     Example:
         >>> from speculum.models import MarkovModel

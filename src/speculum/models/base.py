@@ -329,6 +329,10 @@ class Capabilities:
     cache (``rows``: ``(nodes, vocab)`` float64 log-probs after each parent node extended by its token;
     the root level holds ``prompt`` less its last token, which a first extension of node 0 feeds). Rows
     equal ``next_logprobs``' up to float rounding of other batch shapes.
+    ``canonical_rows``: each log-prob row is bitwise the same however its session's tokens were fed (whole,
+    in blocks, one at a time, deferred, packed with other sessions by ``extend_sessions``): a function of
+    the tokens up to it alone. Greedy speculative output then equals plain greedy output bit for bit, and
+    a scheduler's packed verification gives every generation its solo greedy output.
     ``independent_sessions`` (default True): each session keeps its own state, so several can advance in
     turn. False (llama.cpp's single resident KV cache: switching sessions re-evaluates the context): the
     serving engine and ``generate_batch`` run one generation at a time.
@@ -343,6 +347,7 @@ class Capabilities:
     shares_prefix_cache: bool = False
     batched_extend: bool = False
     deferred_prefill: bool = False
+    canonical_rows: bool = False
     invariant_extend: bool = False
     prefix_levels: bool = False
     independent_sessions: bool = True

@@ -101,7 +101,7 @@ class Engine:
             (:class:`EngineBusy`).
         batch_invariant: verify each job in its own target call (no batched forward), so that its output is
             identical to its solo run; otherwise a target with ``batched_extend`` verifies a step's blocks
-            in one forward (faster; rows equal up to float rounding).
+            in one forward (faster; rows equal up to float rounding, bitwise on a ``canonical_rows`` target).
         prompt_tokens_per_step: prompt tokens the worker feeds per step at most, inside the packed forward
             of the running jobs' blocks (a target with ``deferred_prefill``): a longer prompt is fed over
             several steps, so a long prompt joining delays the others' next tokens by one bounded step.
@@ -114,7 +114,8 @@ class Engine:
             loaded the model calls :meth:`run` from the main thread and serves HTTP from another.
 
     Guarantee: exact — every job's tokens have the law of plain sampling from the target, whatever else
-    runs or waits; with ``batch_invariant=True`` greedy tokens are those of ``speculum.generate`` alone.
+    runs or waits; with ``batch_invariant=True``, or a target declaring ``Capabilities.canonical_rows`` (the
+    PyTorch backend's fused forward), greedy tokens are those of ``speculum.generate`` alone.
     """
 
     def __init__(self, target: Any, *, draft: Any = None, gamma: int | str = "auto",

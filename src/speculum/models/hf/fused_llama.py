@@ -8,27 +8,30 @@ with the query/key/value and gate/up projections fused into one product each: 4 
 instead of 7 (``benchmarks/decoding_llm.py`` measures the effect end to end).
 
 Exactness: the same formulas in the same order as transformers' Llama (RMSNorm in float32, rotary tables
-from the model's own ``rotary_emb``, scaled-dot-product attention with a causal mask offset by the cached
-length), on the same float32 weights; the fused products compute every output element as the same dot
-product. Log-probs agree with transformers' forward to float32 rounding (tested ≤ 1e-4 nats). Plain and
-speculative decoding both run it, so greedy speculative output equals plain greedy output.
+from the model's own ``rotary_emb``, causal scaled-dot-product attention), on the same float32 weights;
+the fused products compute every output element as the same dot product. Log-probs agree with
+transformers' forward to float32 rounding (tested ≤ 1e-4 nats).
+
+Row-canonical: a row's logits are a function of its sequence's tokens up to it alone, bit for bit,
+whether the tokens were fed whole, one at a time, in a speculative block, or packed with other sequences
+(:attr:`FusedLlama.canonical_rows`). Attention computes each row in a shape its position alone fixes
+(:mod:`~speculum.models.hf.row_attention`), the products keep every row on one kernel path, checked once
+per shape at build (:mod:`~speculum.models.hf.products`), and the rest is row-wise. So greedy speculative
+output is plain greedy output and a server's answer does not depend on what else it runs, as a guarantee
+rather than up to near-ties.
 
 The int8 twin (``speculum.drafts.twins``: every Linear int8 dynamically quantised) runs it too: its products call
 the twin's own ``quantized::linear_dynamic`` ops on the same inputs, so its log-probs equal the twin's
-transformers forward, at less cost per draft step. Mixed or other quantisation and biases keep
-transformers' forward.
+transformers forward, at less cost per draft step (not row-canonical: its activation scale is the batch's).
+Mixed or other quantisation and biases keep transformers' forward.
 
 A bfloat16 module (the ``bfloat16`` target, the bf16 twin) runs it with bfloat16 weights and float32
 everywhere else: each product's rows are rounded to bfloat16 and multiplied by oneDNN (AMX or AVX-512 BF16
 where the CPU has them, accumulating in float32), while the residual stream, norms, rotary tables,
 attention and logits stay float32. That is its own target, closer to float32 than transformers' bfloat16
-forward (which rounds the residual stream to bfloat16 after every block). Every path of the model runs it
-and its products give each row the same in any batch, but attention over another number of queries or
-keys still moves a row by float32 rounding, which the next product's bfloat16 rounding can enlarge: greedy
-speculative output equals plain greedy output except at near-ties at bfloat16 precision (in float32 such
-ties are rare enough that no test or benchmark has met one). The load-time probe checks it against
-transformers' float32 forward of the same bfloat16 weights, to bfloat16 rounding
-(:data:`_SELF_CHECK_TOLERANCE_BF16`).
+forward (which rounds the residual stream to bfloat16 after every block), and row-canonical like float32.
+The load-time probe checks it against transformers' float32 forward of the same bfloat16 weights, to
+bfloat16 rounding (:data:`_SELF_CHECK_TOLERANCE_BF16`).
 
 It reads and writes any :class:`~speculum.models.hf.kv_cache.KVCache` through its protocol (``length``,
 ``append``, ``exclusive``): a cache of its own, which transformers' forward reads too, or a slot of the
@@ -47,7 +50,7 @@ import itertools
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +58,10 @@ import torch.nn.functional as F
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache, SlotCache
 from .pages import drop_mapped_pages
-from .precision import Int8Linear, cast_module
-from .prepack import gives_rows_alone, onednn_available, pack_weight, packed_linear
+from .precision import cast_module
+from .row_attention import RowAttention
+from .prepack import onednn_available
+from .products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
 
 __all__ = ["FusedLlama", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]
 
@@ -77,18 +82,15 @@ _SELF_CHECK_TOLERANCE_BF16_OWN = 2e-1
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
-Product = Callable[[torch.Tensor], torch.Tensor]   # rows (m, in) -> (m, out)
-_BF16_ROWS_A_CALL = 32      # most rows a bfloat16 kernel call multiplies (see _bf16_product)
-_BF16_ROWS_ALONE: dict[tuple[int, int], bool] = {}   # weight shape -> its split bfloat16 product passed the probe
 RELEASED = "_speculum_weights_released"   # set on a module whose block weights live only in packed form
 
 
 @dataclass(frozen=True)
 class _Block:
-    qkv: Product               # hidden -> q + k + v features
-    out: Product               # q features -> hidden
-    gate_up: Product           # hidden -> 2 * intermediate
-    down: Product              # intermediate -> hidden
+    qkv: RowProduct               # hidden -> q + k + v features
+    out: RowProduct               # q features -> hidden
+    gate_up: RowProduct           # hidden -> 2 * intermediate
+    down: RowProduct              # intermediate -> hidden
     attn_norm: torch.Tensor    # (hidden,)
     mlp_norm: torch.Tensor     # (hidden,)
     attn_eps: float
@@ -106,76 +108,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _is_float_linear(layer: Any) -> bool:
-    return type(layer) is torch.nn.Linear and layer.bias is None
-
-
-def _is_int8_linear(layer: Any) -> bool:
-    """An int8 dynamically quantised Linear without bias (``torch.ao`` ``quantize_dynamic``: the int8 twin)."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear  # loaded only where an int8 twin is checked
-
-    params = getattr(layer, "_packed_params", None)
-    return (type(layer) is DynamicLinear and getattr(params, "dtype", None) == torch.qint8
-            and layer.bias() is None)
-
-
-def _is_weight_int8(layer: Any) -> bool:
-    """An int8 weight-only Linear (:class:`~speculum.models.hf.precision.Int8Linear`: the ``int8`` target)."""
-    return type(layer) is Int8Linear
-
-
-def _product(layers: list) -> Product:
-    """One product computing the concatenated outputs of ``layers`` (all float, or all int8 dynamic).
-
-    Float weights are concatenated and packed once for oneDNN: each output element is still the same dot
-    product. int8 layers run their own ``quantized::linear_dynamic`` ops one after another (exactly what
-    their modules run; fusing them would re-quantise the weights with other scales)."""
-    if all(_is_float_linear(layer) for layer in layers):
-        weight = torch.cat([layer.weight for layer in layers])
-        if weight.dtype == torch.bfloat16:
-            return _bf16_product(weight)
-        packed = pack_weight(weight)
-        return lambda rows: packed_linear(rows, packed)
-    if all(_is_weight_int8(layer) for layer in layers):
-        # Concatenated rows keep each output channel's own weights and scale: the same products.
-        weight = torch.cat([layer.weight_int8 for layer in layers]).contiguous()
-        scales = torch.cat([layer.scales for layer in layers]).contiguous()
-        return lambda rows: torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
-    ops = [(layer._packed_params._packed_params, layer.version is not None and layer.version >= 4)
-           for layer in layers]
-    if len(ops) == 1:
-        (params, reduce_range), = ops
-        return lambda rows: torch.ops.quantized.linear_dynamic(rows, params, reduce_range=reduce_range)
-    return lambda rows: torch.cat([torch.ops.quantized.linear_dynamic(rows, params, reduce_range=reduce_range)
-                                   for params, reduce_range in ops], dim=-1)
-
-
-def _bf16_product(weight: torch.Tensor) -> Product:
-    """float32 rows in and out, multiplied by the bfloat16 ``weight (out, in)``: the rows rounded to bfloat16,
-    at most :data:`_BF16_ROWS_A_CALL` a kernel call (more are split). oneDNN's bfloat16 kernels take one
-    path up to 32 rows and others beyond, and only the first gives each row the same result at any
-    position and any row count, so every row stays on it: a product's row does not depend on how many rows
-    share the forward (a decode step of one row, a verification of eight, a packed forward of two hundred).
-    Split calls re-read the weights, which the caches serve for all but the largest. Where this machine's
-    kernel still depends on the rows around (:func:`~speculum.models.hf.prepack.gives_rows_alone`, once
-    per shape), the product runs in float32 on the same weights instead."""
-    shape = tuple(weight.shape)
-    packed = pack_weight(weight)
-
-    def product(rows: torch.Tensor) -> torch.Tensor:
-        rows = rows.to(torch.bfloat16)
-        if rows.shape[0] <= _BF16_ROWS_A_CALL:
-            return packed_linear(rows, packed).float()
-        return torch.cat([packed_linear(part, packed) for part in rows.split(_BF16_ROWS_A_CALL)]).float()
-
-    if shape not in _BF16_ROWS_ALONE:
-        _BF16_ROWS_ALONE[shape] = gives_rows_alone(product, shape[1], torch.Generator().manual_seed(0))
-    if _BF16_ROWS_ALONE[shape]:
-        return product
-    packed_float = pack_weight(weight.float())
-    return lambda rows: packed_linear(rows, packed_float)
-
-
 def release_block_weights(module: torch.nn.Module) -> int:
     """Free the float32 weights of ``module``'s block projections, which its fused forward holds packed
     (one copy of each weight in memory instead of two); returns the bytes given back to the system.
@@ -191,7 +123,7 @@ def release_block_weights(module: torch.nn.Module) -> int:
     for block in blocks:
         attn, mlp = block.self_attn, block.mlp
         for layer in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            if _is_float_linear(layer) and layer.weight.numel():
+            if is_float_linear(layer) and layer.weight.numel():
                 ranges.append((layer.weight.data_ptr(), layer.weight.numel() * layer.weight.element_size()))
                 layer.weight = torch.nn.Parameter(layer.weight.new_empty(0, layer.in_features), requires_grad=False)
     setattr(module, RELEASED, True)
@@ -221,17 +153,17 @@ def unsupported_reason(module: torch.nn.Module) -> str | None:
         attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
         linears += [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not any(all(kind(lin) for lin in linears) for kind in (_is_float_linear, _is_int8_linear, _is_weight_int8)):
+    if not any(all(kind(lin) for lin in linears) for kind in (is_float_linear, is_int8_linear, is_weight_int8)):
         return ("projections are neither all plain float Linear layers, nor all int8 dynamically quantised, "
                 "nor all int8 weight-only ones (other quantisation?)")
-    if any(_is_float_linear(lin) and not lin.weight.numel() for lin in linears):
+    if any(is_float_linear(lin) and not lin.weight.numel() for lin in linears):
         return "its block weights were released (release_block_weights): only its own fused forward runs it"
     tensors = [*module.parameters()]
     if any(t.device.type != "cpu" for t in tensors):
         return "not on CPU"
     dtypes = {t.dtype for t in tensors}
     if dtypes == {torch.bfloat16}:
-        if not all(_is_float_linear(lin) for lin in linears):
+        if not all(is_float_linear(lin) for lin in linears):
             return "bfloat16 with quantised projections"
     elif dtypes != {torch.float32}:
         return "neither float32 nor bfloat16 throughout"
@@ -259,8 +191,17 @@ class FusedLlama:
         self.blocks = [self._block(block) for block in list(decoder.layers)[:count]]
         head = module.get_output_embeddings()
         if head not in _PACKED:
-            _PACKED[head] = _product([head])
+            _PACKED[head] = build_product([head])
         self.head = _PACKED[head]
+
+    @property
+    def canonical_rows(self) -> bool:
+        """True when every product gives each row bitwise the same whatever rows surround it (probed once
+        per shape at build, :mod:`~speculum.models.hf.products`): with attention computed per row
+        (:mod:`~speculum.models.hf.row_attention`) and the other operations row-wise, a row's logits are
+        then a function of its sequence's tokens up to it alone, however they were fed (ROW-CANONICAL)."""
+        products = [self.head] + [p for b in self.blocks for p in (b.qkv, b.out, b.gate_up, b.down)]
+        return all(product.rows_alone for product in products)
 
     @classmethod
     def build(cls, module: torch.nn.Module) -> "FusedLlama | None":
@@ -319,10 +260,10 @@ class FusedLlama:
         if block not in _PACKED:
             attn, mlp = block.self_attn, block.mlp
             _PACKED[block] = _Block(
-                qkv=_product([attn.q_proj, attn.k_proj, attn.v_proj]),
-                out=_product([attn.o_proj]),
-                gate_up=_product([mlp.gate_proj, mlp.up_proj]),
-                down=_product([mlp.down_proj]),
+                qkv=build_product([attn.q_proj, attn.k_proj, attn.v_proj]),
+                out=build_product([attn.o_proj]),
+                gate_up=build_product([mlp.gate_proj, mlp.up_proj]),
+                down=build_product([mlp.down_proj]),
                 attn_norm=block.input_layernorm.weight.detach().float(),
                 mlp_norm=block.post_attention_layernorm.weight.detach().float(),
                 attn_eps=float(block.input_layernorm.variance_epsilon),
@@ -341,12 +282,11 @@ class FusedLlama:
         x = self.embedded(input_ids)                                                # (batch, n, hidden)
         positions = (torch.arange(n) + past).unsqueeze(0)                           # (1, n)
         cos, sin = (t.unsqueeze(1) for t in self.rotary(x, positions))              # (1, 1, n, head_dim)
-        # Causal mask offset by the cached length; one new token attends to everything (no mask).
-        mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
+        attention = RowAttention(past, n)
         for index, block in enumerate(self.blocks):
             q, k, v = self._qkv(block, x, cos, sin)
-            k, v = cache.append(k, v, index)                                        # (batch, kv, past+n, d)
-            x = self._after_attention(block, x, self.attend(q, k, v, mask))
+            k, v = cache.append(k, v, index, attention.keys)                        # (batch, kv, >= past+n, d)
+            x = self._after_attention(block, x, attention(q, k, v, self.scale))
         if keep:
             x = x[:, -keep:]
         return self._head(x)
@@ -357,10 +297,10 @@ class FusedLlama:
         ``(keep[b], vocab)`` for each, those of its last ``keep[b]`` positions (default: all of them).
 
         The per-token work (embedding, norms, projections, MLP, vocabulary head) runs once over every
-        token packed into one matrix, without padding. Attention: when every cache is a slot of one
-        :class:`~speculum.models.hf.kv_arena.KVArena`, one call per layer over the store, each sequence's
-        queries masked to its own keys (:meth:`_forward_store`); otherwise one call per sequence on its own
-        cache, with the shapes of a lone forward."""
+        token packed into one matrix, without padding; attention runs per sequence
+        (:class:`~speculum.models.hf.row_attention.RowAttention`), on a view of its slot when every cache
+        is a slot of one :class:`~speculum.models.hf.kv_arena.KVArena` (new keys written by one indexed
+        write per layer, :meth:`_forward_store`), else on its own cache."""
         lengths = [len(tokens) for tokens in token_lists]
         pasts = [cache.length for cache in caches]
         bounds = [0, *itertools.accumulate(lengths)]                                # sequence b: bounds[b]:bounds[b+1]
@@ -368,70 +308,47 @@ class FusedLlama:
         x = self.embedded(ids)                                                      # (1, T, hidden)
         position = torch.cat([torch.arange(n) + past for n, past in zip(lengths, pasts)])   # (T,) in its sequence
         cos, sin = (t.unsqueeze(1) for t in self.rotary(x, position.unsqueeze(0)))  # (1, 1, T, head_dim)
+        attentions = [RowAttention(past, n) for past, n in zip(pasts, lengths)]
         store = caches[0].store if caches else None
         if store is not None and all(cache.store is store for cache in caches):
             with store.lock:
-                return self._forward_store(x, cos, sin, position, pasts, bounds, caches, store, keep)
-        masks = [None if n == 1 else torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
-                 for n, past in zip(lengths, pasts)]
+                return self._forward_store(x, cos, sin, position, attentions, bounds, caches, store, keep)
         with contextlib.ExitStack() as held:
             for cache in caches:
                 held.enter_context(cache.exclusive())
             for index, block in enumerate(self.blocks):
                 q, k, v = self._qkv(block, x, cos, sin)                             # (1, heads, T, d)
-                parts = []
-                for b, cache in enumerate(caches):
+                attn = q.new_empty(1, q.shape[2], self.heads, self.head_dim)          # (1, T, heads, d)
+                for b, (cache, attention) in enumerate(zip(caches, attentions)):
                     at = slice(bounds[b], bounds[b + 1])
-                    keys, values = cache.append(k[:, :, at], v[:, :, at], index)
-                    parts.append(self.attend(q[:, :, at], keys, values, masks[b]))
-                x = self._after_attention(block, x, torch.cat(parts, dim=2))
+                    keys, values = cache.append(k[:, :, at], v[:, :, at], index, attention.keys)
+                    attn[:, at] = attention(q[:, :, at], keys, values, self.scale).transpose(1, 2)
+                x = self._after_attention(block, x, attn.transpose(1, 2))
         return self._kept_logits(x, bounds, keep)
 
     def _forward_store(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
-                       pasts: list[int], bounds: list[int], caches: list[SlotCache], arena: KVArena,
-                       keep: list[int] | None) -> list[torch.Tensor]:
-        """:meth:`forward_packed` on slots of one store, from its embedded tokens ``x`` and their rotary
-        ``cos`` / ``sin`` and ``position``. Every new key and value is written in place by
-        one indexed write per layer. Attention: the blocks of at most ``grid`` tokens (the most common
-        block length: 1 in plain decoding) are scattered into a ``(slots, heads, grid, head_dim)`` grid over
-        the store's first slots and attended in one call, the mask letting query i of a sequence past p
-        see keys ``0..p+i`` of its slot (a cell holding no query sees key 0, so no softmax row is empty;
-        the padded keys get zero weight, which leaves each sequence's sums unchanged). A longer block
-        attends alone on its slot, so one long block does not pad every other sequence's queries."""
-        lengths = [end - start for start, end in zip(bounds, bounds[1:])]
-        ends = [past + n for past, n in zip(pasts, lengths)]
-        arena.reserve(max(ends))
-        slot = torch.tensor([c.slot for c, n in zip(caches, lengths) for _ in range(n)])          # (T,)
-        grid_length = max(set(lengths), key=lambda n: (lengths.count(n), -n))
-        in_grid = [b for b, n in enumerate(lengths) if n <= grid_length]
-        alone = [(b, torch.ones(lengths[b], ends[b], dtype=torch.bool).tril(diagonal=pasts[b]))
-                 for b, n in enumerate(lengths) if n > grid_length]
-        grid_tokens = torch.cat([torch.arange(bounds[b], bounds[b + 1]) for b in in_grid])   # (G,) packed rows
-        grid_slot, grid_row = slot[grid_tokens], torch.cat([torch.arange(lengths[b]) for b in in_grid])
-        view_slots, keys_seen = int(grid_slot.max()) + 1, max(ends[b] for b in in_grid)
-        limit = torch.zeros(view_slots, grid_length, dtype=torch.long)
-        limit[grid_slot, grid_row] = position[grid_tokens]
-        allowed = (torch.arange(keys_seen) <= limit[..., None]).unsqueeze(1)    # (slots, 1, grid, keys)
-        # Additive form, made once: a bool mask would be converted in every layer's attention call.
-        mask = torch.zeros(allowed.shape, dtype=x.dtype).masked_fill_(~allowed, float("-inf"))
-        grid = x.new_zeros(view_slots, self.heads, grid_length, self.head_dim)  # every layer fills the same cells
-        attn = x.new_empty(len(slot), self.heads, self.head_dim)                 # (T, heads, d)
+                       attentions: list[RowAttention], bounds: list[int], caches: list[SlotCache],
+                       arena: KVArena, keep: list[int] | None) -> list[torch.Tensor]:
+        """:meth:`forward_packed` on slots of one store, from its embedded tokens ``x``, their rotary
+        ``cos`` / ``sin`` and ``position``, and each sequence's attention: every new key and value is
+        written in place by one indexed write per layer, and each sequence attends over a view of its
+        slot."""
+        arena.reserve(max(attention.keys for attention in attentions))
+        slot = torch.tensor([cache.slot for cache, attention in zip(caches, attentions)
+                             for _ in range(attention.n)])                           # (T,)
         for index, block in enumerate(self.blocks):
             q, k, v = self._qkv(block, x, cos, sin)                              # (1, heads, T, d)
             keys, values = arena.keys[index], arena.values[index]
             keys[slot, :, position] = k[0].transpose(0, 1)                       # (T, kv_heads, d)
             values[slot, :, position] = v[0].transpose(0, 1)
-            queries = q[0].transpose(0, 1)                                       # (T, heads, d)
-            grid[grid_slot, :, grid_row] = queries[grid_tokens]
-            out = self.attend(grid, keys[:view_slots, :, :keys_seen], values[:view_slots, :, :keys_seen], mask)
-            attn[grid_tokens] = out[grid_slot, :, grid_row]
-            for b, causal in alone:
-                at, own = slice(bounds[b], bounds[b + 1]), slice(caches[b].slot, caches[b].slot + 1)
-                alone_out = self.attend(q[:, :, at], keys[own, :, :ends[b]], values[own, :, :ends[b]], causal)
-                attn[at] = alone_out[0].transpose(0, 1)
-            x = self._after_attention(block, x, attn.transpose(0, 1).unsqueeze(0))
-        for cache, end in zip(caches, ends):
-            cache.filled_to(end)
+            attn = q.new_empty(1, len(slot), self.heads, self.head_dim)          # (1, T, heads, d)
+            for b, (cache, attention) in enumerate(zip(caches, attentions)):
+                at, own = slice(bounds[b], bounds[b + 1]), slice(cache.slot, cache.slot + 1)
+                attn[:, at] = attention(q[:, :, at], keys[own, :, :attention.keys],
+                                        values[own, :, :attention.keys], self.scale).transpose(1, 2)
+            x = self._after_attention(block, x, attn.transpose(1, 2))
+        for cache, attention in zip(caches, attentions):
+            cache.filled_to(attention.past + attention.n)
         return self._kept_logits(x, bounds, keep)
 
     def _kept_logits(self, x: torch.Tensor, bounds: list[int], keep: list[int] | None) -> list[torch.Tensor]:
@@ -468,12 +385,6 @@ class FusedLlama:
         k = qkv[..., q_end:k_end].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
         v = qkv[..., k_end:].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Scaled-dot-product attention of ``q (batch, heads, n, d)`` on keys and values ``(batch, kv_heads,
-        keys, d)`` under ``mask`` (None: every key)."""
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                              enable_gqa=self.heads != self.kv_heads)
 
     def _after_attention(self, block: _Block, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The block's output projection and MLP, with their residuals."""

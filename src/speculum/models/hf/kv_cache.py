@@ -30,6 +30,7 @@ import weakref
 from typing import Any, ContextManager, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
 from .kv_arena import KVArena
 
@@ -60,10 +61,13 @@ class KVCache(Protocol):
     def length(self) -> int:
         """Tokens held by every layer (read it before or after a forward, not between its layers)."""
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, keys: torch.Tensor, values: torch.Tensor, layer: int, span: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``keys`` / ``values (batch, kv_heads, n, head_dim)`` after the held tokens of ``layer``;
-        returns what attention reads for that layer, ``(batch, kv_heads, length + n, head_dim)``. The
-        length moves once every layer of a forward is written."""
+        returns what attention reads for that layer, ``(batch, kv_heads, max(length + n, span), head_dim)``:
+        the keys past ``length + n`` (up to ``span``) are finite and otherwise unspecified, for attention
+        that masks them (:mod:`~speculum.models.hf.row_attention`). The length moves once every layer of a
+        forward is written."""
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s held keys and values, ``(batch, kv_heads, length, head_dim)`` (not to be written)."""
@@ -84,7 +88,8 @@ class KVCache(Protocol):
 
 class OwnCache:
     """Keys and values of its own: transformers' ``DynamicCache`` (any batch size), which transformers'
-    forward reads too. Appends concatenate (a copy per append); trims crop (a view, no copy).
+    forward reads too. Appends concatenate (a copy per append), except the fused forward's batch-1 appends,
+    which write into buffers with room; trims crop (a view, no copy).
 
     Args:
         config: the model's config (lays out one cache layer per model layer); None lays layers out as
@@ -99,6 +104,7 @@ class OwnCache:
             dynamic = DynamicCache(config=config)
         self.config = config
         self.dynamic = dynamic
+        self._room: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # layer -> (keys, values) with room
 
     @property
     def is_trimmable(self) -> bool:
@@ -117,8 +123,37 @@ class OwnCache:
     def length(self) -> int:
         return int(self.dynamic.get_seq_length())
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.dynamic.update(keys, values, layer)
+    def append(self, keys: torch.Tensor, values: torch.Tensor, layer: int, span: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        layers = getattr(self.dynamic, "layers", None)
+        held = layers[layer] if isinstance(layers, list) and layer < len(layers) else None
+        if keys.shape[0] == 1 and type(held).__name__ == "DynamicLayer" and getattr(held, "is_initialized", False):
+            return self._append_in_room(held, keys, values, layer, span)
+        keys, values = self.dynamic.update(keys, values, layer)
+        if span > keys.shape[2]:        # zeros past the held keys (a copy: the cache holds exactly its keys)
+            pad = (0, 0, 0, span - keys.shape[2])
+            keys, values = F.pad(keys, pad), F.pad(values, pad)
+        return keys, values
+
+    def _append_in_room(self, held: Any, keys: torch.Tensor, values: torch.Tensor, layer: int, span: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch-1 append written in place into buffers with room (grown by doubling), the layer holding
+        views of them: no copy of the held keys per token. Only this cache writes its buffers, and only past
+        its length, so caches sharing its layers (:meth:`prefix_layers`) keep theirs; a trim drops the
+        buffers, so a write never lands inside a length another cache shares."""
+        held_keys, held_values = held.keys, held.values
+        length = held_keys.shape[2]
+        end = length + keys.shape[2]
+        reach = max(end, span)
+        room = self._room.get(layer)
+        if room is None or room[0].shape[2] < reach or room[0].data_ptr() != held_keys.data_ptr():
+            capacity = reach if room is None else max(reach, 2 * room[0].shape[2])
+            room = tuple(old.new_zeros(1, old.shape[1], capacity, old.shape[3]) for old in (held_keys, held_values))
+            room[0][:, :, :length], room[1][:, :, :length] = held_keys, held_values
+            self._room[layer] = room
+        room[0][:, :, length:end], room[1][:, :, length:end] = keys, values
+        held.keys, held.values = room[0][:, :, :end], room[1][:, :, :end]
+        return room[0][:, :, :reach], room[1][:, :, :reach]
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         held = self.dynamic.layers[layer]
@@ -131,6 +166,7 @@ class OwnCache:
             raise ValueError(f"trim({n}) of a cache holding {self.length} tokens")
         if n:                       # crop(0) may still shorten a sliding-window layer: nothing to forget, no call
             self.dynamic.crop(-n)
+            self._room.clear()
 
     def exclusive(self) -> ContextManager[Any]:
         return contextlib.nullcontext()
@@ -199,16 +235,17 @@ class SlotCache:
         return self._length
 
     @torch.inference_mode()
-    def append(self, keys: torch.Tensor, values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, keys: torch.Tensor, values: torch.Tensor, layer: int, span: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         arena, end = self.arena, self._length + keys.shape[2]
         if layer == 0:
-            arena.reserve(end)
+            arena.reserve(max(end, span))
         arena.keys[layer][self.slot, :, self._length:end] = keys[0]
         arena.values[layer][self.slot, :, self._length:end] = values[0]
         if layer == arena.layers - 1:
             self._length = end
-        own = slice(self.slot, self.slot + 1)
-        return arena.keys[layer][own, :, :end], arena.values[layer][own, :, :end]
+        own, read = slice(self.slot, self.slot + 1), max(end, span)     # past end: zeros or a trimmed key
+        return arena.keys[layer][own, :, :read], arena.values[layer][own, :, :read]
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         own = slice(self.slot, self.slot + 1)

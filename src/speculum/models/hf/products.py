@@ -1,0 +1,147 @@
+"""The fused forward's matrix products, each checked once for rows that do not depend on their neighbours.
+
+Why: a row of a product should be the same number whether it is multiplied alone (a decode step), among
+eight (a speculative verification) or among hundreds (a prompt, a packed forward); then a sequence's
+logits do not depend on how its tokens were fed, and greedy speculative output is plain greedy output
+bit for bit. A matrix kernel does not promise that: it may take another path for one row (a
+matrix-vector product), for few rows or for many. Each product here keeps its rows on one path where it
+can, and :class:`RowProduct` records whether that holds on this machine's kernels
+(:func:`~speculum.models.hf.prepack.gives_rows_alone`, probed once per kind and shape).
+
+Kinds:
+
+* float32: oneDNN on a weight packed once; more than :data:`~speculum.models.hf.prepack.PROBE_ROWS` rows
+  are split into calls of at most that many (the row counts the probe covers), and where a lone row
+  takes another path than two it is multiplied beside a copy of itself;
+* bfloat16: the float32 rows rounded to bfloat16 and multiplied by oneDNN (AMX or AVX-512 BF16,
+  accumulating in float32, the outputs rounded to bfloat16) 2 to 32 rows a call, the one path that gives
+  each row the same at any position and count; where this machine's kernel still does not, the product
+  runs in float32 on the same weights;
+* int8 weight-only (:class:`~speculum.models.hf.precision.Int8Linear`): ``_weight_int8pack_mm``, probed;
+* int8 dynamically quantised (the int8 twin): the modules' own ops, whose activation scale is the whole
+  batch's, so never row-alone.
+
+Example:
+    >>> product = build_product([torch.nn.Linear(8, 4, bias=False)])     # doctest: +SKIP
+    >>> product(torch.randn(3, 8)).shape, product.rows_alone               # doctest: +SKIP
+    (torch.Size([3, 4]), True)
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .precision import Int8Linear
+from .prepack import PROBE_ROWS, gives_rows_alone, pack_weight, packed_linear
+
+__all__ = ["RowProduct", "build_product", "is_float_linear", "is_int8_linear", "is_weight_int8"]
+
+_BF16_ROWS_A_CALL = 32      # most rows a bfloat16 kernel call multiplies
+_ROWS_ALONE: dict[tuple[str, tuple[int, int]], bool] = {}   # (kind, weight shape) -> passed the probe
+
+
+class RowProduct:
+    """``rows (m, in) -> (m, out)`` float32; ``rows_alone``: each row bitwise the same whatever rows surround
+    it, on this machine's kernels (see the module)."""
+
+    __slots__ = ("run", "rows_alone")
+
+    def __init__(self, run: Callable[[torch.Tensor], torch.Tensor], rows_alone: bool) -> None:
+        self.run, self.rows_alone = run, rows_alone
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.run(rows)
+
+
+def is_float_linear(layer: Any) -> bool:
+    return type(layer) is torch.nn.Linear and layer.bias is None
+
+
+def is_int8_linear(layer: Any) -> bool:
+    """An int8 dynamically quantised Linear without bias (``torch.ao`` ``quantize_dynamic``: the int8 twin)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear  # loaded only where an int8 twin is checked
+
+    params = getattr(layer, "_packed_params", None)
+    return (type(layer) is DynamicLinear and getattr(params, "dtype", None) == torch.qint8
+            and layer.bias() is None)
+
+
+def is_weight_int8(layer: Any) -> bool:
+    """An int8 weight-only Linear (:class:`~speculum.models.hf.precision.Int8Linear`: the ``int8`` target)."""
+    return type(layer) is Int8Linear
+
+
+def _probed(kind: str, shape: tuple[int, int], run: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether ``run`` (weights of ``shape`` ``(out, in)``) gives rows alone, probed once per kind and shape:
+    the kernel's path depends on the shapes, not on the weights' values."""
+    if (kind, shape) not in _ROWS_ALONE:
+        _ROWS_ALONE[kind, shape] = gives_rows_alone(run, shape[1], torch.Generator().manual_seed(0))
+    return _ROWS_ALONE[kind, shape]
+
+
+def _split(run: Callable[[torch.Tensor], torch.Tensor], most: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``run`` over at most ``most`` rows a call."""
+    def split(rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] <= most:
+            return run(rows)
+        return torch.cat([run(part) for part in rows.split(most)])
+
+    return split
+
+
+def _paired(run: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``run`` with a lone row multiplied beside a copy of itself: the kernel's matrix path, not its
+    matrix-vector one."""
+    def paired(rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] == 1:
+            return run(rows.expand(2, -1))[:1]
+        return run(rows)
+
+    return paired
+
+
+def _float32_product(weight: torch.Tensor) -> RowProduct:
+    packed = pack_weight(weight)
+    shape = tuple(weight.shape)
+    plain = _split(lambda rows: packed_linear(rows, packed), PROBE_ROWS)
+    # float32 outputs show any change of summation order, so the probe decides whether lone rows need a pair.
+    if _probed("float32", shape, plain):
+        return RowProduct(plain, True)
+    paired = _paired(plain)
+    return RowProduct(paired, _probed("float32, lone rows paired", shape, paired))
+
+
+def _bf16_product(weight: torch.Tensor) -> RowProduct:
+    packed = pack_weight(weight)
+    # Lone rows always go in pairs: the outputs' rounding to bfloat16 hides the matrix-vector path's other
+    # summation order from a probe on most rows, not on all.
+    run = _paired(_split(lambda rows: packed_linear(rows.to(torch.bfloat16), packed).float(), _BF16_ROWS_A_CALL))
+    if _probed("bfloat16", tuple(weight.shape), run):
+        return RowProduct(run, True)
+    return _float32_product(weight.float())
+
+
+def build_product(layers: list) -> RowProduct:
+    """One product computing the concatenated outputs of ``layers`` (all float, all int8 weight-only, or
+    all int8 dynamic).
+
+    Float weights are concatenated and packed once for oneDNN: each output element is still the same dot
+    product. Dynamic int8 layers run their own ``quantized::linear_dynamic`` ops one after another (exactly
+    what their modules run; fusing them would re-quantise the weights with other scales)."""
+    if all(is_float_linear(layer) for layer in layers):
+        weight = torch.cat([layer.weight for layer in layers])
+        return _bf16_product(weight) if weight.dtype == torch.bfloat16 else _float32_product(weight)
+    if all(is_weight_int8(layer) for layer in layers):
+        # Concatenated rows keep each output channel's own weights and scale: the same products.
+        weight = torch.cat([layer.weight_int8 for layer in layers]).contiguous()
+        scales = torch.cat([layer.scales for layer in layers]).contiguous()
+        run = _split(lambda rows: torch.ops.aten._weight_int8pack_mm(rows, weight, scales), PROBE_ROWS)
+        return RowProduct(run, _probed("int8 weight-only", tuple(weight.shape), run))
+    ops = [(layer._packed_params._packed_params, layer.version is not None and layer.version >= 4)
+           for layer in layers]
+    if len(ops) == 1:
+        (params, reduce), = ops
+        return RowProduct(lambda rows: torch.ops.quantized.linear_dynamic(rows, params, reduce_range=reduce), False)
+    return RowProduct(lambda rows: torch.cat([torch.ops.quantized.linear_dynamic(rows, params, reduce_range=reduce)
+                                              for params, reduce in ops], dim=-1), False)

@@ -1,0 +1,127 @@
+"""Causal attention in which every query row is a function of its own query, keys and values alone.
+
+Why: a decode step attends one query per sequence, a speculative verification several, a packed forward
+the blocks of many sequences, a prompt hundreds of queries at once. PyTorch's CPU attention kernel
+(``scaled_dot_product_attention``, flash-style) blocks the queries and the keys by the sizes it is given,
+so the same query row gets other float rounding beside other queries or other (masked) keys. Wherever a
+next product rounds its input (bfloat16 weights), or a greedy choice sits at a near-tie, that rounding
+changes tokens: speculative output would differ from plain output, and a server's answer from its answer
+under another load.
+
+How: each row is computed in a shape fixed by its own position ``p`` alone. It attends keys
+``[0, span)`` with ``span`` = ``p`` rounded up past the next multiple of :data:`KEY_BLOCK`, the keys after
+``p`` masked (weight exactly zero; their contents only need to be finite). The heads that share a key/value
+head form the query rows of one attention item, ``(heads_per_kv, span)``, so every row is the same set of
+items whatever else is in the forward. The rows of one sequence with the same span go in one kernel call
+along its batch dimension, which the kernel computes item by item: :func:`items_are_independent` checks
+that once per process on this machine's kernel, and where it fails every row gets a call of its own (the
+same shapes, slower).
+
+Guarantee: ROW-CANONICAL, each row's output bitwise the same in any block, batch or packing; relative to
+exact attention, float32 rounding (the kernel's own, at the row's canonical shape).
+
+Example:
+    >>> q = torch.randn(1, 4, 3, 8)                      # (batch, heads, rows, head_dim) at positions 5, 6, 7
+    >>> keys = values = torch.randn(1, 2, KEY_BLOCK, 8)  # (batch, kv_heads, >= keys_needed(8), head_dim)
+    >>> rows = RowAttention(past=5, n=3)(q, keys, values, scale=8 ** -0.5)
+    >>> torch.equal(rows[:, :, 1:2], RowAttention(past=6, n=1)(q[:, :, 1:2], keys, values, scale=8 ** -0.5))
+    True
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["RowAttention", "KEY_BLOCK", "keys_needed", "items_are_independent"]
+
+KEY_BLOCK = 64      # a row's key span is a multiple of this: one kernel call serves up to 64 consecutive rows
+
+
+def keys_needed(end: int) -> int:
+    """Keys the rows of positions below ``end`` read: ``end`` rounded up to a multiple of :data:`KEY_BLOCK`."""
+    return -(-end // KEY_BLOCK) * KEY_BLOCK
+
+
+@functools.cache
+def items_are_independent(kv_heads: int, group: int, head_dim: int) -> bool:
+    """True when the attention kernel gives each item ``(kv_heads, group, head_dim)`` of a batched call
+    bitwise what it gives that item alone, probed once per process and item shape on random items: 2, 7
+    and 33 of them over 64, 192 and 640 keys, reading shared (expanded) keys and copies. Not every kernel
+    does: on some, a batch of single-head, single-row items rounds otherwise beside a long key span."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows, span in ((2, KEY_BLOCK), (7, 3 * KEY_BLOCK), (33, 10 * KEY_BLOCK)):
+            q = torch.randn(rows, kv_heads, group, head_dim, generator=generator)
+            keys, values = (torch.randn(1, kv_heads, span, head_dim, generator=generator) for _ in range(2))
+            limits = torch.randint(0, span, (rows, 1, 1, 1), generator=generator)
+            mask = torch.zeros(rows, 1, 1, span).masked_fill_(torch.arange(span) > limits, float("-inf"))
+            alone = [F.scaled_dot_product_attention(q[i:i + 1], keys, values, attn_mask=mask[i:i + 1])
+                     for i in range(rows)]
+            shared = (keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1))
+            for k, v in (shared, (shared[0].contiguous(), shared[1].contiguous())):
+                together = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                if not all(torch.equal(one, together[i:i + 1]) for i, one in enumerate(alone)):
+                    return False
+    return True
+
+
+class RowAttention:
+    """The attention of one block of a sequence, rows at positions ``past .. past + n - 1`` (see the
+    module): built once per forward, called once per layer. ROW-CANONICAL.
+
+    ``keys`` is how many keys a call reads (:func:`keys_needed` of ``past + n``): the caller's key and
+    value tensors must hold at least that many, the block's own keys written, those past it finite."""
+
+    def __init__(self, past: int, n: int) -> None:
+        if past < 0 or n < 1:
+            raise ValueError(f"a block needs past >= 0 and n >= 1 rows, not past={past}, n={n}")
+        self.past, self.n = past, n
+        self.keys = keys_needed(past + n)
+        self.groups: list[tuple[int, int, int, torch.Tensor]] = []   # (first row, end row, span, mask)
+        start = 0
+        while start < n:
+            span = keys_needed(past + start + 1)
+            stop = min(n, span - past)
+            positions = torch.arange(past + start, past + stop).view(-1, 1, 1, 1)
+            # Additive form, made once per forward: a bool mask would be converted in every layer's call.
+            mask = torch.zeros(stop - start, 1, 1, span).masked_fill_(torch.arange(span) > positions, float("-inf"))
+            self.groups.append((start, stop, span, mask))
+            start = stop
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """``q (batch, heads, n, d)`` attending ``keys`` / ``values (batch, kv_heads, >= self.keys, d)``
+        (head ``h`` reads key/value head ``h // (heads // kv_heads)``) -> ``(batch, heads, n, d)``, a
+        transposed view of a ``(batch, n, heads, d)`` tensor (what the output projection reads)."""
+        batch, heads, n, d = q.shape
+        kv_heads = keys.shape[1]
+        if n != self.n or keys.shape[2] < self.keys or heads % kv_heads:
+            raise ValueError(f"attention of {n} rows on {keys.shape[2]} keys and {kv_heads} key heads does not "
+                             f"fit a block of {self.n} rows reading {self.keys} keys with {heads} heads")
+        group = heads // kv_heads
+        alone = not items_are_independent(kv_heads, group, d)
+        rows_first = q.transpose(1, 2)                                        # (batch, n, heads, d)
+        out = None if len(self.groups) == 1 else q.new_empty(batch, n, heads, d)
+        for start, stop, span, mask in self.groups:
+            rows = stop - start
+            items = rows_first[:, start:stop].reshape(batch * rows, kv_heads, group, d)
+            if batch == 1 or rows == 1:     # one sequence's keys for every item, or one item per sequence
+                k = keys[:, :, :span].expand(batch * rows, -1, -1, -1)
+                v = values[:, :, :span].expand(batch * rows, -1, -1, -1)
+                item_mask = mask.expand(batch * rows, -1, -1, -1)
+            else:       # item (b, row) reads sequence b's keys: row-major over (batch, rows)
+                k = keys[:, None, :, :span].expand(-1, rows, -1, -1, -1).reshape(batch * rows, kv_heads, span, d)
+                v = values[:, None, :, :span].expand(-1, rows, -1, -1, -1).reshape(batch * rows, kv_heads, span, d)
+                item_mask = mask.repeat(batch, 1, 1, 1)
+            if alone:
+                attended = torch.cat([F.scaled_dot_product_attention(items[i:i + 1], k[i:i + 1], v[i:i + 1],
+                                                                     attn_mask=item_mask[i:i + 1], scale=scale)
+                                      for i in range(batch * rows)])
+            else:
+                attended = F.scaled_dot_product_attention(items, k, v, attn_mask=item_mask, scale=scale)
+            attended = attended.view(batch, rows, heads, d)
+            if out is None:
+                return attended.transpose(1, 2)
+            out[:, start:stop] = attended
+        return out.transpose(1, 2)
