@@ -81,6 +81,17 @@ def test_packed_sessions_get_their_rows_alone_bitwise(model, prompts, data):
             assert np.array_equal(rows, alone[i].extend(block))
 
 
+def test_packed_rows_without_batched_items_are_the_same(model, monkeypatch):
+    """Where the kernel's batched items are not independent, every row gets a call of its own: the same rows."""
+    prompts = [[3, 4, 5] * (i + 1) for i in range(4)]
+    blocks = [[6], [7, 8, 9], [10], [11]]
+    batched_items = model.extend_sessions([Feed(model.start(p), b) for p, b in zip(prompts, blocks)])
+    monkeypatch.setattr(row_attention, "items_are_independent", lambda *shape: False)
+    for got, want in zip(model.extend_sessions([Feed(model.start(p), b) for p, b in zip(prompts, blocks)]),
+                         batched_items):
+        assert np.array_equal(got, want)
+
+
 @pytest.mark.parametrize("gamma", [1, 3, 7, "auto"])
 def test_greedy_speculative_output_is_plain_greedy_output(model, gamma):
     prompt = [1, 3, 4, 5, 3, 4, 5, 6, 3, 4]

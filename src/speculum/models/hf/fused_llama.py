@@ -59,7 +59,7 @@ from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache, SlotCache
 from .pages import drop_mapped_pages
 from .precision import cast_module
-from .row_attention import RowAttention
+from .row_attention import RowAttention, SlotRows
 from .prepack import onednn_available
 from .products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
 
@@ -331,19 +331,28 @@ class FusedLlama:
                        arena: KVArena, keep: list[int] | None) -> list[torch.Tensor]:
         """:meth:`forward_packed` on slots of one store, from its embedded tokens ``x``, their rotary
         ``cos`` / ``sin`` and ``position``, and each sequence's attention: every new key and value is
-        written in place by one indexed write per layer, and each sequence attends over a view of its
-        slot."""
+        written in place by one indexed write per layer; the sequences feeding one token attend together
+        over a view of the store (:class:`~speculum.models.hf.row_attention.SlotRows`), each longer block
+        over a view of its slot."""
         arena.reserve(max(attention.keys for attention in attentions))
         slot = torch.tensor([cache.slot for cache, attention in zip(caches, attentions)
                              for _ in range(attention.n)])                           # (T,)
+        singles = [b for b, attention in enumerate(attentions) if attention.n == 1]
+        single_rows = torch.tensor([bounds[b] for b in singles], dtype=torch.long)  # their rows in the packing
+        together = SlotRows([caches[b].slot for b in singles], [attentions[b].past for b in singles]
+                            ) if singles else None
+        blocks = [b for b, attention in enumerate(attentions) if attention.n > 1]
         for index, block in enumerate(self.blocks):
             q, k, v = self._qkv(block, x, cos, sin)                              # (1, heads, T, d)
             keys, values = arena.keys[index], arena.values[index]
             keys[slot, :, position] = k[0].transpose(0, 1)                       # (T, kv_heads, d)
             values[slot, :, position] = v[0].transpose(0, 1)
             attn = q.new_empty(1, len(slot), self.heads, self.head_dim)          # (1, T, heads, d)
-            for b, (cache, attention) in enumerate(zip(caches, attentions)):
-                at, own = slice(bounds[b], bounds[b + 1]), slice(cache.slot, cache.slot + 1)
+            if together is not None:
+                attn[0, single_rows] = together(q[0, :, single_rows].transpose(0, 1), keys, values, self.scale)
+            for b in blocks:
+                at, own = slice(bounds[b], bounds[b + 1]), slice(caches[b].slot, caches[b].slot + 1)
+                attention = attentions[b]
                 attn[:, at] = attention(q[:, :, at], keys[own, :, :attention.keys],
                                         values[own, :, :attention.keys], self.scale).transpose(1, 2)
             x = self._after_attention(block, x, attn.transpose(1, 2))

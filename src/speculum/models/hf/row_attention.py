@@ -34,7 +34,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RowAttention", "KEY_BLOCK", "keys_needed", "items_are_independent"]
+__all__ = ["RowAttention", "SlotRows", "KEY_BLOCK", "keys_needed", "items_are_independent"]
 
 KEY_BLOCK = 64      # a row's key span is a multiple of this: one kernel call serves up to 64 consecutive rows
 
@@ -47,23 +47,27 @@ def keys_needed(end: int) -> int:
 @functools.cache
 def items_are_independent(kv_heads: int, group: int, head_dim: int) -> bool:
     """True when the attention kernel gives each item ``(kv_heads, group, head_dim)`` of a batched call
-    bitwise what it gives that item alone, probed once per process and item shape on random items: 2, 7
-    and 33 of them over 64, 192 and 640 keys, reading shared (expanded) keys and copies. Not every kernel
-    does: on some, a batch of single-head, single-row items rounds otherwise beside a long key span."""
+    bitwise what it gives that item alone on a contiguous copy of its keys, probed once per process and
+    item shape on random items (2, 7 and 33 of them over 64, 192 and 640 keys) reading keys shared by
+    every item (expanded), keys of their own as a view of a larger store, and copies of those. Not every
+    kernel does: on some, a batch of single-head, single-row items rounds otherwise beside a long span."""
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for rows, span in ((2, KEY_BLOCK), (7, 3 * KEY_BLOCK), (33, 10 * KEY_BLOCK)):
             q = torch.randn(rows, kv_heads, group, head_dim, generator=generator)
-            keys, values = (torch.randn(1, kv_heads, span, head_dim, generator=generator) for _ in range(2))
+            store = [torch.randn(rows + 1, kv_heads, span + KEY_BLOCK, head_dim, generator=generator)
+                     for _ in range(2)]
             limits = torch.randint(0, span, (rows, 1, 1, 1), generator=generator)
             mask = torch.zeros(rows, 1, 1, span).masked_fill_(torch.arange(span) > limits, float("-inf"))
-            alone = [F.scaled_dot_product_attention(q[i:i + 1], keys, values, attn_mask=mask[i:i + 1])
-                     for i in range(rows)]
-            shared = (keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1))
-            for k, v in (shared, (shared[0].contiguous(), shared[1].contiguous())):
-                together = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-                if not all(torch.equal(one, together[i:i + 1]) for i, one in enumerate(alone)):
-                    return False
+            own = [t[1:, :, :span] for t in store]                               # item i: slot i + 1
+            shared = [t[:1, :, :span].expand(rows, -1, -1, -1) for t in store]   # every item: slot 0
+            for keys, values in (own, [t.contiguous() for t in own], shared, [t.contiguous() for t in shared]):
+                together = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+                for i in range(rows):
+                    alone = F.scaled_dot_product_attention(q[i:i + 1], keys[i:i + 1].contiguous(),
+                                                           values[i:i + 1].contiguous(), attn_mask=mask[i:i + 1])
+                    if not torch.equal(alone, together[i:i + 1]):
+                        return False
     return True
 
 
@@ -125,3 +129,48 @@ class RowAttention:
                 return attended.transpose(1, 2)
             out[:, start:stop] = attended
         return out.transpose(1, 2)
+
+
+class SlotRows:
+    """The attention of one row each of several sequences on slots of one store (a decode step): rows with
+    the same span attend in one call over the view of the store's slots from the lowest to the highest of
+    theirs, each item reading its own slot (a slot in between without such a row computes a dummy item,
+    discarded). Each row is the item :class:`RowAttention` gives it alone. ROW-CANONICAL.
+
+    ``slots``, ``positions``: each row's slot and position in its sequence."""
+
+    def __init__(self, slots: list[int], positions: list[int]) -> None:
+        self.keys = max(keys_needed(p + 1) for p in positions)
+        self.groups: list[tuple[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor]] = []
+        spans = [keys_needed(p + 1) for p in positions]
+        for span in sorted(set(spans)):
+            rows = [i for i, s in enumerate(spans) if s == span]
+            low, high = min(slots[i] for i in rows), max(slots[i] for i in rows) + 1
+            where = torch.tensor([slots[i] - low for i in rows])
+            limits = torch.zeros(high - low, dtype=torch.long)                  # a dummy item reads key 0
+            limits[where] = torch.tensor([positions[i] for i in rows])
+            mask = torch.zeros(high - low, 1, 1, span).masked_fill_(
+                torch.arange(span) > limits.view(-1, 1, 1, 1), float("-inf"))
+            self.groups.append((torch.tensor(rows), where, low, high, span, mask))
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """``q (rows, heads, d)`` attending the store's ``keys`` / ``values (slots, kv_heads, >= self.keys,
+        d)`` -> ``(rows, heads, d)``."""
+        rows_total, heads, d = q.shape
+        kv_heads = keys.shape[1]
+        group = heads // kv_heads
+        out = q.new_empty(rows_total, heads, d)
+        alone = not items_are_independent(kv_heads, group, d)
+        for rows, where, low, high, span, mask in self.groups:
+            if alone:
+                for row, at in zip(rows.tolist(), (where + low).tolist()):
+                    out[row] = F.scaled_dot_product_attention(
+                        q[row].view(1, kv_heads, group, d), keys[at:at + 1, :, :span], values[at:at + 1, :, :span],
+                        attn_mask=mask[at - low:at - low + 1], scale=scale).view(heads, d)
+                continue
+            items = q.new_zeros(high - low, kv_heads, group, d)
+            items[where] = q[rows].view(-1, kv_heads, group, d)
+            attended = F.scaled_dot_product_attention(items, keys[low:high, :, :span], values[low:high, :, :span],
+                                                      attn_mask=mask, scale=scale)
+            out[rows] = attended[where].view(-1, heads, d)
+        return out
