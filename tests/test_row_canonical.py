@@ -145,10 +145,12 @@ def test_row_attention_without_batched_items_gives_the_same_rows(monkeypatch):
 
 def test_row_attention_checks_its_shapes():
     attention = RowAttention(10, 3)
-    assert attention.keys == KEY_BLOCK and [g[:3] for g in attention.groups] == [(0, 3, KEY_BLOCK)]
+    assert attention.keys == 16 and [g[:3] for g in attention.groups] == [(0, 3, 16)]
     assert [g[:3] for g in RowAttention(60, 10).groups] == [(0, 4, KEY_BLOCK), (4, 10, 2 * KEY_BLOCK)]
+    assert [g[:3] for g in RowAttention(14, 4).groups] == [(0, 2, 16), (2, 4, 32)]
+    assert [keys_needed(end) for end in (1, 16, 17, 64, 65, 129)] == [16, 16, 32, 64, 128, 192]
     with pytest.raises(ValueError, match="does not fit"):
-        short = torch.zeros(1, 2, KEY_BLOCK - 1, 8)
+        short = torch.zeros(1, 2, 15, 8)
         attention(torch.zeros(1, 4, 3, 8), short, short, 1.0)
     with pytest.raises(ValueError, match="n >= 1"):
         RowAttention(0, 0)

@@ -54,8 +54,9 @@ def packed_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
-PROBE_ROWS = 256                    # rows of the row-independence probe (and the most a packed forward holds)
-_PROBE_SPANS = ((7, 1), (0, 2), (5, 3), (40, 17), (64, 32), (100, 100), (1, 255), (0, PROBE_ROWS))  # (offset, rows)
+PROBE_ROWS = 512                    # rows of the row-independence probe (and the most a product call takes)
+_PROBE_SPANS = ((7, 1), (0, 2), (5, 3), (40, 17), (64, 32), (100, 100), (1, 255), (200, 300),
+                (0, PROBE_ROWS))  # (offset, rows)
 
 
 def gives_rows_alone(product: Callable[[torch.Tensor], torch.Tensor], width: int,

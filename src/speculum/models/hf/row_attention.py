@@ -9,8 +9,9 @@ changes tokens: speculative output would differ from plain output, and a server'
 under another load.
 
 How: each row is computed in a shape fixed by its own position ``p`` alone. It attends keys
-``[0, span)`` with ``span`` = ``p`` rounded up past the next multiple of :data:`KEY_BLOCK`, the keys after
-``p`` masked (weight exactly zero; their contents only need to be finite). The heads that share a key/value
+``[0, span)`` with ``span`` = :func:`keys_needed` of ``p + 1`` (rounded up to a multiple of 16 within
+the first 64 keys, of 64 beyond), the keys after ``p`` masked (weight exactly zero; their contents only
+need to be finite). The heads that share a key/value
 head form the query rows of one attention item, ``(heads_per_kv, span)``, so every row is the same set of
 items whatever else is in the forward. The rows of one sequence with the same span go in one kernel call
 along its batch dimension, which the kernel computes item by item: :func:`items_are_independent` checks
@@ -36,24 +37,27 @@ import torch.nn.functional as F
 
 __all__ = ["RowAttention", "SlotRows", "KEY_BLOCK", "keys_needed", "items_are_independent"]
 
-KEY_BLOCK = 64      # a row's key span is a multiple of this: one kernel call serves up to 64 consecutive rows
+KEY_BLOCK = 64      # past the first KEY_BLOCK keys a row's span is a multiple of this (one call per 64 rows)
+SHORT_BLOCK = 16    # within them, a multiple of this: short contexts (enumerated prefixes) pad little
 
 
 def keys_needed(end: int) -> int:
-    """Keys the rows of positions below ``end`` read: ``end`` rounded up to a multiple of :data:`KEY_BLOCK`."""
-    return -(-end // KEY_BLOCK) * KEY_BLOCK
+    """Keys the rows of positions below ``end`` read: ``end`` rounded up to a multiple of
+    :data:`SHORT_BLOCK` up to :data:`KEY_BLOCK`, of :data:`KEY_BLOCK` beyond."""
+    block = SHORT_BLOCK if end <= KEY_BLOCK else KEY_BLOCK
+    return -(-end // block) * block
 
 
 @functools.cache
 def items_are_independent(kv_heads: int, group: int, head_dim: int) -> bool:
     """True when the attention kernel gives each item ``(kv_heads, group, head_dim)`` of a batched call
     bitwise what it gives that item alone on a contiguous copy of its keys, probed once per process and
-    item shape on random items (2, 7 and 33 of them over 64, 192 and 640 keys) reading keys shared by
+    item shape on random items (2 to 33 of them over 16 to 640 keys) reading keys shared by
     every item (expanded), keys of their own as a view of a larger store, and copies of those. Not every
     kernel does: on some, a batch of single-head, single-row items rounds otherwise beside a long span."""
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for rows, span in ((2, KEY_BLOCK), (7, 3 * KEY_BLOCK), (33, 10 * KEY_BLOCK)):
+        for rows, span in ((2, SHORT_BLOCK), (5, KEY_BLOCK), (7, 3 * KEY_BLOCK), (33, 10 * KEY_BLOCK)):
             q = torch.randn(rows, kv_heads, group, head_dim, generator=generator)
             store = [torch.randn(rows + 1, kv_heads, span + KEY_BLOCK, head_dim, generator=generator)
                      for _ in range(2)]
