@@ -8,17 +8,19 @@ continuation's log-likelihood from:
 - transformers in float32 with a float32 log-softmax (what lm-eval's `hf` computes at batch size 1), and
   in float64 (the reference);
 - speculum's prompt scorer (`PromptScorer`, the server's echo path), as shipped;
-- the same scorer with some of its matrix products in float64: the vocabulary head; the head, the
-  attention output and the MLP down projection; every product.
+- the same scorer with some of its computation in float64 (``--variants``): the vocabulary head; the
+  head, the attention output and the MLP down projection; every product; attention; attention with the
+  head, the attention output and the MLP down projection.
 
-It prints each one's distance to float64 and to transformers' float32, and the scorer's time with every
-product in float64 against float32 (one prompt at a time, each after the last: engine time only).
+It prints each one's distance to float64 and to transformers' float32, and each variant's scorer time
+against float32 (one prompt at a time, each after the last: engine time only).
 
     .venv/bin/python benchmarks/eval_precision.py --items 200      # the 800 requests of eval.py (~25 min)
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import sys
@@ -49,9 +51,17 @@ def requests(tokenizer, items: int) -> list[tuple[list[int], int]]:
     return out
 
 
+# The scorer's float64 variants: (products in float64 by block field, head in float64, attention in float64).
+VARIANTS = {"head": ((), True, False), "head-out-down": (("out", "down"), True, False),
+            "products": (("qkv", "out", "gate_up", "down"), True, False), "attention": ((), False, True),
+            "attention-head-out-down": (("out", "down"), True, True)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=200, help="questions (4 choices each)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="the scorer's float64 variants to measure")
     args = parser.parse_args()
 
     import torch
@@ -100,10 +110,23 @@ def main() -> int:
         return {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "out": [attn.o_proj],
                 "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
 
-    def swap(names: tuple, head: bool) -> None:
+    from speculum.models.hf import row_attention
+
+    shipped_attention = (row_attention.RowAttention.__call__, row_attention.SlotRows.__call__)
+
+    def in_float64(call):
+        def attend(self, q, keys, values, scale):
+            plan = copy.copy(self)                                      # the same plan, float64 masks
+            plan.groups = [(*group[:-1], group[-1].double()) for group in self.groups]
+            return call(plan, q.double(), keys.double(), values.double(), scale).float()
+        return attend
+
+    def swap(names: tuple, head: bool, attention: bool = False) -> None:
         fused.blocks = [dataclasses.replace(block, **{n: float64_product(products(layer)[n]) for n in names})
                         for block, layer in zip(shipped_blocks, module.model.layers)]
         fused.head = float64_product([module.lm_head]) if head else shipped_head
+        calls = [in_float64(call) for call in shipped_attention] if attention else shipped_attention
+        row_attention.RowAttention.__call__, row_attention.SlotRows.__call__ = calls
 
     print(f"{cpu_name()}; {len(reqs)} requests, continuation log-likelihoods in nats\n")
     print("| forward | max vs float64 | median vs float64 | max vs transformers f32 | median vs transformers f32 |")
@@ -118,15 +141,13 @@ def main() -> int:
     PromptScorer(target).score(reqs[0][0])           # warm-up: the load-time checks of the packed forward
     shipped, seconds32 = scored()
     row("speculum scorer (float32)", shipped)
-    variants = [("head in float64", (), True), ("head, out, down in float64", ("out", "down"), True),
-                ("every product in float64", ("qkv", "out", "gate_up", "down"), True)]
-    for name, names, head in variants:
-        swap(names, head)
+    for name in args.variants:
+        swap(*VARIANTS[name])
         values, seconds64 = scored()
-        row(f"speculum scorer, {name}", values)
-    print(f"\nscorer time, every product in float64 against float32: {seconds64:.1f} s / {seconds32:.1f} s "
-          f"= {seconds64 / seconds32:.2f}x")
-    fused.blocks, fused.head = shipped_blocks, shipped_head
+        row(f"speculum scorer, {name} in float64", values)
+        print(f"(scorer time {seconds64:.1f} s against {seconds32:.1f} s in float32: {seconds64 / seconds32:.2f}x)",
+              flush=True)
+    swap((), False)
     return 0
 
 

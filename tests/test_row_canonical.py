@@ -101,6 +101,27 @@ def test_greedy_speculative_output_is_plain_greedy_output(model, gamma):
     assert fast.tokens == plain.tokens
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
+def test_the_real_model_rows_and_greedy_output_do_not_depend_on_blocks(dtype):
+    """The embedded SmolLM2 at full size: a prompt's rows fed whole, in blocks crossing a key span, and
+    packed beside another session are bitwise the same, and greedy prompt lookup is plain greedy output."""
+    model = speculum.load_model(dtype=dtype)
+    assert model.capabilities.canonical_rows
+    prompt = model.encode("Rewrite politely: send me the report now, I have been waiting for days.")
+    tokens = prompt + prompt[3:40]
+    whole = model.start(tokens[:1]).extend(tokens[1:])
+    session = model.start(tokens[:1])
+    blocked = [session.extend(tokens[1:17]), session.extend(tokens[17:18])]
+    other = model.start(tokens[:9])
+    for block in (tokens[18:31], tokens[31:]):
+        blocked.append(model.extend_sessions([Feed(session, block), Feed(other, [5])])[0])
+    assert np.array_equal(np.vstack(blocked), whole)
+    plain = speculum.generate(model, prompt, max_new_tokens=24, temperature=0, eos_token_id=None)
+    fast = speculum.generate(model, prompt, draft=PromptLookup(), gamma=4, max_new_tokens=24, temperature=0,
+                             eos_token_id=None)
+    assert fast.tokens == plain.tokens
+
+
 # ------------------------------------------------------------------------------------------ RowAttention
 def reference(q, keys, values, past, scale):
     """Causal attention in float64, head h reading key head h // (heads // kv_heads)."""
