@@ -59,9 +59,9 @@ from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache, SlotCache
 from .pages import drop_mapped_pages
 from .precision import cast_module
-from .row_attention import RowAttention, SlotRows
 from .prepack import onednn_available
 from .products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
+from .row_attention import RowAttention, SlotRows
 
 __all__ = ["FusedLlama", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]
 
@@ -87,10 +87,10 @@ RELEASED = "_speculum_weights_released"   # set on a module whose block weights 
 
 @dataclass(frozen=True)
 class _Block:
-    qkv: RowProduct               # hidden -> q + k + v features
-    out: RowProduct               # q features -> hidden
-    gate_up: RowProduct           # hidden -> 2 * intermediate
-    down: RowProduct              # intermediate -> hidden
+    qkv: RowProduct            # hidden -> q + k + v features
+    out: RowProduct            # q features -> hidden
+    gate_up: RowProduct        # hidden -> 2 * intermediate
+    down: RowProduct           # intermediate -> hidden
     attn_norm: torch.Tensor    # (hidden,)
     mlp_norm: torch.Tensor     # (hidden,)
     attn_eps: float
