@@ -469,7 +469,8 @@ def test_extend_sessions_equals_each_sessions_own_extend(which, request):
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_smollm_greedy_under_batching_equals_solo(smollm, batch_invariant):
     """Several greedy generations verified together (prompt lookup) give each prompt's solo greedy
-    tokens: guaranteed with batch_invariant (each generation's own forwards), tested for the packed one."""
+    tokens: guaranteed by the row-canonical fused forward, packed either way (batch_invariant asks for
+    what it already gives)."""
     from speculum.decoding.scheduler import Scheduler
     from speculum.models import PromptLookup
 

@@ -122,6 +122,29 @@ def test_the_real_model_rows_and_greedy_output_do_not_depend_on_blocks(dtype):
     assert fast.tokens == plain.tokens
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_packed_scheduling_gives_every_greedy_generation_its_solo_tokens(model, batch_invariant):
+    """Generations joining a scheduler at different steps, verified in packed forwards (a row-canonical
+    target keeps them even when asked for batch invariance): each one's tokens are its solo run's."""
+    from speculum.decoding.scheduler import Scheduler
+
+    prompts = [[1, 3, 4, 5, 3, 4][: 2 + i] * (1 + i % 3) for i in range(5)]
+    scheduler = Scheduler(model, batch_invariant=batch_invariant)
+    assert scheduler.batched
+    out: dict[int, list[int]] = {}
+    pending = list(enumerate(prompts))
+    while pending or scheduler.active:
+        if pending:
+            i, prompt = pending.pop(0)
+            out[scheduler.add(prompt, draft=PromptLookup(), gamma="auto", max_new_tokens=30, temperature=0,
+                              eos_token_id=None)] = []
+        for request, chunk in scheduler.step():
+            out[request].extend(chunk.tokens)
+    for request, prompt in enumerate(prompts):
+        assert out[request] == speculum.generate(model, prompt, max_new_tokens=30, temperature=0,
+                                                 eos_token_id=None).tokens
+
+
 # ------------------------------------------------------------------------------------------ RowAttention
 def reference(q, keys, values, past, scale):
     """Causal attention in float64, head h reading key head h // (heads // kv_heads)."""

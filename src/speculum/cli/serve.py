@@ -59,7 +59,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="verify each request in its own forward: greedy output identical to the request "
                              "alone, whatever else runs (slower under load; the PyTorch backend's fused forward "
-                             "gives that in packed forwards too)")
+                             "gives that in its packed forward, which it keeps)")
     parser.add_argument("--prompt-tokens-per-step", type=int, default=512, metavar="N",
                         help="prompt tokens fed per step at most, with the running requests' blocks; a longer "
                              "prompt is fed over several steps, so the others keep streaming (default: 512)")

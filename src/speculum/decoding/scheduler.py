@@ -10,7 +10,8 @@ generation's target calls are exactly those it makes alone, so its greedy tokens
 identical to its solo run. A batched call computes the same rows up to float rounding (other matrix
 shapes), so at a near-tie a greedy token may differ from the solo run's, except on a target that declares
 ``Capabilities.canonical_rows`` (the PyTorch backend's fused forward): its rows are bitwise the same in
-any batch, so packed verification keeps every solo output too.
+any batch, so packed verification keeps every solo output too, and it stays packed with
+``batch_invariant=True``.
 
 Example:
     >>> from speculum.models import MarkovModel
@@ -100,7 +101,9 @@ class Scheduler:
         self._finished_at_start: dict[int, str] = {}   # id -> stop reason: nothing to generate
         self._next_id = 0
         declared = capabilities_of(target)
-        self.batched = declared.batched_extend and not batch_invariant
+        # A target with canonical rows gives each generation its solo rows in a packed forward too, so it
+        # keeps the packed forward even when asked for batch invariance.
+        self.batched = declared.batched_extend and (declared.canonical_rows or not batch_invariant)
         # A new generation's prompt rides in the next packed forward instead of a forward of its own
         # (continuous batching with the prefill in the decode step): the others' blocks are verified
         # in the time of the prompt's forward, where a separate prefill would stall them.

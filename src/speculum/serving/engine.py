@@ -101,7 +101,8 @@ class Engine:
             (:class:`EngineBusy`).
         batch_invariant: verify each job in its own target call (no batched forward), so that its output is
             identical to its solo run; otherwise a target with ``batched_extend`` verifies a step's blocks
-            in one forward (faster; rows equal up to float rounding, bitwise on a ``canonical_rows`` target).
+            in one forward (faster; rows equal up to float rounding). A target declaring
+            ``canonical_rows`` gives solo rows bitwise in its packed forward, which it keeps either way.
         prompt_tokens_per_step: prompt tokens the worker feeds per step at most, inside the packed forward
             of the running jobs' blocks (a target with ``deferred_prefill``): a longer prompt is fed over
             several steps, so a long prompt joining delays the others' next tokens by one bounded step.
