@@ -2,11 +2,13 @@
 
 Invariants: every call of the model returns bitwise what it returned before the release; drafts derived
 from the weights are refused after it with a clear error; pages are dropped only inside private file
-mappings, and a dropped page reads back as the file's bytes.
+mappings, and a dropped page reads back as the file's bytes; trimming the heap gives back blocks the
+allocator kept after they were freed.
 """
 from __future__ import annotations
 
 import mmap
+import sys
 
 import numpy as np
 import pytest
@@ -55,3 +57,25 @@ def test_pages_are_dropped_only_in_private_file_mappings(tmp_path):
     assert drop_mapped_pages([(anonymous.ctypes.data, anonymous.nbytes)]) == 0
     assert anonymous.sum() == len(anonymous)
     assert drop_mapped_pages([(address + 1, page)]) == 0        # no whole page inside
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim and /proc/self/status")
+def test_trimming_the_heap_gives_back_freed_blocks_the_allocator_kept():
+    import subprocess
+
+    # In a fresh process: 150 MB of heap blocks (below glibc's mmap threshold), each followed by a small
+    # live block so that freeing them cannot shrink the heap; resident memory falls only once trimmed.
+    probe = """
+from speculum.models.hf.pages import trim_heap
+def rss():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) // 1024
+big, keep = [], []
+for _ in range(1500):
+    big.append(bytearray(100_000))
+    keep.append(bytearray(600))
+big.clear()
+freed = rss()
+print(trim_heap(), freed - rss())
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "True" and int(out[1]) > 100

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache, SlotCache
-from .pages import drop_mapped_pages
+from .pages import drop_mapped_pages, trim_heap
 from .precision import cast_module
 from .prepack import onednn_available
 from .products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
@@ -227,6 +227,7 @@ class FusedLlama:
                 difference = fused.self_check(module, _SELF_CHECK_TOLERANCE_BF16)
             finally:
                 cast_module(module, torch.bfloat16)
+        trim_heap()              # the probes' temporary products would otherwise stay resident
         if difference is not None:
             warnings.warn(f"the fused Llama forward differs from transformers' forward by {difference:.2g} "
                           "(relative) on a probe; using transformers' forward", RuntimeWarning, stacklevel=2)

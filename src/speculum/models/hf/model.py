@@ -45,6 +45,7 @@ from .fused_llama import FusedLlama, release_block_weights
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache
 from .logprobs import finite_counts, log_mass, logprob_rows
+from .pages import trim_heap
 from .precision import parse_dtype, prepare_module, warn_if_slow
 from .prepack import prepack_linears
 from .row_invariant import RowInvariantForward
@@ -141,7 +142,11 @@ class HFModel(BaseModel):
         server's resident memory: one copy of each weight, not two); returns the bytes given back, 0
         without a fused forward. Every call of this model is unchanged; drafts derived from it (twins,
         ``layers:K``) must be made before, and are refused after."""
-        return release_block_weights(self.module) if self._fused is not None else 0
+        if self._fused is None:
+            return 0
+        released = release_block_weights(self.module)
+        trim_heap()
+        return released
 
     # ------------------------------------------------------------------------------------ loading
     @classmethod
