@@ -61,7 +61,7 @@ from .pages import drop_mapped_pages, trim_heap
 from .precision import cast_module
 from .prepack import onednn_available
 from .products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
-from .row_attention import RowAttention, SlotRows
+from .row_attention import RowAttention, SlotRows, keys_needed
 
 __all__ = ["FusedLlama", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]
 
@@ -309,11 +309,11 @@ class FusedLlama:
         x = self.embedded(ids)                                                      # (1, T, hidden)
         position = torch.cat([torch.arange(n) + past for n, past in zip(lengths, pasts)])   # (T,) in its sequence
         cos, sin = (t.unsqueeze(1) for t in self.rotary(x, position.unsqueeze(0)))  # (1, 1, T, head_dim)
-        attentions = [RowAttention(past, n) for past, n in zip(pasts, lengths)]
         store = caches[0].store if caches else None
         if store is not None and all(cache.store is store for cache in caches):
             with store.lock:
-                return self._forward_store(x, cos, sin, position, attentions, bounds, caches, store, keep)
+                return self._forward_store(x, cos, sin, position, pasts, bounds, caches, store, keep)
+        attentions = [RowAttention(past, n) for past, n in zip(pasts, lengths)]
         with contextlib.ExitStack() as held:
             for cache in caches:
                 held.enter_context(cache.exclusive())
@@ -328,21 +328,20 @@ class FusedLlama:
         return self._kept_logits(x, bounds, keep)
 
     def _forward_store(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
-                       attentions: list[RowAttention], bounds: list[int], caches: list[SlotCache],
-                       arena: KVArena, keep: list[int] | None) -> list[torch.Tensor]:
+                       pasts: list[int], bounds: list[int], caches: list[SlotCache], arena: KVArena,
+                       keep: list[int] | None) -> list[torch.Tensor]:
         """:meth:`forward_packed` on slots of one store, from its embedded tokens ``x``, their rotary
-        ``cos`` / ``sin`` and ``position``, and each sequence's attention: every new key and value is
-        written in place by one indexed write per layer; the sequences feeding one token attend together
-        over a view of the store (:class:`~speculum.models.hf.row_attention.SlotRows`), each longer block
-        over a view of its slot."""
-        arena.reserve(max(attention.keys for attention in attentions))
-        slot = torch.tensor([cache.slot for cache, attention in zip(caches, attentions)
-                             for _ in range(attention.n)])                           # (T,)
-        singles = [b for b, attention in enumerate(attentions) if attention.n == 1]
+        ``cos`` / ``sin`` and ``position``, and each sequence's cached length ``pasts``: every new key and
+        value is written in place by one indexed write per layer; the sequences feeding one token attend
+        together over a view of the store (:class:`~speculum.models.hf.row_attention.SlotRows`), each
+        longer block over a view of its slot."""
+        lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+        arena.reserve(max(keys_needed(past + n) for past, n in zip(pasts, lengths)))
+        slot = torch.tensor([cache.slot for cache, n in zip(caches, lengths) for _ in range(n)])   # (T,)
+        singles = [b for b, n in enumerate(lengths) if n == 1]
         single_rows = torch.tensor([bounds[b] for b in singles], dtype=torch.long)  # their rows in the packing
-        together = SlotRows([caches[b].slot for b in singles], [attentions[b].past for b in singles]
-                            ) if singles else None
-        blocks = [b for b, attention in enumerate(attentions) if attention.n > 1]
+        together = SlotRows([caches[b].slot for b in singles], [pasts[b] for b in singles]) if singles else None
+        attentions = {b: RowAttention(pasts[b], n) for b, n in enumerate(lengths) if n > 1}
         for index, block in enumerate(self.blocks):
             q, k, v = self._qkv(block, x, cos, sin)                              # (1, heads, T, d)
             keys, values = arena.keys[index], arena.values[index]
@@ -351,14 +350,13 @@ class FusedLlama:
             attn = q.new_empty(1, len(slot), self.heads, self.head_dim)          # (1, T, heads, d)
             if together is not None:
                 attn[0, single_rows] = together(q[0, :, single_rows].transpose(0, 1), keys, values, self.scale)
-            for b in blocks:
+            for b, attention in attentions.items():
                 at, own = slice(bounds[b], bounds[b + 1]), slice(caches[b].slot, caches[b].slot + 1)
-                attention = attentions[b]
                 attn[:, at] = attention(q[:, :, at], keys[own, :, :attention.keys],
                                         values[own, :, :attention.keys], self.scale).transpose(1, 2)
             x = self._after_attention(block, x, attn.transpose(1, 2))
-        for cache, attention in zip(caches, attentions):
-            cache.filled_to(attention.past + attention.n)
+        for cache, past, n in zip(caches, pasts, lengths):
+            cache.filled_to(past + n)
         return self._kept_logits(x, bounds, keep)
 
     def _kept_logits(self, x: torch.Tensor, bounds: list[int], keep: list[int] | None) -> list[torch.Tensor]:

@@ -48,6 +48,13 @@ def keys_needed(end: int) -> int:
     return -(-end // block) * block
 
 
+def _mask(limits: torch.Tensor, span: int) -> torch.Tensor:
+    """Additive masks ``(items, 1, 1, span)``: item i sees keys ``0 .. limits[i]`` (built once per forward:
+    a bool mask would be converted in every layer's call)."""
+    return torch.zeros(len(limits), 1, 1, span).masked_fill_(torch.arange(span) > limits.view(-1, 1, 1, 1),
+                                                             float("-inf"))
+
+
 @functools.cache
 def items_are_independent(kv_heads: int, group: int, head_dim: int) -> bool:
     """True when the attention kernel gives each item ``(kv_heads, group, head_dim)`` of a batched call
@@ -61,8 +68,7 @@ def items_are_independent(kv_heads: int, group: int, head_dim: int) -> bool:
             q = torch.randn(rows, kv_heads, group, head_dim, generator=generator)
             store = [torch.randn(rows + 1, kv_heads, span + KEY_BLOCK, head_dim, generator=generator)
                      for _ in range(2)]
-            limits = torch.randint(0, span, (rows, 1, 1, 1), generator=generator)
-            mask = torch.zeros(rows, 1, 1, span).masked_fill_(torch.arange(span) > limits, float("-inf"))
+            mask = _mask(torch.randint(0, span, (rows,), generator=generator), span)
             own = [t[1:, :, :span] for t in store]                               # item i: slot i + 1
             shared = [t[:1, :, :span].expand(rows, -1, -1, -1) for t in store]   # every item: slot 0
             for keys, values in (own, [t.contiguous() for t in own], shared, [t.contiguous() for t in shared]):
@@ -92,10 +98,7 @@ class RowAttention:
         while start < n:
             span = keys_needed(past + start + 1)
             stop = min(n, span - past)
-            positions = torch.arange(past + start, past + stop).view(-1, 1, 1, 1)
-            # Additive form, made once per forward: a bool mask would be converted in every layer's call.
-            mask = torch.zeros(stop - start, 1, 1, span).masked_fill_(torch.arange(span) > positions, float("-inf"))
-            self.groups.append((start, stop, span, mask))
+            self.groups.append((start, stop, span, _mask(torch.arange(past + start, past + stop), span)))
             start = stop
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -153,9 +156,7 @@ class SlotRows:
             where = torch.tensor([slots[i] - low for i in rows])
             limits = torch.zeros(high - low, dtype=torch.long)                  # a dummy item reads key 0
             limits[where] = torch.tensor([positions[i] for i in rows])
-            mask = torch.zeros(high - low, 1, 1, span).masked_fill_(
-                torch.arange(span) > limits.view(-1, 1, 1, 1), float("-inf"))
-            self.groups.append((torch.tensor(rows), where, low, high, span, mask))
+            self.groups.append((torch.tensor(rows), where, low, high, span, _mask(limits, span)))
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         """``q (rows, heads, d)`` attending the store's ``keys`` / ``values (slots, kv_heads, >= self.keys,
