@@ -166,6 +166,20 @@ def test_both_kinds_declare_their_capabilities():
     assert slot_cache.exclusive() is arena.lock
 
 
+def test_the_store_trims_the_heap_when_it_regrows_and_when_it_empties(monkeypatch):
+    from speculum.models.hf import kv_arena
+
+    trims = []
+    monkeypatch.setattr(kv_arena, "trim_heap", lambda: trims.append(1))
+    store = small_store()
+    slot = store.allocate(2)
+    assert not trims                                  # the first buffers replace nothing
+    store.reserve(5)
+    assert len(trims) == 1 and store.capacity == 8    # the old buffers were freed
+    store.release(slot)
+    assert len(trims) == 2 and store.keys == []       # so were the last ones
+
+
 def test_trim_refuses_more_than_is_held():
     for cache in (SlotCache(small_store()), OwnCache()):
         for layer in range(LAYERS):

@@ -43,6 +43,24 @@ def test_release_changes_no_answer_and_refuses_derived_drafts(tmp_path):
             derive(model)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages are dropped on Linux only")
+def test_release_drops_the_packed_heads_pages_and_the_tied_embedding_reads_them_back(tmp_path):
+    # 400 words: a tied head of 403 x 32 floats spans a dozen pages of the mapped checkpoint.
+    words = [f"w{i}" for i in range(400)]
+    model = HFModel.from_pretrained(save_tiny_model(tmp_path / "model", words=words, layers=1))
+    head = model.module.get_output_embeddings().weight
+    assert head.data_ptr() == model.module.get_input_embeddings().weight.data_ptr()
+    prompts = [[5, 9, 300], [4, 402, 7, 12]]
+    before = model.next_logprobs(prompts)
+    blocks = sum(layer.weight.numel() * 4 for block in model.module.get_decoder().layers
+                 for layer in (*(getattr(block.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                               block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj))
+    freed = model.release_unfused_weights()
+    assert freed >= head.numel() * 4 - 2 * mmap.PAGESIZE       # the head's whole pages, besides the blocks'
+    assert freed <= head.numel() * 4 + blocks
+    assert np.array_equal(model.next_logprobs(prompts), before)  # embedding rows read back from the file
+
+
 def test_pages_are_dropped_only_in_private_file_mappings(tmp_path):
     page = mmap.PAGESIZE
     path = tmp_path / "weights.bin"
@@ -66,7 +84,7 @@ def test_trimming_the_heap_gives_back_freed_blocks_the_allocator_kept():
     # In a fresh process: 150 MB of heap blocks (below glibc's mmap threshold), each followed by a small
     # live block so that freeing them cannot shrink the heap; resident memory falls only once trimmed.
     probe = """
-from speculum.models.hf.pages import trim_heap
+from speculum.models.allocator import trim_heap
 def rss():
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) // 1024
 big, keep = [], []

@@ -294,6 +294,26 @@ def test_engine_checks_arguments_before_queueing():
         engine.close()
 
 
+def test_the_engine_trims_the_heap_once_each_time_it_goes_idle_after_work(monkeypatch):
+    from speculum.serving import engine as engine_module
+
+    trims = []
+    monkeypatch.setattr(engine_module, "trim_heap", lambda: trims.append(1))
+    engine = Engine(make_target(), decode=decode)
+    try:
+        time.sleep(0.2)
+        assert not trims                                   # idle from the start: nothing was freed
+        for expected in (1, 2):
+            list(engine.submit(GenerationRequest(encode("ab"), max_tokens=3, temperature=0.0)))
+            deadline = time.monotonic() + 10
+            while len(trims) < expected and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            assert len(trims) == expected                  # once per idle spell, not once per wake-up
+    finally:
+        engine.close()
+
+
 def test_generate_batch_equals_solo_generation_per_prompt():
     target, draft = make_target(), MarkovModel.random(len(ALPHABET), seed=4)
     prompts = [encode("ab"), encode("cdcd"), encode("e")]

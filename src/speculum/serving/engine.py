@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 from ..decoding.plan import plan_generation
 from ..decoding.scheduler import Scheduler
+from ..models.allocator import trim_heap
 from ..models.base import check_token_ids
 from ..validation import InputError, check_int
 from .jobs import Delta, GenerationRequest, Job, TokenLogprob
@@ -146,6 +147,7 @@ class Engine:
         self._deadline: float | None = None     # drain(): when the jobs still running are ended
         self._running: dict[int, Job] = {}     # scheduler id -> job (the worker's alone)
         self._admitting = 0                     # 1 while a job is being admitted into the scheduler
+        self._worked = False                    # ran a step or scored since the engine last went idle
         self._last_score_batch = 1              # score jobs scored together last time
         self._worker: threading.Thread | None = None
         if background:
@@ -248,6 +250,11 @@ class Engine:
         if self._deadline is not None and time.monotonic() >= self._deadline:
             self._end_all("the server is shutting down")
         while len(self._running) < self.max_batch:
+            if self._worked and not self._running and self._waiting.empty():
+                # About to wait for work: the forwards' freed buffers, which the C heap keeps for reuse,
+                # go back to the system while the server is idle.
+                self._worked = False
+                trim_heap()
             try:
                 job = self._waiting.get(block=not self._running)
             except queue.Empty:
@@ -287,6 +294,7 @@ class Engine:
 
     def _step(self) -> None:
         started = time.perf_counter()
+        self._worked = True
         for ident, job in list(self._running.items()):
             if job.cancelled:
                 self._scheduler.cancel(ident)
@@ -350,6 +358,7 @@ class Engine:
         """Score ``jobs`` together (:meth:`PromptScorer.score_many`: each answer bitwise its answer alone);
         when that fails, each alone, so that a prompt the model fails on fails only its own request."""
         started = time.perf_counter()
+        self._worked = True
         self._last_score_batch = len(jobs)
         try:
             results: list = self.scorer.score_many([job.tokens for job in jobs], top=[job.top for job in jobs])

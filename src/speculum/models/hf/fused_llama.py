@@ -55,9 +55,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..allocator import trim_heap
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache, SlotCache
-from .pages import drop_mapped_pages, trim_heap
+from .pages import drop_mapped_pages
 from .precision import cast_module
 from .prepack import onednn_available
 from .products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
@@ -115,11 +116,14 @@ def release_block_weights(module: torch.nn.Module) -> int:
     The fused forward is unchanged. What needs the module's own weights afterwards is refused with a clear
     error (copies of it, such as the twins, and fused forwards built on it later). The embedding, the
     norms and a tied output head keep theirs. Weights mapped from the checkpoint file have their pages
-    dropped (:func:`~speculum.models.hf.pages.drop_mapped_pages`)."""
+    dropped (:func:`~speculum.models.hf.pages.drop_mapped_pages`), the output head's too: it is held
+    packed, and what still reads its weight (the embedding, when tied) reads its rows back from the file
+    on demand, the very values loaded, with only the rows of tokens in use resident."""
     blocks = list(module.get_decoder().layers)
-    if any(block not in _PACKED for block in blocks):
+    head = module.get_output_embeddings()
+    if any(part not in _PACKED for part in [*blocks, head]):
         raise ValueError("build the fused forward of this module before releasing its weights")
-    ranges = []
+    ranges = [(head.weight.data_ptr(), head.weight.numel() * head.weight.element_size())]
     for block in blocks:
         attn, mlp = block.self_attn, block.mlp
         for layer in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):

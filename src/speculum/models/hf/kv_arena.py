@@ -11,8 +11,9 @@ own keys: a masked key gets weight exactly zero, so the padding adds nothing to 
 Layout: per layer, ``keys`` and ``values`` of shape ``(slots, kv_heads, capacity, head_dim)``; a session
 owns a slot and a length. Rolling back sets the length; a session whose cache is garbage-collected frees
 its slot. The store grows by doubling (slots or capacity, one copy) and gives its memory back when no slot
-is in use. ``lock`` guards the layout: a forward that reads or writes the store holds it, since growing
-replaces the buffers. The buffers are inference-mode tensors, written in inference mode only.
+is in use; both times the C heap is trimmed, so the freed buffers leave the process's resident memory.
+``lock`` guards the layout: a forward that reads or writes the store holds it, since growing replaces the
+buffers. The buffers are inference-mode tensors, written in inference mode only.
 
 Example:
     >>> arena = KVArena(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32)
@@ -28,6 +29,8 @@ import heapq
 import threading
 
 import torch
+
+from ..allocator import trim_heap
 
 __all__ = ["KVArena"]
 
@@ -66,6 +69,7 @@ class KVArena:
             self.in_use -= 1
             if self.in_use == 0:
                 self.keys, self.values, self.slots, self.capacity, self._free = [], [], 0, 0, []
+                trim_heap()
 
     def reserve(self, length: int) -> None:
         """Make every slot able to hold ``length`` tokens."""
@@ -76,6 +80,7 @@ class KVArena:
     @torch.inference_mode()
     def _grow(self, slots: int, length: int) -> None:
         capacity = self.capacity or self.first_capacity
+        old_bytes = self.bytes_for(self.slots, self.capacity)
         while capacity < length:
             capacity *= 2
         # Zeros, not empty memory: a masked key still enters q·k before the mask, and NaN bits would spread.
@@ -88,4 +93,6 @@ class KVArena:
         for slot in range(self.slots, slots):
             heapq.heappush(self._free, slot)
         self.keys, self.values, self.slots, self.capacity = keys, values, slots, capacity
+        if old_bytes:
+            trim_heap()        # the old buffers' blocks, which the C heap would otherwise keep resident
 

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ...validation import InputError
+from ..allocator import trim_heap
 from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_blocks, check_token_ids,
                     common_prefix_length)
 from ..vocabulary import hf_token_bytes
@@ -45,7 +46,6 @@ from .fused_llama import FusedLlama, release_block_weights
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache
 from .logprobs import finite_counts, log_mass, logprob_rows
-from .pages import trim_heap
 from .precision import parse_dtype, prepare_module, warn_if_slow
 from .prepack import prepack_linears
 from .row_invariant import RowInvariantForward

@@ -9,8 +9,8 @@ wholly inside such ranges (``madvise(MADV_DONTNEED)``).
 Safety: only pages of a private file mapping are dropped, and only pages that lie wholly inside a released
 range (a page shared with a live tensor stays). Were a dropped page read again, the kernel would read it
 back from the file: the checkpoint's own values, the ones loaded. Anywhere else (another OS, anonymous
-memory) nothing is done and the allocator keeps what it frees. :func:`trim_heap` gives back what the C
-heap holds free (temporary tensors of the load-time probes).
+memory) nothing is done and the allocator keeps what it frees
+(:func:`~speculum.models.allocator.trim_heap` gives back what the C heap holds free).
 
 Example:
     >>> drop_mapped_pages([])
@@ -22,7 +22,7 @@ import ctypes
 import mmap
 import sys
 
-__all__ = ["drop_mapped_pages", "trim_heap"]
+__all__ = ["drop_mapped_pages"]
 
 _MADV_DONTNEED = 4           # <sys/mman.h> on Linux
 
@@ -57,14 +57,3 @@ def drop_mapped_pages(ranges: list[tuple[int, int]]) -> int:
         if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) == 0:
             dropped += last - first
     return dropped
-
-
-def trim_heap() -> bool:
-    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``); True when some was.
-    glibc keeps freed blocks below its mmap threshold resident, and a model's load-time probes (products
-    of hundreds of rows through the vocabulary head) free a hundred megabytes of them. Elsewhere (another
-    C library or OS) nothing is done."""
-    if not sys.platform.startswith("linux"):
-        return False
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    return bool(trim(0)) if trim is not None else False
