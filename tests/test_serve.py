@@ -8,6 +8,8 @@ a full queue gets 429, and a client that disconnects mid-stream frees the worker
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -392,8 +394,6 @@ def test_speculum_serve_process_answers_and_stops_cleanly_on_sigterm():
     shuts the app down, then re-raises the signal (the process ends as terminated by SIGTERM, as a shell
     expects)."""
     import importlib.util
-    import os
-    import signal
     import subprocess
     import sys
 
@@ -482,6 +482,41 @@ def test_the_engine_on_the_callers_thread_serves_http_from_another_until_the_ser
     assert serve_on_this_thread(server, engine) is True
     driver.join(5)
     assert replies == {prompt: solo(prompt) for prompt in PROMPTS}
+    with pytest.raises(EngineClosed):
+        engine.submit(GenerationRequest(prompt_ids=[0], max_tokens=2))
+
+
+def test_a_shutdown_signal_never_waits_for_a_lock_the_engines_thread_may_hold():
+    """SIGTERM arrives on the thread that runs the engine, possibly while that thread holds the engine's
+    queue mutex or metrics lock: the handler must return without taking them (it did, and deadlocked)."""
+    from speculum.serving import serve_on_this_thread
+
+    engine = Engine(make_target(), decode=decode, background=False)
+    app = create_app(engine, NAME, encode_text=encode)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
+    handler_done = threading.Event()
+
+    def drive() -> None:
+        while not server.started:
+            time.sleep(0.02)
+        with engine._waiting.mutex, engine._lock:      # as if the engine's own thread held them
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while not server.should_exit and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if server.should_exit:
+                handler_done.set()
+        # released: the drain thread gets the locks and the engine winds down with the server
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)   # the re-raised signal lands here
+    try:
+        driver = threading.Thread(target=drive, daemon=True)
+        driver.start()
+        assert serve_on_this_thread(server, engine, grace=0.5) is True
+        driver.join(5)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert handler_done.is_set()                       # the handler finished while the locks were held
     with pytest.raises(EngineClosed):
         engine.submit(GenerationRequest(prompt_ids=[0], max_tokens=2))
 

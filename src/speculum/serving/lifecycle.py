@@ -44,8 +44,11 @@ def serve_on_this_thread(server: Any, engine: Engine, *, grace: float = DEFAULT_
     received: list[int] = []
 
     def on_signal(sig: int, frame: Any) -> None:
+        # The handler runs on this thread between two bytecodes of the engine's loop, which may hold the
+        # engine's locks there (its queue's mutex, its metrics lock): the drain, which takes them, runs on a
+        # thread of its own. uvicorn's handle_exit only sets flags.
         received.append(sig)
-        engine.drain(grace)
+        threading.Thread(target=engine.drain, args=(grace,), name="speculum-drain", daemon=True).start()
         server.handle_exit(sig, frame)
 
     previous = {}
