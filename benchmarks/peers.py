@@ -9,8 +9,8 @@ Q8_0 GGUF files with the vendored converter. Re-running skips what is already th
     .venv/bin/python benchmarks/peers.py setup          # ~16 min on 2 cores (the C++ build)
     .venv/bin/python benchmarks/peers.py paths          # where the binaries and GGUF files are (JSON)
 
-`benchmarks/serving.py --peers` then runs llama-server beside `speculum serve`. OpenVINO GenAI, the other
-peer, installs from PyPI (`pip install openvino-genai`) and needs no build.
+`benchmarks/serving_peers.py` then runs llama-server beside `speculum serve`. OpenVINO GenAI, the other
+peer, comes with the `[bench]` extra (which `make` installs) and reads the F16 and Q8_0 files made here.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`speculum serve` beside llama.cpp's C++ `llama-server`, the strongest CPU serving peer, on the same weights.
+"""`speculum serve` beside the strongest CPU serving peers, llama.cpp's `llama-server` and OpenVINO GenAI.
 
 Every server is a subprocess on 127.0.0.1 driven by the same HTTP clients (`/v1/completions`, greedy,
 grounded prompts that rewrite or extract from a passage, `--max-tokens` answers that stop at eos; prompt
@@ -8,7 +8,10 @@ server at a time, the servers in turn within each round, `--rounds` rounds (medi
 - speculum: `speculum serve` on the float32 checkpoint and on its int8 and bfloat16 targets (`--dtype`), plain
   (`--draft none`) and `--draft lookup`;
 - llama-server (`benchmarks/peers.py setup` builds it and the GGUF files) on F32 and Q8_0, plain,
-  `--spec-type ngram-mod` and `--spec-type ngram-simple` (n 3, m 10), `-t 2 -tb 2 -np 8 -c 8192`.
+  `--spec-type ngram-mod` and `--spec-type ngram-simple` (n 3, m 10), `-t 2 -tb 2 -np 8 -c 8192`;
+- OpenVINO GenAI's `ContinuousBatchingPipeline` (the `[bench]` extra) behind a minimal HTTP front
+  (`benchmarks/openvino_server.py`) on the F16 GGUF computed in float32 and on Q8_0 at its own precision,
+  plain and with its prompt lookup.
 
 Reported: aggregate tokens/s at each concurrency, ms per token of one stream, resident memory after the
 run (VmRSS), and determinism: the prompts at concurrency 1 and then all at once; how many answers differ
@@ -62,6 +65,13 @@ def servers() -> dict[str, list[str]]:
         table[f"{name}-ngram-mod"] = base + ["--spec-type", "ngram-mod"]
         table[f"{name}-ngram-simple"] = base + ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
                                                 "--spec-ngram-simple-size-m", "10"]
+    # OpenVINO GenAI reads F16 and Q8_0 GGUF files, not F32: its closest to the float32 target is F16 weights
+    # computed in float32; on Q8_0 it picks its own precision (bfloat16 on CPUs with AMX or AVX-512 BF16).
+    openvino = [sys.executable, str(Path(__file__).with_name("openvino_server.py")), "--max-batch", "8"]
+    for name, kind, precision in (("openvino-f16", "F16", "f32"), ("openvino-q80", "Q8_0", "default")):
+        base = openvino + ["--model", found["gguf"][kind], "--precision", precision]
+        table[name] = base
+        table[f"{name}-lookup"] = base + ["--prompt-lookup"]
     return table
 
 

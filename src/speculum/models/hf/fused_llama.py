@@ -115,7 +115,7 @@ def release_block_weights(module: torch.nn.Module) -> int:
 
     The fused forward is unchanged. What needs the module's own weights afterwards is refused with a clear
     error (copies of it, such as the twins, and fused forwards built on it later). The embedding, the
-    norms and a tied output head keep theirs. Weights mapped from the checkpoint file have their pages
+    norms and the output head keep their tensors. Weights mapped from the checkpoint file have their pages
     dropped (:func:`~speculum.models.hf.pages.drop_mapped_pages`), the output head's too: it is held
     packed, and what still reads its weight (the embedding, when tied) reads its rows back from the file
     on demand, the very values loaded, with only the rows of tokens in use resident."""
