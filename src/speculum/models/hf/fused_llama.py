@@ -99,8 +99,9 @@ class _Block:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm for float32 inputs, operation for operation (over the last dimension, row by row)."""
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    """LlamaRMSNorm for float32 inputs, operation for operation (over the last dimension, row by row):
+    ``weight * (x * rsqrt(mean(x²) + eps))``, which PyTorch's ``rms_norm`` computes in one call."""
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -391,12 +392,13 @@ class FusedLlama:
         """Rotated queries and keys, and values, ``(batch, heads, n, d)``, of projected rows ``qkv (batch, n,
         q + k + v features)`` at the positions of the rotary tables ``cos`` / ``sin``."""
         batch, n, _ = qkv.shape
-        q_end = self.heads * self.head_dim
-        k_end = q_end + self.kv_heads * self.head_dim
-        q = qkv[..., :q_end].view(batch, n, self.heads, self.head_dim).transpose(1, 2)
-        k = qkv[..., q_end:k_end].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        k_end = (self.heads + self.kv_heads) * self.head_dim
+        # Queries and keys rotate together: the same element-wise formula, half the operations.
+        qk = qkv[..., :k_end].view(batch, n, self.heads + self.kv_heads, self.head_dim)
+        cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)                      # (1, n, 1, head_dim)
+        rotated = (qk * cos + _rotate_half(qk) * sin).transpose(1, 2)            # (batch, heads + kv, n, d)
         v = qkv[..., k_end:].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        return rotated[:, :self.heads], rotated[:, self.heads:], v
 
     def _after_attention(self, block: _Block, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The block's output projection and MLP, with their residuals."""
