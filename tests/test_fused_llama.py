@@ -15,7 +15,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hf_tiny import save_tiny_model  # noqa: E402
-from speculum.models.hf.fused_llama import FusedLlama, unsupported_reason  # noqa: E402
+from speculum.models.hf.fused_llama import FusedLlama, rms_norm, unsupported_reason  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.drafts.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
 
@@ -137,3 +137,20 @@ def test_mixed_quantisation_is_refused(pair):
     twin = int8_twin(fused)
     twin.module.lm_head = fused.module.lm_head          # a float head on int8 blocks: not one scheme
     assert "neither all plain float" in unsupported_reason(twin.module)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 300), hidden=st.integers(1, 2048), magnitude=st.floats(1e-3, 1e3),
+       eps=st.sampled_from([1e-5, 1e-6]), seed=st.integers(0, 2**31))
+def test_rms_norm_is_transformers_llama_rms_norm_bitwise(rows, hidden, magnitude, eps, seed):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, rows, hidden, generator=generator) * magnitude
+    norm = LlamaRMSNorm(hidden, eps=eps)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=generator))
+        assert torch.equal(rms_norm(x, norm.weight, eps), norm(x))
+        row = int(torch.randint(0, rows, (1,), generator=generator))       # and each row as it is alone
+        assert torch.equal(rms_norm(x[:, row:row + 1], norm.weight, eps), norm(x)[:, row:row + 1])
+
