@@ -296,21 +296,24 @@ def test_engine_checks_arguments_before_queueing():
         engine.close()
 
 
-def test_the_engine_trims_the_heap_once_each_time_it_goes_idle_after_work(monkeypatch):
+def test_the_engine_trims_the_heap_once_per_idle_spell_not_between_back_to_back_requests(monkeypatch):
     from speculum.serving import engine as engine_module
 
     trims = []
     monkeypatch.setattr(engine_module, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(Engine, "idle_trim_seconds", 0.3)
     engine = Engine(make_target(), decode=decode)
     try:
-        time.sleep(0.2)
+        time.sleep(0.5)
         assert not trims                                   # idle from the start: nothing was freed
         for expected in (1, 2):
-            list(engine.submit(GenerationRequest(encode("ab"), max_tokens=3, temperature=0.0)))
+            for _ in range(3):                             # back to back: no trim between them
+                list(engine.submit(GenerationRequest(encode("ab"), max_tokens=3, temperature=0.0)))
+            assert len(trims) == expected - 1
             deadline = time.monotonic() + 10
             while len(trims) < expected and time.monotonic() < deadline:
                 time.sleep(0.01)
-            time.sleep(0.2)
+            time.sleep(0.5)
             assert len(trims) == expected                  # once per idle spell, not once per wake-up
     finally:
         engine.close()

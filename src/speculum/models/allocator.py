@@ -8,7 +8,7 @@ a process with many threads (a Ray worker: each ``munmap`` interrupts the other 
 :func:`keep_freed_memory` turns that off for the process: large blocks come from the heap and stay there
 for the next call. The values computed are unchanged; the resident memory stays at its peak instead of
 shrinking after each call, until :func:`trim_heap` gives the free part back at a quiet moment (after a
-model's load-time probes, when a KV store regrows or empties, when a server has nothing to run).
+model's load-time probes, when a KV store regrows, when a server has been idle for a second).
 
 Example:
     >>> keep_freed_memory() in (True, False)

@@ -118,7 +118,12 @@ class Engine:
     Guarantee: exact — every job's tokens have the law of plain sampling from the target, whatever else
     runs or waits; with ``batch_invariant=True``, or a target declaring ``Capabilities.canonical_rows`` (the
     PyTorch backend's fused forward), greedy tokens are those of ``speculum.generate`` alone.
+
+    After :attr:`idle_trim_seconds` without work the worker gives the C heap's free memory back to the
+    system (:func:`~speculum.models.allocator.trim_heap`), once per idle spell.
     """
+
+    idle_trim_seconds = 1.0
 
     def __init__(self, target: Any, *, draft: Any = None, gamma: int | str = "auto",
                  decode: Callable[[Sequence[int]], str] | None = None, eos_token_id: Any = ...,
@@ -147,7 +152,7 @@ class Engine:
         self._deadline: float | None = None     # drain(): when the jobs still running are ended
         self._running: dict[int, Job] = {}     # scheduler id -> job (the worker's alone)
         self._admitting = 0                     # 1 while a job is being admitted into the scheduler
-        self._worked = False                    # ran a step or scored since the engine last went idle
+        self._worked = False                    # ran a step or scored since the heap was last trimmed
         self._last_score_batch = 1              # score jobs scored together last time
         self._worker: threading.Thread | None = None
         if background:
@@ -250,15 +255,19 @@ class Engine:
         if self._deadline is not None and time.monotonic() >= self._deadline:
             self._end_all("the server is shutting down")
         while len(self._running) < self.max_batch:
-            if self._worked and not self._running and self._waiting.empty():
-                # About to wait for work: the forwards' freed buffers, which the C heap keeps for reuse,
-                # go back to the system while the server is idle.
+            try:
+                if self._worked and not self._running:
+                    job = self._waiting.get(timeout=self.idle_trim_seconds)
+                else:
+                    job = self._waiting.get(block=not self._running)
+            except queue.Empty:
+                if self._running:
+                    break
+                # Idle for a while: the forwards' freed buffers, which the C heap keeps for reuse, go back
+                # to the system (not between back-to-back requests, which would fault them in again).
                 self._worked = False
                 trim_heap()
-            try:
-                job = self._waiting.get(block=not self._running)
-            except queue.Empty:
-                break
+                continue
             if job is _WAKE:
                 if self._deadline is not None and time.monotonic() >= self._deadline:
                     self._end_all("the server is shutting down")

@@ -11,7 +11,7 @@ own keys: a masked key gets weight exactly zero, so the padding adds nothing to 
 Layout: per layer, ``keys`` and ``values`` of shape ``(slots, kv_heads, capacity, head_dim)``; a session
 owns a slot and a length. Rolling back sets the length; a session whose cache is garbage-collected frees
 its slot. The store grows by doubling (slots or capacity, one copy) and gives its memory back when no slot
-is in use; both times the C heap is trimmed, so the freed buffers leave the process's resident memory.
+is in use. After growing it trims the C heap, so the old buffers leave the process's resident memory.
 ``lock`` guards the layout: a forward that reads or writes the store holds it, since growing replaces the
 buffers. The buffers are inference-mode tensors, written in inference mode only.
 
@@ -69,7 +69,6 @@ class KVArena:
             self.in_use -= 1
             if self.in_use == 0:
                 self.keys, self.values, self.slots, self.capacity, self._free = [], [], 0, 0, []
-                trim_heap()
 
     def reserve(self, length: int) -> None:
         """Make every slot able to hold ``length`` tokens."""
