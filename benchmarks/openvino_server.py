@@ -65,14 +65,24 @@ class Runner:
                 while not self.waiting and not self.running:
                     self.wake.wait()
                 joining, self.waiting = self.waiting, []
-            for ident, prompt, max_tokens, done in joining:
-                self.running[ident] = (self.pipe.add_request(ident, prompt, self.config(max_tokens)), done)
-            self.pipe.step()
-            for ident, (handle, done) in list(self.running.items()):
-                if handle.get_status() != ov_genai.GenerationStatus.RUNNING:
-                    ids = list(handle.read_all()[0].generated_ids)
-                    done.set_result((self.tokenizer.decode(ids), len(ids)))
-                    del self.running[ident]
+            try:
+                for ident, prompt, max_tokens, done in joining:
+                    self.running[ident] = (self.pipe.add_request(ident, prompt, self.config(max_tokens)), done)
+                self.pipe.step()
+                for ident, (handle, done) in list(self.running.items()):
+                    if handle.get_status() != ov_genai.GenerationStatus.RUNNING:
+                        del self.running[ident]
+                        outputs = handle.read_all()
+                        if not outputs:
+                            done.set_exception(RuntimeError(f"request ended {handle.get_status()} without output"))
+                            continue
+                        ids = list(outputs[0].generated_ids)
+                        done.set_result((self.tokenizer.decode(ids), len(ids)))
+            except Exception as exc:      # a failing step fails the requests it held, not the server
+                for done in [done for _, done in self.running.values()] + [item[-1] for item in joining]:
+                    if not done.done():
+                        done.set_exception(exc)
+                self.running.clear()
 
 
 def main() -> int:
