@@ -153,4 +153,3 @@ def test_rms_norm_is_transformers_llama_rms_norm_bitwise(rows, hidden, magnitude
         assert torch.equal(rms_norm(x, norm.weight, eps), norm(x))
         row = int(torch.randint(0, rows, (1,), generator=generator))       # and each row as it is alone
         assert torch.equal(rms_norm(x[:, row:row + 1], norm.weight, eps), norm(x)[:, row:row + 1])
-

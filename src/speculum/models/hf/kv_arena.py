@@ -79,7 +79,7 @@ class KVArena:
     @torch.inference_mode()
     def _grow(self, slots: int, length: int) -> None:
         capacity = self.capacity or self.first_capacity
-        old_bytes = self.bytes_for(self.slots, self.capacity)
+        replacing = self.slots > 0             # buffers to copy from, then free
         while capacity < length:
             capacity *= 2
         # Zeros, not empty memory: a masked key still enters q·k before the mask, and NaN bits would spread.
@@ -92,6 +92,6 @@ class KVArena:
         for slot in range(self.slots, slots):
             heapq.heappush(self._free, slot)
         self.keys, self.values, self.slots, self.capacity = keys, values, slots, capacity
-        if old_bytes:
+        if replacing:
             trim_heap()        # the old buffers' blocks, which the C heap would otherwise keep resident
 

@@ -114,17 +114,11 @@ def _float32_product(weight: torch.Tensor) -> RowProduct:
 
 def _bf16_product(weight: torch.Tensor) -> RowProduct:
     packed = pack_weight(weight)
-
-    def run_bf16(rows: torch.Tensor) -> torch.Tensor:
-        # Rounded once and widened once: element-wise, so the same numbers as chunk by chunk, with fewer calls.
-        low = rows.to(torch.bfloat16)
-        if low.shape[0] <= _BF16_ROWS_A_CALL:
-            return packed_linear(low, packed).float()
-        return torch.cat([packed_linear(part, packed) for part in low.split(_BF16_ROWS_A_CALL)]).float()
-
-    # Lone rows always go in pairs: the outputs' rounding to bfloat16 hides the matrix-vector path's other
+    split = _split(lambda low: packed_linear(low, packed), _BF16_ROWS_A_CALL)
+    # Rows rounded once and outputs widened once (element-wise: the same numbers as chunk by chunk). Lone
+    # rows always go in pairs: the outputs' rounding to bfloat16 hides the matrix-vector path's other
     # summation order from a probe on most rows, not on all.
-    run = _paired(run_bf16)
+    run = _paired(lambda rows: split(rows.to(torch.bfloat16)).float())
     if _probed("bfloat16", tuple(weight.shape), run):
         return RowProduct(run, True)
     return _float32_product(weight.float())

@@ -147,7 +147,6 @@ class SlotRows:
     ``slots``, ``positions``: each row's slot and position in its sequence."""
 
     def __init__(self, slots: list[int], positions: list[int]) -> None:
-        self.keys = max(keys_needed(p + 1) for p in positions)
         self.groups: list[tuple[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor]] = []
         spans = [keys_needed(p + 1) for p in positions]
         for span in sorted(set(spans)):
@@ -159,8 +158,8 @@ class SlotRows:
             self.groups.append((torch.tensor(rows), where, low, high, span, _mask(limits, span)))
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-        """``q (rows, heads, d)`` attending the store's ``keys`` / ``values (slots, kv_heads, >= self.keys,
-        d)`` -> ``(rows, heads, d)``."""
+        """``q (rows, heads, d)`` attending the store's ``keys`` / ``values (slots, kv_heads, >= every row's
+        span, d)`` -> ``(rows, heads, d)``."""
         rows_total, heads, d = q.shape
         kv_heads = keys.shape[1]
         group = heads // kv_heads
