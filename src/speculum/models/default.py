@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -216,26 +217,46 @@ def _load_embedded(key: str, *, dtype: str, prepack: bool, progress: ProgressCal
             raise
         progress(ConversionProgress(key, "done", len(CONVERSION_STAGES)))
 
+    groups = _weight_groups(gguf, key, verify=verify) if prepack and dtype == "float32" else None
     return load_cached(
         cache_dir() / f"{key}-float32", gguf, write=write, verify=verify,
-        load=lambda folder: _load_converted(folder, key, dtype=dtype, prepack=prepack),
-        load_uncached=lambda: _load_gguf(gguf, key, dtype=dtype, prepack=prepack, quiet=progress is None),
+        load=lambda folder: _load_converted(folder, key, dtype=dtype, prepack=prepack, groups=groups),
+        load_uncached=lambda: _load_gguf(gguf, key, dtype=dtype, prepack=prepack, quiet=progress is None,
+                                         groups=groups),
     )
 
 
-def _load_converted(folder: Path, key: str, *, dtype: str, prepack: bool) -> Any:
+def _weight_groups(gguf: Path, key: str, *, verify: bool) -> dict | None:
+    """The GGUF file's weight groups for the float32 products (:mod:`speculum.models.hf.grouped`), packed
+    once into a cache folder of their own; None where the kernel is unavailable on this machine."""
+    from .hf.grouped import kernel_unavailable, load_groups, read_groups, save_groups  # the [llm] extra
+
+    if kernel_unavailable() is not None:
+        return None
+    try:
+        return load_cached(cache_dir() / f"{key}-groups", gguf, verify=verify, load=load_groups,
+                           write=lambda folder: save_groups(read_groups(gguf), folder),
+                           load_uncached=lambda: read_groups(gguf))
+    except Exception as exc:  # a speed-up only: the expanded weights still load, and give the same products
+        logging.getLogger("speculum").warning(
+            "speculum: the weight groups of %s do not load (%s): float32 products use the expanded weights",
+            gguf, " ".join(str(exc).split()))
+        return None
+
+
+def _load_converted(folder: Path, key: str, *, dtype: str, prepack: bool, groups: dict | None = None) -> Any:
     """The embedded model from its converted folder; raises when any part of it, the tokenizer included,
     does not load (the embedded model always has one, so a missing tokenizer means a damaged cache)."""
     from .hf import HFModel  # imports torch, the [llm] extra
 
-    model = HFModel.from_pretrained(folder, dtype=dtype, prepack=prepack)
+    model = HFModel.from_pretrained(folder, dtype=dtype, prepack=prepack, groups=groups)
     if model.tokenizer is None:  # no tokenizer file at all (one that fails to load raises in from_pretrained)
         raise InputError(f"the tokenizer files in {folder} are missing")
     model.name = key
     return model
 
 
-def _load_gguf(gguf: Path, key: str, *, dtype: str, prepack: bool, quiet: bool) -> Any:
+def _load_gguf(gguf: Path, key: str, *, dtype: str, prepack: bool, quiet: bool, groups: dict | None = None) -> Any:
     """The embedded model straight from its GGUF file (~25 s): the same weights as a converted folder."""
     import torch  # the [llm] extra, loaded with the first PyTorch model
     from transformers import AutoTokenizer  # the [llm] extra
@@ -254,4 +275,4 @@ def _load_gguf(gguf: Path, key: str, *, dtype: str, prepack: bool, quiet: bool) 
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    return HFModel(module, tokenizer, name=key, prepack=prepack)
+    return HFModel(module, tokenizer, name=key, prepack=prepack, groups=groups)

@@ -43,6 +43,7 @@ from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_b
                     common_prefix_length)
 from ..vocabulary import hf_token_bytes
 from .fused_llama import FusedLlama, release_block_weights
+from .grouped import GroupedWeight, attach_groups
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache
 from .logprobs import finite_counts, log_mass, logprob_rows
@@ -86,10 +87,14 @@ class HFModel(BaseModel):
             :mod:`speculum.models.hf.fused_llama`; other models run their float32 ``nn.Linear`` layers
             through pre-packed oneDNN weights (:mod:`speculum.models.hf.prepack`). False keeps
             transformers' forward with PyTorch's default kernels.
+        groups: the GGUF weight groups the float32 weights were expanded from
+            (:func:`~speculum.models.hf.grouped.read_groups`): with ``prepack``, the fused forward multiplies
+            by them instead of the expanded weights (:mod:`speculum.models.hf.grouped`).
 
     Attributes: ``vocab_size`` (width of the logits), ``max_context`` (from the config),
     ``eos_token_id``, ``bos_token_id``, ``tokenizer``, ``module``, ``config``, ``dtype``,
     ``fused_forward`` (the fused Llama forward is in use), ``prepacked_layers`` (Linear layers packed),
+    ``grouped_layers`` (Linear layers multiplied by their weight groups),
     ``capabilities`` (packed forwards of many sessions only with the fused forward).
 
     Its sessions (:class:`~speculum.models.hf.session.HFSession`) run through the public calls
@@ -97,12 +102,14 @@ class HFModel(BaseModel):
     """
 
     def __init__(self, module: torch.nn.Module, tokenizer: Any = None, *, name: str = "hf-model",
-                 prepack: bool = True) -> None:
+                 prepack: bool = True, groups: dict[str, GroupedWeight] | None = None) -> None:
         self.module = module.eval()
         self.config = module.config
         self.tokenizer = tokenizer
         self.name = name
         self.dtype = next(module.parameters()).dtype
+        # Layers whose weights are GGUF groups multiply by the groups (fewer bytes a step, same weights).
+        self.grouped_layers = attach_groups(module, groups) if prepack and groups else 0
         # The fused forward packs its own (fused) weights, so per-layer packing would only add a third copy.
         self._fused = FusedLlama.build(module) if prepack else None
         # Declared once, here: many sessions in one forward needs the fused forward's packed variant.
@@ -152,7 +159,7 @@ class HFModel(BaseModel):
     @classmethod
     def from_pretrained(
         cls, path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", threads: int | None = None,
-        prepack: bool = True,
+        prepack: bool = True, groups: dict[str, GroupedWeight] | None = None,
     ) -> "HFModel":
         """Load a local model directory (config + weights + tokenizer); never contacts a model hub.
 
@@ -194,7 +201,7 @@ class HFModel(BaseModel):
                 tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise InputError(f"cannot load the tokenizer in {folder}: {_one_line(exc)}") from exc
-        return cls(module, tokenizer, name=folder.name, prepack=prepack)
+        return cls(module, tokenizer, name=folder.name, prepack=prepack, groups=groups)
 
     # ------------------------------------------------------------------------------------ text helpers
     def encode(self, text: str, *, chat: bool | None = None) -> list[int]:

@@ -10,6 +10,8 @@ can, and :class:`RowProduct` records whether that holds on this machine's kernel
 
 Kinds:
 
+* float32 from weight groups (:mod:`~speculum.models.hf.grouped`: layers whose GGUF Q4_1 / Q8_0 groups are
+  attached): the groups de-quantised inside the product, each output summed in one fixed order;
 * float32: oneDNN on a weight packed once; more than :data:`~speculum.models.hf.prepack.PROBE_ROWS` rows
   are split into calls of at most that many (the row counts the probe covers), and where a lone row
   takes another path than two it is multiplied beside a copy of itself;
@@ -32,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from .grouped import GROUPS, grouped_run
 from .precision import Int8Linear
 from .prepack import PROBE_ROWS, gives_rows_alone, pack_weight, packed_linear
 
@@ -128,10 +131,17 @@ def build_product(layers: list) -> RowProduct:
     """One product computing the concatenated outputs of ``layers`` (all float, all int8 weight-only, or
     all int8 dynamic).
 
+    Float32 layers that all carry weight groups of one kind multiply by them (one kernel call).
     Float weights are concatenated and packed once for oneDNN: each output element is still the same dot
     product. Dynamic int8 layers run their own ``quantized::linear_dynamic`` ops one after another (exactly
     what their modules run; fusing them would re-quantise the weights with other scales)."""
     if all(is_float_linear(layer) for layer in layers):
+        # Groups hold float32 weights: a copy cast to another dtype carries them, and must not use them.
+        groups = [getattr(layer, GROUPS, None) if layer.weight.dtype == torch.float32 else None for layer in layers]
+        run = grouped_run(groups) if all(g is not None for g in groups) else None
+        if run is not None:
+            shape = (sum(g.out_features for g in groups), groups[0].in_features)
+            return RowProduct(run, _probed(f"grouped {groups[0].kind}", shape, run))
         weight = torch.cat([layer.weight for layer in layers])
         return _bf16_product(weight) if weight.dtype == torch.bfloat16 else _float32_product(weight)
     if all(is_weight_int8(layer) for layer in layers):

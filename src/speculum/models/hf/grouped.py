@@ -1,0 +1,304 @@
+"""Float32 products read from a GGUF file's weight groups (Q4_1, Q8_0), de-quantised inside the product.
+
+Why: a single-token decode step reads every weight once, so its time is the bytes of the weights over the
+memory bandwidth. The embedded model's float32 checkpoint is its GGUF file's Q4_1 and Q8_0 groups
+expanded: 32 bits a weight holding what 4.5 or 8.5 bits hold. Multiplying float32 rows by the groups
+themselves, each weight rebuilt as its float32 value inside the kernel (``scale * q + minimum``, exact),
+computes the same products from 4-7x fewer bytes. The only difference from a float32 matrix kernel on the
+expanded weights is the order of the summation.
+
+How: ``grouped.c`` (AVX2 with FMA, or AVX-512) is compiled with the machine's C compiler on first use, for
+this CPU (``-march=native``), and cached in speculum's cache folder by the hash of its source, the flags,
+the compiler and the CPU; it runs on PyTorch's OpenMP threads. Each output element is summed in one fixed
+order whatever the number of rows (ROW-CANONICAL), which the product probe of
+:mod:`~speculum.models.hf.products` checks as for every kernel. Where there is no compiler or no AVX2, the
+products stay on oneDNN with the expanded weights (:func:`kernel_unavailable` says why).
+
+:func:`read_groups` packs the groups of a Llama GGUF file (the embedded model caches them beside its
+converted checkpoint); :func:`attach_groups` checks that each layer's groups expand to the float32 weight
+the module holds, bit for bit, and attaches them to that layer; the fused forward then multiplies by them.
+Guarantee: EXACT weights; the products are float32 sums of exact products in a fixed order.
+
+Example:
+    >>> attach_groups(module, read_groups("SmolLM2-135M-Instruct.Q4_1.gguf"))   # doctest: +SKIP
+    211
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..paths import cache_dir
+
+__all__ = ["GroupedWeight", "attach_groups", "grouped_run", "kernel_unavailable", "load_groups", "read_groups",
+           "save_groups", "GROUPS"]
+
+GROUPS = "speculum_groups"        # the attribute of an ``nn.Linear`` holding its GroupedWeight
+LANES = 16                        # output features sharing one record (grouped.c)
+GROUP = 32                        # inputs sharing one scale (GGUF Q4_1 and Q8_0)
+RECORD_BYTES = {"q4_1": 2 * LANES * 4 + 16 * LANES, "q8_0": LANES * 4 + 32 * LANES}
+_GGUF_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}      # one group of 32 weights in the GGUF file
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+_SOURCE = Path(__file__).with_name("grouped.c")
+_log = logging.getLogger("speculum")
+
+
+@dataclass(frozen=True)
+class GroupedWeight:
+    """A weight ``(out_features, in_features)`` as packed group records (see ``grouped.c`` for the layout)."""
+
+    kind: str                  # "q4_1" or "q8_0"
+    records: torch.Tensor      # uint8 (out_features / 16, in_features / 32, RECORD_BYTES[kind])
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.records.numel()
+
+    def expanded(self) -> torch.Tensor:
+        """The float32 weight ``(out_features, in_features)`` the records hold, each value exact."""
+        blocks, groups = self.records.shape[:2]
+        scales = self.records[..., :LANES * 4].contiguous().view(torch.float32)          # (blocks, groups, 16)
+        if self.kind == "q4_1":
+            minimums = self.records[..., LANES * 4:2 * LANES * 4].contiguous().view(torch.float32)
+            pairs = self.records[..., 2 * LANES * 4:].reshape(blocks, groups, 16, LANES)
+            quants = torch.cat([pairs & 15, pairs >> 4], dim=2).float()                   # (b, g, 32, 16)
+            weights = quants * scales[:, :, None] + minimums[:, :, None]
+        else:
+            quants = self.records[..., LANES * 4:].contiguous().view(torch.int8).reshape(blocks, groups, 32, LANES)
+            weights = quants.float() * scales[:, :, None]
+        return weights.permute(0, 3, 1, 2).reshape(self.out_features, self.in_features)
+
+
+def pack(kind: str, blocks: np.ndarray) -> GroupedWeight:
+    """Records of GGUF blocks ``(out_features, in_features / 32 * block bytes)`` uint8 of ``kind``."""
+    if kind not in _GGUF_BLOCK_BYTES:
+        raise ValueError(f"grouped products support q4_1 and q8_0, not {kind!r}")
+    out_features = blocks.shape[0]
+    groups = blocks.shape[1] // _GGUF_BLOCK_BYTES[kind]
+    if out_features % LANES or blocks.shape[1] % _GGUF_BLOCK_BYTES[kind]:
+        raise ValueError(f"a {kind} weight of {out_features} rows x {blocks.shape[1]} bytes does not fill records")
+    lanes = out_features // LANES
+    blocks = np.ascontiguousarray(blocks).reshape(lanes, LANES, groups, _GGUF_BLOCK_BYTES[kind])
+
+    def per_lane(part: np.ndarray) -> np.ndarray:      # (lanes, 16, groups, n) -> (lanes, groups, n * 16)
+        return part.transpose(0, 2, 3, 1).reshape(lanes, groups, -1)
+
+    def floats(part: np.ndarray) -> np.ndarray:        # float16 scales as float32 bytes, lane-minor
+        values = np.ascontiguousarray(part).view(np.float16)[..., 0].astype(np.float32)   # (lanes, 16, groups)
+        return np.ascontiguousarray(values.transpose(0, 2, 1)).view(np.uint8)            # (lanes, groups, 64)
+
+    if kind == "q4_1":
+        parts = [floats(blocks[..., 0:2]), floats(blocks[..., 2:4]), per_lane(blocks[..., 4:20])]
+    else:
+        parts = [floats(blocks[..., 0:2]), per_lane(blocks[..., 2:34])]
+    records = np.concatenate(parts, axis=-1)
+    return GroupedWeight(kind, torch.from_numpy(np.ascontiguousarray(records)), out_features, groups * GROUP)
+
+
+def grouped_run(weights: list[GroupedWeight]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``rows (m, in) float32 -> (m, sum of out_features)``: the concatenated outputs of ``weights`` (one
+    kind, one input width), or None where they cannot share a kernel call or the kernel is unavailable."""
+    library = _kernel()
+    kinds, widths = {w.kind for w in weights}, {w.in_features for w in weights}
+    if library is None or len(kinds) != 1 or len(widths) != 1:
+        return None
+    records = torch.cat([w.records for w in weights]).contiguous()     # lane blocks are independent
+    kind, in_features = kinds.pop(), widths.pop()
+    out_features = sum(w.out_features for w in weights)
+    function = getattr(library, f"{kind[:2]}_product")
+    address = records.data_ptr()
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.contiguous()
+        if rows.dtype != torch.float32 or rows.shape[-1] != in_features:
+            raise ValueError(f"grouped product: expected float32 rows of {in_features}, got {rows.dtype} "
+                             f"{tuple(rows.shape)}")
+        out = rows.new_empty(rows.shape[0], out_features)
+        if rows.shape[0]:
+            function(rows.data_ptr(), rows.shape[0], in_features, address, out_features, out.data_ptr())
+        return out
+
+    run.records = records          # keeps the packed bytes alive with the callable
+    return run
+
+
+# ------------------------------------------------------------------------------------------ the kernel
+_KERNEL_LOCK = threading.Lock()
+_UNAVAILABLE: list[str] = []
+
+
+def kernel_unavailable() -> str | None:
+    """None when the grouped kernel is built and loaded on this machine, else why not (one line)."""
+    _kernel()
+    return _UNAVAILABLE[0] if _UNAVAILABLE else None
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> ctypes.CDLL | None:
+    with _KERNEL_LOCK:
+        try:
+            library = ctypes.CDLL(str(_built()))
+        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+            _UNAVAILABLE.append(" ".join(str(exc).split())[:300])
+            _log.info("grouped float32 products unavailable (%s); using oneDNN on the expanded weights",
+                      _UNAVAILABLE[0])
+            return None
+    for kind in ("q4", "q8"):
+        function = getattr(library, f"{kind}_product")
+        function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                             ctypes.c_void_p]
+        function.restype = None
+    return library
+
+
+def _built() -> Path:
+    """The compiled kernel for this machine, built into the cache on first use (atomically: a rename)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    source = _SOURCE.read_bytes()
+    identity = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
+                                          _cpu_identity().encode()])).hexdigest()[:20]
+    folder = cache_dir() / "kernels"
+    target = folder / f"grouped-{identity}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True,
+                                text=True, timeout=300)
+        if result.returncode:
+            errors = [line for line in result.stderr.splitlines() if "error" in line] or [result.stderr]
+            raise RuntimeError(f"the grouped kernel does not compile here: {errors[0].strip()}")
+        os.replace(built, target)
+    return target
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and instruction-set flags (the kernel is built for them)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(lines))
+
+
+# ------------------------------------------------------------------------------------------ GGUF groups
+_LLAMA_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+_FILE = "groups.safetensors"
+
+
+def read_groups(gguf_path: str | os.PathLike) -> dict[str, GroupedWeight]:
+    """The Q4_1 and Q8_0 matrices of a Llama GGUF file as records, by tensor name, each with its rows in
+    transformers' order: query and key rows are stored permuted for the file's rotary layout, and are put
+    back as transformers' GGUF loader puts them (~2 s for SmolLM2, most of it reading the metadata)."""
+    import gguf  # the [llm] extra, with torch
+
+    reader = gguf.GGUFReader(str(gguf_path))
+
+    def field(name: str) -> int | None:
+        value = reader.fields.get(name)
+        return None if value is None else int(value.parts[value.data[0]][0])
+
+    heads = field("llama.attention.head_count")
+    kv_heads = field("llama.attention.head_count_kv") or heads
+    groups = {}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name.lower()
+        if kind not in _GGUF_BLOCK_BYTES or len(tensor.data.shape) != 2:
+            continue
+        blocks = np.asarray(tensor.data)
+        permuted = heads if ".attn_q." in tensor.name else kv_heads if ".attn_k." in tensor.name else None
+        if permuted:
+            blocks = blocks[_transformers_rows(blocks.shape[0], permuted)]
+        try:
+            groups[tensor.name] = pack(kind, blocks)
+        except ValueError:      # rows not a multiple of 16: that matrix stays on oneDNN
+            continue
+    return groups
+
+
+def save_groups(groups: dict[str, GroupedWeight], folder: Path) -> None:
+    """Write ``groups`` into ``folder`` (one safetensors file) for :func:`load_groups`."""
+    from safetensors.torch import save_file  # with transformers, the [llm] extra
+
+    save_file({name: weight.records for name, weight in groups.items()}, str(Path(folder) / _FILE),
+              metadata={name: f"{w.kind},{w.out_features},{w.in_features}" for name, w in groups.items()})
+
+
+def load_groups(folder: Path) -> dict[str, GroupedWeight]:
+    """The groups :func:`save_groups` wrote into ``folder``."""
+    from safetensors import safe_open  # with transformers, the [llm] extra
+
+    groups = {}
+    with safe_open(str(Path(folder) / _FILE), framework="pt") as handle:
+        for name, shape in (handle.metadata() or {}).items():
+            kind, out_features, in_features = shape.split(",")
+            records = handle.get_tensor(name)
+            groups[name] = GroupedWeight(kind, records, int(out_features), int(in_features))
+            if tuple(records.shape) != (int(out_features) // LANES, int(in_features) // GROUP, RECORD_BYTES[kind]):
+                raise ValueError(f"{name}: records of shape {tuple(records.shape)} do not fit {shape}")
+    return groups
+
+
+def attach_groups(module: torch.nn.Module, groups: dict[str, GroupedWeight]) -> int:
+    """Attach to each float32 Linear of a Llama ``module`` its weight's groups (by GGUF tensor name, from
+    :func:`read_groups` of the file the module was converted from); returns how many layers got them (0
+    where the kernel is unavailable). A layer gets its groups only where their first and last 16 rows
+    expand bit for bit to the weight the layer holds (a file of another model, or rows in another order,
+    is left out). The module's own forward is unchanged; the fused forward built afterwards multiplies by
+    the groups."""
+    if not groups or kernel_unavailable() is not None or \
+            getattr(getattr(module, "config", None), "model_type", None) != "llama":
+        return 0
+    targets: list[tuple[torch.nn.Module, str]] = []
+    for index, block in enumerate(module.get_decoder().layers):
+        for owner in (block.self_attn, block.mlp):
+            targets += [(getattr(owner, name), f"blk.{index}.{gguf_name}.weight")
+                        for name, gguf_name in _LLAMA_NAMES.items() if hasattr(owner, name)]
+    head = "output.weight" if "output.weight" in groups else "token_embd.weight"
+    targets.append((module.get_output_embeddings(), head))
+    attached = 0
+    for layer, name in targets:
+        grouped = groups.get(name)
+        if grouped is None or type(layer) is not torch.nn.Linear or layer.weight.dtype != torch.float32 or \
+                tuple(layer.weight.shape) != (grouped.out_features, grouped.in_features):
+            continue
+        if all(torch.equal(_expanded_lanes(grouped, block), layer.weight.detach()[block * LANES:(block + 1) * LANES])
+               for block in (0, grouped.out_features // LANES - 1)):
+            setattr(layer, GROUPS, grouped)
+            attached += 1
+    return attached
+
+
+def _expanded_lanes(weight: GroupedWeight, block: int) -> torch.Tensor:
+    """The float32 rows ``16 * block ... 16 * block + 15`` of ``weight``."""
+    one = GroupedWeight(weight.kind, weight.records[block:block + 1], LANES, weight.in_features)
+    return one.expanded()
+
+
+def _transformers_rows(rows: int, heads: int) -> np.ndarray:
+    """For each row of transformers' query / key weight, its row in the GGUF file (the inverse of the
+    converter's rotary permutation, as transformers' GGUF loader applies it)."""
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
