@@ -55,8 +55,18 @@ def triad_gb_per_s(megabytes: int = 512, repeats: int = 5) -> float:
 
 
 def weight_bytes(model) -> int:
+    """The weight bytes a decode step reads: a layer multiplied by its GGUF groups counts their bytes."""
+    import torch  # with the llm extra
+
+    from speculum.models.hf.grouped import GROUPS
+
     module = model.module if hasattr(model, "module") else model.model
     seen, total = set(), 0
+    for layer in module.modules():
+        groups = getattr(layer, GROUPS, None)
+        if groups is not None and layer.weight.dtype == torch.float32:
+            seen.add(layer.weight.data_ptr())
+            total += groups.nbytes
     for tensor in list(module.parameters()) + list(module.buffers()):
         if tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())

@@ -15,6 +15,7 @@
  * A row's outputs therefore never depend on the rows multiplied with it (ROW-CANONICAL).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <immintrin.h>
 
 #define LANES 16
@@ -69,20 +70,35 @@ static inline vec q8_decode(const int8_t *q, vec scale) {
 #error "grouped products need AVX2 with FMA, or AVX-512"
 #endif
 
+enum { FROM_Q4, FROM_Q8 };     /* how a lane block's weights are stored */
+
+/* The 16 lanes' weights of inputs kk and kk + 16 of group g, decoded from the records. `source` is a constant
+ * in each inlined copy. */
+static inline __attribute__((always_inline)) void weights_at(const int source, const uint8_t *block, int64_t g,
+        int kk, vec *lo, vec *hi)
+{
+    if (source == FROM_Q4) {
+        const float *scales = (const float *)(block + g * Q4_RECORD);
+        q4_decode(block + g * Q4_RECORD + 2 * LANES * 4 + kk * LANES, vload(scales), vload(scales + LANES), lo, hi);
+    } else {
+        const vec scale = vload((const float *)(block + g * Q8_RECORD));
+        const int8_t *q = (const int8_t *)(block + g * Q8_RECORD + LANES * 4);
+        *lo = q8_decode(q + kk * LANES, scale);
+        *hi = q8_decode(q + (kk + 16) * LANES, scale);
+    }
+}
+
 /* `rows` (at most ROWS_A_PASS) rows of x times one lane block; `rows` is a constant in each inlined copy. */
-static inline __attribute__((always_inline)) void q4_lanes(const float *x, int64_t in_features, const int rows,
-        const uint8_t *block, int64_t groups, float *out, int64_t out_features)
+static inline __attribute__((always_inline)) void lanes(const int source, const float *x, int64_t in_features,
+        const int rows, const uint8_t *block, int64_t groups, float *out, int64_t out_features)
 {
     vec first[ROWS_A_PASS], second[ROWS_A_PASS];
     for (int r = 0; r < rows; r++) { first[r] = vzero(); second[r] = vzero(); }
     for (int64_t g = 0; g < groups; g++) {
-        const float *scales = (const float *)(block + g * Q4_RECORD);
-        const vec scale = vload(scales), minimum = vload(scales + LANES);
-        const uint8_t *nib = block + g * Q4_RECORD + 2 * LANES * 4;
         const float *xg = x + g * 32;
         for (int kk = 0; kk < 16; kk++) {
             vec lo, hi;
-            q4_decode(nib + kk * LANES, scale, minimum, &lo, &hi);
+            weights_at(source, block, g, kk, &lo, &hi);
             for (int r = 0; r < rows; r++) {
                 first[r] = vfma(vset1(xg[r * in_features + kk]), lo, first[r]);
                 second[r] = vfma(vset1(xg[r * in_features + kk + 16]), hi, second[r]);
@@ -92,52 +108,85 @@ static inline __attribute__((always_inline)) void q4_lanes(const float *x, int64
     for (int r = 0; r < rows; r++) vstore(out + r * out_features, vadd(first[r], second[r]));
 }
 
-static inline __attribute__((always_inline)) void q8_lanes(const float *x, int64_t in_features, const int rows,
-        const uint8_t *block, int64_t groups, float *out, int64_t out_features)
+/* One group of a lane block for `rows` (at most ROWS_A_PASS) rows, from its decoded weights `tile` (32 x 16),
+ * carrying each row's two sums in `sums` (rows x 2 x 16) from one group to the next. */
+static inline __attribute__((always_inline)) void group_pass(const float *x, int64_t in_features, const int rows,
+        const float *tile, int64_t g, float *sums)
 {
     vec first[ROWS_A_PASS], second[ROWS_A_PASS];
-    for (int r = 0; r < rows; r++) { first[r] = vzero(); second[r] = vzero(); }
-    for (int64_t g = 0; g < groups; g++) {
-        const vec scale = vload((const float *)(block + g * Q8_RECORD));
-        const int8_t *q = (const int8_t *)(block + g * Q8_RECORD + LANES * 4);
-        const float *xg = x + g * 32;
-        for (int kk = 0; kk < 16; kk++) {
-            const vec lo = q8_decode(q + kk * LANES, scale), hi = q8_decode(q + (kk + 16) * LANES, scale);
-            for (int r = 0; r < rows; r++) {
-                first[r] = vfma(vset1(xg[r * in_features + kk]), lo, first[r]);
-                second[r] = vfma(vset1(xg[r * in_features + kk + 16]), hi, second[r]);
-            }
+    for (int r = 0; r < rows; r++) { first[r] = vload(sums + 2 * r * LANES); second[r] = vload(sums + (2 * r + 1) * LANES); }
+    const float *xg = x + g * 32;
+    for (int kk = 0; kk < 16; kk++) {
+        const vec lo = vload(tile + kk * LANES), hi = vload(tile + (kk + 16) * LANES);
+        for (int r = 0; r < rows; r++) {
+            first[r] = vfma(vset1(xg[r * in_features + kk]), lo, first[r]);
+            second[r] = vfma(vset1(xg[r * in_features + kk + 16]), hi, second[r]);
         }
     }
-    for (int r = 0; r < rows; r++) vstore(out + r * out_features, vadd(first[r], second[r]));
+    for (int r = 0; r < rows; r++) { vstore(sums + 2 * r * LANES, first[r]); vstore(sums + (2 * r + 1) * LANES, second[r]); }
 }
 
-#define PASS_CASE(kind, n) case n: kind##_lanes(x + r0 * in_features, in_features, n, block, groups, \
-                                                out + r0 * out_features + b * LANES, out_features); break;
+#define PASS_CASE(source, n) case n: lanes(source, x + r0 * in_features, in_features, n, block, groups, \
+                                           out + r0 * out_features + b * LANES, out_features); break;
+#define GROUP_CASE(n) case n: group_pass(x + r0 * in_features, in_features, n, tile, g, sums + r0 * 2 * LANES); break;
 
 #if ROWS_A_PASS == 8
-#define PASSES(kind) PASS_CASE(kind, 1) PASS_CASE(kind, 2) PASS_CASE(kind, 3) PASS_CASE(kind, 4) \
-                     PASS_CASE(kind, 5) PASS_CASE(kind, 6) PASS_CASE(kind, 7) PASS_CASE(kind, 8)
+#define PASSES(source) PASS_CASE(source, 1) PASS_CASE(source, 2) PASS_CASE(source, 3) PASS_CASE(source, 4) \
+                       PASS_CASE(source, 5) PASS_CASE(source, 6) PASS_CASE(source, 7) PASS_CASE(source, 8)
+#define GROUP_PASSES GROUP_CASE(1) GROUP_CASE(2) GROUP_CASE(3) GROUP_CASE(4) GROUP_CASE(5) GROUP_CASE(6) \
+                     GROUP_CASE(7) GROUP_CASE(8)
 #else
-#define PASSES(kind) PASS_CASE(kind, 1) PASS_CASE(kind, 2) PASS_CASE(kind, 3) PASS_CASE(kind, 4)
+#define PASSES(source) PASS_CASE(source, 1) PASS_CASE(source, 2) PASS_CASE(source, 3) PASS_CASE(source, 4)
+#define GROUP_PASSES GROUP_CASE(1) GROUP_CASE(2) GROUP_CASE(3) GROUP_CASE(4)
 #endif
 
-/* Lane blocks are shared among the threads; each block multiplies every row, ROWS_A_PASS at a time, while its
- * records are in cache. */
-#define PRODUCT(kind, record)                                                                                  \
+/* Lane blocks are shared among the threads. Up to ROWS_A_PASS rows, a block's weights are decoded inside the
+ * product and the sums stay in registers. More rows: each group's weights are decoded once into a small
+ * tile, every row multiplies them ROWS_A_PASS rows at a time, and the sums wait in cache between groups.
+ * Both add the same products in the same order: the same numbers. */
+#define PRODUCT(kind, record, source)                                                                          \
 void kind##_product(const float *x, int64_t rows, int64_t in_features, const uint8_t *packed,                 \
                     int64_t out_features, float *out)                                                        \
 {                                                                                                            \
     const int64_t blocks = out_features / LANES, groups = in_features / 32;                                  \
-    _Pragma("omp parallel for schedule(static)")                                                             \
-    for (int64_t b = 0; b < blocks; b++) {                                                                   \
-        const uint8_t *block = packed + b * groups * record;                                                 \
-        for (int64_t r0 = 0; r0 < rows; r0 += ROWS_A_PASS) {                                                 \
-            const int n = rows - r0 < ROWS_A_PASS ? (int)(rows - r0) : ROWS_A_PASS;                          \
-            switch (n) { PASSES(kind) }                                                                      \
+    _Pragma("omp parallel")                                                                                  \
+    {                                                                                                        \
+        float *tile = NULL, *sums = NULL;                                                                    \
+        if (rows > ROWS_A_PASS) {                                                                            \
+            tile = aligned_alloc(64, 32 * LANES * sizeof(float));                                            \
+            sums = aligned_alloc(64, (size_t)rows * 2 * LANES * sizeof(float));                              \
         }                                                                                                    \
+        _Pragma("omp for schedule(static)")                                                                  \
+        for (int64_t b = 0; b < blocks; b++) {                                                               \
+            const uint8_t *block = packed + b * groups * record;                                             \
+            if (tile == NULL || sums == NULL) {                                                              \
+                for (int64_t r0 = 0; r0 < rows; r0 += ROWS_A_PASS) {                                         \
+                    const int n = rows - r0 < ROWS_A_PASS ? (int)(rows - r0) : ROWS_A_PASS;                  \
+                    switch (n) { PASSES(source) }                                                            \
+                }                                                                                            \
+                continue;                                                                                    \
+            }                                                                                                \
+            for (int64_t i = 0; i < rows * 2; i++) vstore(sums + i * LANES, vzero());                        \
+            for (int64_t g = 0; g < groups; g++) {                                                           \
+                for (int kk = 0; kk < 16; kk++) {                                                            \
+                    vec lo, hi;                                                                              \
+                    weights_at(source, block, g, kk, &lo, &hi);                                        \
+                    vstore(tile + kk * LANES, lo);                                                           \
+                    vstore(tile + (kk + 16) * LANES, hi);                                                    \
+                }                                                                                            \
+                for (int64_t r0 = 0; r0 < rows; r0 += ROWS_A_PASS) {                                         \
+                    const int n = rows - r0 < ROWS_A_PASS ? (int)(rows - r0) : ROWS_A_PASS;                  \
+                    switch (n) { GROUP_PASSES }                                                              \
+                }                                                                                            \
+            }                                                                                                \
+            for (int64_t r = 0; r < rows; r++)                                                               \
+                vstore(out + r * out_features + b * LANES,                                                   \
+                       vadd(vload(sums + 2 * r * LANES), vload(sums + (2 * r + 1) * LANES)));                \
+        }                                                                                                    \
+        free(tile);                                                                                          \
+        free(sums);                                                                                          \
     }                                                                                                        \
 }
 
-PRODUCT(q4, Q4_RECORD)
-PRODUCT(q8, Q8_RECORD)
+PRODUCT(q4, Q4_RECORD, FROM_Q4)
+PRODUCT(q8, Q8_RECORD, FROM_Q8)
