@@ -108,85 +108,130 @@ static inline __attribute__((always_inline)) void lanes(const int source, const 
     for (int r = 0; r < rows; r++) vstore(out + r * out_features, vadd(first[r], second[r]));
 }
 
-/* One group of a lane block for `rows` (at most ROWS_A_PASS) rows, from its decoded weights `tile` (32 x 16),
- * carrying each row's two sums in `sums` (rows x 2 x 16) from one group to the next. */
-static inline __attribute__((always_inline)) void group_pass(const float *x, int64_t in_features, const int rows,
-        const float *tile, int64_t g, float *sums)
-{
-    vec first[ROWS_A_PASS], second[ROWS_A_PASS];
-    for (int r = 0; r < rows; r++) { first[r] = vload(sums + 2 * r * LANES); second[r] = vload(sums + (2 * r + 1) * LANES); }
-    const float *xg = x + g * 32;
-    for (int kk = 0; kk < 16; kk++) {
-        const vec lo = vload(tile + kk * LANES), hi = vload(tile + (kk + 16) * LANES);
-        for (int r = 0; r < rows; r++) {
-            first[r] = vfma(vset1(xg[r * in_features + kk]), lo, first[r]);
-            second[r] = vfma(vset1(xg[r * in_features + kk + 16]), hi, second[r]);
-        }
-    }
-    for (int r = 0; r < rows; r++) { vstore(sums + 2 * r * LANES, first[r]); vstore(sums + (2 * r + 1) * LANES, second[r]); }
-}
-
-#define PASS_CASE(source, n) case n: lanes(source, x + r0 * in_features, in_features, n, block, groups, \
-                                           out + r0 * out_features + b * LANES, out_features); break;
-#define GROUP_CASE(n) case n: group_pass(x + r0 * in_features, in_features, n, tile, g, sums + r0 * 2 * LANES); break;
-
-#if ROWS_A_PASS == 8
-#define PASSES(source) PASS_CASE(source, 1) PASS_CASE(source, 2) PASS_CASE(source, 3) PASS_CASE(source, 4) \
-                       PASS_CASE(source, 5) PASS_CASE(source, 6) PASS_CASE(source, 7) PASS_CASE(source, 8)
-#define GROUP_PASSES GROUP_CASE(1) GROUP_CASE(2) GROUP_CASE(3) GROUP_CASE(4) GROUP_CASE(5) GROUP_CASE(6) \
-                     GROUP_CASE(7) GROUP_CASE(8)
+#if defined(__AVX512F__)
+#define TILE_BLOCKS 2       /* lane blocks sharing each row's broadcast inputs */
+#define TILE_ROWS 6         /* rows a pass: 6 x 2 x 2 sums, 4 weight vectors and 2 inputs in 32 registers */
 #else
-#define PASSES(source) PASS_CASE(source, 1) PASS_CASE(source, 2) PASS_CASE(source, 3) PASS_CASE(source, 4)
-#define GROUP_PASSES GROUP_CASE(1) GROUP_CASE(2) GROUP_CASE(3) GROUP_CASE(4)
+#define TILE_BLOCKS 1
+#define TILE_ROWS 4
 #endif
 
-/* Lane blocks are shared among the threads. Up to ROWS_A_PASS rows, a block's weights are decoded inside the
- * product and the sums stay in registers. More rows: each group's weights are decoded once into a small
- * tile, every row multiplies them ROWS_A_PASS rows at a time, and the sums wait in cache between groups.
- * Both add the same products in the same order: the same numbers. */
-#define PRODUCT(kind, record, source)                                                                          \
-void kind##_product(const float *x, int64_t rows, int64_t in_features, const uint8_t *packed,                 \
-                    int64_t out_features, float *out)                                                        \
-{                                                                                                            \
-    const int64_t blocks = out_features / LANES, groups = in_features / 32;                                  \
-    _Pragma("omp parallel")                                                                                  \
-    {                                                                                                        \
-        float *tile = NULL, *sums = NULL;                                                                    \
-        if (rows > ROWS_A_PASS) {                                                                            \
-            tile = aligned_alloc(64, 32 * LANES * sizeof(float));                                            \
-            sums = aligned_alloc(64, (size_t)rows * 2 * LANES * sizeof(float));                              \
-        }                                                                                                    \
-        _Pragma("omp for schedule(static)")                                                                  \
-        for (int64_t b = 0; b < blocks; b++) {                                                               \
-            const uint8_t *block = packed + b * groups * record;                                             \
-            if (tile == NULL || sums == NULL) {                                                              \
-                for (int64_t r0 = 0; r0 < rows; r0 += ROWS_A_PASS) {                                         \
-                    const int n = rows - r0 < ROWS_A_PASS ? (int)(rows - r0) : ROWS_A_PASS;                  \
-                    switch (n) { PASSES(source) }                                                            \
-                }                                                                                            \
-                continue;                                                                                    \
-            }                                                                                                \
-            for (int64_t i = 0; i < rows * 2; i++) vstore(sums + i * LANES, vzero());                        \
-            for (int64_t g = 0; g < groups; g++) {                                                           \
-                for (int kk = 0; kk < 16; kk++) {                                                            \
-                    vec lo, hi;                                                                              \
-                    weights_at(source, block, g, kk, &lo, &hi);                                        \
-                    vstore(tile + kk * LANES, lo);                                                           \
-                    vstore(tile + (kk + 16) * LANES, hi);                                                    \
-                }                                                                                            \
-                for (int64_t r0 = 0; r0 < rows; r0 += ROWS_A_PASS) {                                         \
-                    const int n = rows - r0 < ROWS_A_PASS ? (int)(rows - r0) : ROWS_A_PASS;                  \
-                    switch (n) { GROUP_PASSES }                                                              \
-                }                                                                                            \
-            }                                                                                                \
-            for (int64_t r = 0; r < rows; r++)                                                               \
-                vstore(out + r * out_features + b * LANES,                                                   \
-                       vadd(vload(sums + 2 * r * LANES), vload(sums + (2 * r + 1) * LANES)));                \
-        }                                                                                                    \
-        free(tile);                                                                                          \
-        free(sums);                                                                                          \
-    }                                                                                                        \
+/* Group g of `blocks` lane blocks (decoded in `tile`, blocks x 32 x 16) for `rows` rows, carrying each row's
+ * sums (rows x TILE_BLOCKS x 2 x 16) from one group to the next. `rows` and `blocks` are constants in each
+ * inlined copy. */
+static inline __attribute__((always_inline)) void tile_pass(const float *x, int64_t in_features, const int rows,
+        const int blocks, const float *tile, int64_t g, float *sums)
+{
+    vec first[TILE_ROWS][TILE_BLOCKS], second[TILE_ROWS][TILE_BLOCKS];
+    for (int r = 0; r < rows; r++)
+        for (int k = 0; k < blocks; k++) {
+            first[r][k] = vload(sums + ((r * TILE_BLOCKS + k) * 2) * LANES);
+            second[r][k] = vload(sums + ((r * TILE_BLOCKS + k) * 2 + 1) * LANES);
+        }
+    const float *xg = x + g * 32;
+    for (int kk = 0; kk < 16; kk++) {
+        vec lo[TILE_BLOCKS], hi[TILE_BLOCKS];
+        for (int k = 0; k < blocks; k++) {
+            lo[k] = vload(tile + (k * 32 + kk) * LANES);
+            hi[k] = vload(tile + (k * 32 + kk + 16) * LANES);
+        }
+        for (int r = 0; r < rows; r++) {
+            const vec low_input = vset1(xg[r * in_features + kk]), high_input = vset1(xg[r * in_features + kk + 16]);
+            for (int k = 0; k < blocks; k++) {
+                first[r][k] = vfma(low_input, lo[k], first[r][k]);
+                second[r][k] = vfma(high_input, hi[k], second[r][k]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int k = 0; k < blocks; k++) {
+            vstore(sums + ((r * TILE_BLOCKS + k) * 2) * LANES, first[r][k]);
+            vstore(sums + ((r * TILE_BLOCKS + k) * 2 + 1) * LANES, second[r][k]);
+        }
 }
 
-PRODUCT(q4, Q4_RECORD, FROM_Q4)
-PRODUCT(q8, Q8_RECORD, FROM_Q8)
+#define DIRECT_CASE(n) case n: lanes(source, x + r0 * in_features, in_features, n, block, groups, \
+                                     out + r0 * out_features + b * LANES, out_features); break;
+#define TILE_CASE(nb, n) case (nb) * 16 + (n): tile_pass(x + r0 * in_features, in_features, n, nb, tile, g, \
+                                                        sums + r0 * TILE_BLOCKS * 2 * LANES); break;
+#if ROWS_A_PASS == 8
+#define DIRECT_PASSES DIRECT_CASE(1) DIRECT_CASE(2) DIRECT_CASE(3) DIRECT_CASE(4) DIRECT_CASE(5) DIRECT_CASE(6) \
+                      DIRECT_CASE(7) DIRECT_CASE(8)
+#else
+#define DIRECT_PASSES DIRECT_CASE(1) DIRECT_CASE(2) DIRECT_CASE(3) DIRECT_CASE(4)
+#endif
+#if TILE_BLOCKS == 2
+#define TILE_PASSES TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4) TILE_CASE(1, 5) TILE_CASE(1, 6) \
+                    TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3) TILE_CASE(2, 4) TILE_CASE(2, 5) TILE_CASE(2, 6)
+#else
+#define TILE_PASSES TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4)
+#endif
+
+/* Lane block b for every row, ROWS_A_PASS rows a pass, its weights decoded inside each pass. */
+static inline __attribute__((always_inline)) void direct(const int source, const int record, const float *x,
+        int64_t rows, int64_t in_features, const uint8_t *packed, int64_t b, float *out, int64_t out_features)
+{
+    const int64_t groups = in_features / 32;
+    const uint8_t *block = packed + b * groups * record;
+    for (int64_t r0 = 0; r0 < rows; r0 += ROWS_A_PASS) {
+        const int n = rows - r0 < ROWS_A_PASS ? (int)(rows - r0) : ROWS_A_PASS;
+        switch (n) { DIRECT_PASSES }
+    }
+}
+
+/* Lane blocks are shared among the threads. Up to ROWS_A_PASS rows, each block's weights are decoded inside
+ * the product and the sums stay in registers. More rows: TILE_BLOCKS blocks at a time, each group's weights
+ * are decoded once into a small tile, every row multiplies them TILE_ROWS rows a pass, and the sums wait in
+ * cache between groups. Each output gets the same products added in the same order either way: the same
+ * numbers. */
+#define PRODUCT(name, source, record)                                                                                \
+void name(const float *x, int64_t rows, int64_t in_features, const uint8_t *packed, int64_t out_features, float *out) \
+{                                                                                                                    \
+    const int64_t blocks = out_features / LANES, groups = in_features / 32;                                          \
+    if (rows <= ROWS_A_PASS) {                                                                                       \
+        _Pragma("omp parallel for schedule(static)")                                                                 \
+        for (int64_t b = 0; b < blocks; b++) direct(source, record, x, rows, in_features, packed, b, out, out_features); \
+        return;                                                                                                      \
+    }                                                                                                                \
+    const int64_t tiles = (blocks + TILE_BLOCKS - 1) / TILE_BLOCKS;                                                  \
+    _Pragma("omp parallel")                                                                                          \
+    {                                                                                                                \
+        float *tile = aligned_alloc(64, TILE_BLOCKS * 32 * LANES * sizeof(float));                                   \
+        float *sums = aligned_alloc(64, (size_t)rows * TILE_BLOCKS * 2 * LANES * sizeof(float));                     \
+        _Pragma("omp for schedule(static)")                                                                          \
+        for (int64_t t = 0; t < tiles; t++) {                                                                        \
+            const int64_t first_block = t * TILE_BLOCKS;                                                             \
+            const int nb = blocks - first_block < TILE_BLOCKS ? (int)(blocks - first_block) : TILE_BLOCKS;           \
+            if (tile == NULL || sums == NULL) {                                                                      \
+                for (int k = 0; k < nb; k++) direct(source, record, x, rows, in_features, packed, first_block + k,   \
+                                                    out, out_features);                                              \
+                continue;                                                                                            \
+            }                                                                                                        \
+            for (int64_t i = 0; i < rows * TILE_BLOCKS * 2; i++) vstore(sums + i * LANES, vzero());                  \
+            for (int64_t g = 0; g < groups; g++) {                                                                   \
+                for (int k = 0; k < nb; k++)                                                                         \
+                    for (int kk = 0; kk < 16; kk++) {                                                                \
+                        vec lo, hi;                                                                                  \
+                        weights_at(source, packed + (first_block + k) * groups * record, g, kk, &lo, &hi);           \
+                        vstore(tile + (k * 32 + kk) * LANES, lo);                                                    \
+                        vstore(tile + (k * 32 + kk + 16) * LANES, hi);                                               \
+                    }                                                                                                \
+                for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {                                                   \
+                    const int n = rows - r0 < TILE_ROWS ? (int)(rows - r0) : TILE_ROWS;                              \
+                    switch (nb * 16 + n) { TILE_PASSES }                                                             \
+                }                                                                                                    \
+            }                                                                                                        \
+            for (int64_t r = 0; r < rows; r++)                                                                       \
+                for (int k = 0; k < nb; k++)                                                                         \
+                    vstore(out + r * out_features + (first_block + k) * LANES,                                       \
+                           vadd(vload(sums + ((r * TILE_BLOCKS + k) * 2) * LANES),                                   \
+                                vload(sums + ((r * TILE_BLOCKS + k) * 2 + 1) * LANES)));                             \
+        }                                                                                                            \
+        free(tile);                                                                                                  \
+        free(sums);                                                                                                  \
+    }                                                                                                                \
+}
+
+/* One function, and so one set of OpenMP regions, per kind: the kind is a constant inside its loops. */
+PRODUCT(q4_product, FROM_Q4, Q4_RECORD)
+PRODUCT(q8_product, FROM_Q8, Q8_RECORD)
