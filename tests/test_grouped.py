@@ -111,9 +111,11 @@ def test_tiny_grouped_llama_keeps_every_guarantee(tmp_path, kind):
     model = HFModel(plain.module, plain.tokenizer, groups=groups)
     assert model.grouped_layers == 7 * 3 and model.fused_forward and model.capabilities.canonical_rows
     prompt = [1, 5, 9, 4]
-    with torch.inference_mode():
-        ours = model.module.model.layers[0].self_attn.q_proj
-        assert getattr(ours, GROUPS) is groups["blk.0.attn_q.weight"]
+    attn = model.module.model.layers[0].self_attn
+    attached = [getattr(layer, GROUPS) for layer in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    assert torch.equal(attached[0].records, groups["blk.0.attn_q.weight"].records)
+    # One copy in memory: the layers' groups are views of their fused product's records.
+    assert len({g.records.untyped_storage().data_ptr() for g in attached}) == 1
     reference = speculum.generate(plain, prompt, max_new_tokens=12, temperature=0, eos_token_id=None).tokens
     alone = speculum.generate(model, prompt, max_new_tokens=12, temperature=0, eos_token_id=None).tokens
     with_draft = speculum.generate(model, prompt, draft=model, max_new_tokens=12, temperature=0, gamma=3,

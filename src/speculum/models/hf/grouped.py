@@ -35,7 +35,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -44,8 +44,8 @@ import torch
 
 from ..paths import cache_dir
 
-__all__ = ["GroupedWeight", "attach_groups", "grouped_run", "kernel_unavailable", "load_groups", "read_groups",
-           "save_groups", "GROUPS"]
+__all__ = ["GroupedProduct", "GroupedWeight", "attach_groups", "grouped_run", "kernel_unavailable", "load_groups",
+           "multiply_by_groups", "read_groups", "save_groups", "GROUPS"]
 
 GROUPS = "speculum_groups"        # the attribute of an ``nn.Linear`` holding its GroupedWeight
 LANES = 16                        # output features sharing one record (grouped.c)
@@ -111,30 +111,54 @@ def pack(kind: str, blocks: np.ndarray) -> GroupedWeight:
     return GroupedWeight(kind, torch.from_numpy(np.ascontiguousarray(records)), out_features, groups * GROUP)
 
 
-def grouped_run(weights: list[GroupedWeight]) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``rows (m, in) float32 -> (m, sum of out_features)``: the concatenated outputs of ``weights`` (one
-    kind, one input width), or None where they cannot share a kernel call or the kernel is unavailable."""
+class GroupedProduct:
+    """``rows (m, in_features) float32 -> (m, out_features)``: one kernel call over ``records`` (the
+    concatenated records of one kind)."""
+
+    __slots__ = ("records", "in_features", "out_features", "_function")
+
+    def __init__(self, function: Callable, records: torch.Tensor, in_features: int, out_features: int) -> None:
+        self._function, self.records = function, records
+        self.in_features, self.out_features = in_features, out_features
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.contiguous()
+        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != self.in_features:
+            raise ValueError(f"grouped product: expected float32 rows of {self.in_features}, got {rows.dtype} "
+                             f"{tuple(rows.shape)}")
+        out = rows.new_empty(rows.shape[0], self.out_features)
+        if rows.shape[0]:
+            self._function(rows.data_ptr(), rows.shape[0], self.in_features, self.records.data_ptr(),
+                           self.out_features, out.data_ptr())
+        return out
+
+
+def grouped_run(weights: list[GroupedWeight]) -> GroupedProduct | None:
+    """The product computing the concatenated outputs of ``weights`` (one kind, one input width), or None
+    where they cannot share a kernel call or the kernel is unavailable."""
     library = _kernel()
     kinds, widths = {w.kind for w in weights}, {w.in_features for w in weights}
     if library is None or len(kinds) != 1 or len(widths) != 1:
         return None
-    records = torch.cat([w.records for w in weights]).contiguous()     # lane blocks are independent
-    kind, in_features = kinds.pop(), widths.pop()
-    out_features = sum(w.out_features for w in weights)
-    function = getattr(library, f"{kind[:2]}_product")
-    address = records.data_ptr()
+    # Lane blocks are independent: concatenated records are the concatenated outputs' records.
+    records = weights[0].records if len(weights) == 1 else torch.cat([w.records for w in weights])
+    return GroupedProduct(getattr(library, f"{kinds.pop()[:2]}_product"), records.contiguous(), widths.pop(),
+                          sum(w.out_features for w in weights))
 
-    def run(rows: torch.Tensor) -> torch.Tensor:
-        rows = rows.contiguous()
-        if rows.dtype != torch.float32 or rows.shape[-1] != in_features:
-            raise ValueError(f"grouped product: expected float32 rows of {in_features}, got {rows.dtype} "
-                             f"{tuple(rows.shape)}")
-        out = rows.new_empty(rows.shape[0], out_features)
-        if rows.shape[0]:
-            function(rows.data_ptr(), rows.shape[0], in_features, address, out_features, out.data_ptr())
-        return out
 
-    run.records = records          # keeps the packed bytes alive with the callable
+def multiply_by_groups(layers: list) -> GroupedProduct | None:
+    """:func:`grouped_run` of the groups attached to float32 ``layers`` (None unless every layer has
+    groups, of one kind). Each layer's groups then become a view of the product's records: one copy of
+    the bytes in memory."""
+    # A copy cast to another dtype carries the float32 weights' groups, and must not use them.
+    groups = [getattr(layer, GROUPS, None) if layer.weight.dtype == torch.float32 else None for layer in layers]
+    run = grouped_run(groups) if all(g is not None for g in groups) else None
+    if run is not None:
+        offset = 0
+        for layer, weight in zip(layers, groups):
+            count = weight.records.shape[0]
+            setattr(layer, GROUPS, replace(weight, records=run.records[offset:offset + count]))
+            offset += count
     return run
 
 

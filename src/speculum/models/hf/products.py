@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from .grouped import GROUPS, grouped_run
+from .grouped import GROUPS, multiply_by_groups
 from .precision import Int8Linear
 from .prepack import PROBE_ROWS, gives_rows_alone, pack_weight, packed_linear
 
@@ -136,12 +136,10 @@ def build_product(layers: list) -> RowProduct:
     product. Dynamic int8 layers run their own ``quantized::linear_dynamic`` ops one after another (exactly
     what their modules run; fusing them would re-quantise the weights with other scales)."""
     if all(is_float_linear(layer) for layer in layers):
-        # Groups hold float32 weights: a copy cast to another dtype carries them, and must not use them.
-        groups = [getattr(layer, GROUPS, None) if layer.weight.dtype == torch.float32 else None for layer in layers]
-        run = grouped_run(groups) if all(g is not None for g in groups) else None
+        run = multiply_by_groups(layers)
         if run is not None:
-            shape = (sum(g.out_features for g in groups), groups[0].in_features)
-            return RowProduct(run, _probed(f"grouped {groups[0].kind}", shape, run))
+            kind = getattr(layers[0], GROUPS).kind
+            return RowProduct(run, _probed(f"grouped {kind}", (run.out_features, run.in_features), run))
         weight = torch.cat([layer.weight for layer in layers])
         return _bf16_product(weight) if weight.dtype == torch.bfloat16 else _float32_product(weight)
     if all(is_weight_int8(layer) for layer in layers):
