@@ -22,7 +22,7 @@ LevelStep = Callable[[Any, list[int], list[int]], tuple[Any, torch.Tensor]]
 
 def trie_forward(step: LevelStep, root: Any, suffixes: Sequence[tuple[int, ...]], rows: Sequence[int],
                  emit: Callable[[list[int], torch.Tensor], None]) -> None:
-    """Call ``emit(rows, logits)`` with the raw logits after ``root + suffixes[j]`` for every ``rows[j]``,
+    """Call ``emit(rows, logits)`` (``emit`` must not change ``logits``) with the raw logits after ``root + suffixes[j]`` for every ``rows[j]``,
     one ``step`` per tree depth (each non-empty suffix once per distinct value; a suffix asked twice gets the
     same row twice). Exact: each node's logits are those of its own path, whatever else shares the forward,
     up to the float rounding of the batch shape."""
@@ -43,5 +43,8 @@ def trie_forward(step: LevelStep, root: Any, suffixes: Sequence[tuple[int, ...]]
         next_level, logits = step(level, [parent_of[n[:-1]] for n in nodes], [n[-1] for n in nodes])
         picked = [(k, row) for k, node in enumerate(nodes) for row in rows_of.get(node, ())]
         if picked:
-            emit([row for _, row in picked], logits[[k for k, _ in picked]])
+            index = [k for k, _ in picked]
+            # Usually every node of a depth is asked for, in order: a view then, not a copy of the rows.
+            contiguous = index == list(range(index[0], index[0] + len(index)))
+            emit([row for _, row in picked], logits[index[0]:index[0] + len(index)] if contiguous else logits[index])
         level_nodes, level = nodes, next_level
