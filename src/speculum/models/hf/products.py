@@ -116,12 +116,21 @@ def _float32_product(weight: torch.Tensor) -> RowProduct:
 
 
 def _bf16_product(weight: torch.Tensor) -> RowProduct:
-    packed = pack_weight(weight)
-    split = _split(lambda low: packed_linear(low, packed), _BF16_ROWS_A_CALL)
-    # Rows rounded once and outputs widened once (element-wise: the same numbers as chunk by chunk). Lone
-    # rows always go in pairs: the outputs' rounding to bfloat16 hides the matrix-vector path's other
+    packed, out_features = pack_weight(weight), weight.shape[0]
+
+    def widened(rows: torch.Tensor) -> torch.Tensor:
+        # Rows rounded once; each call's bfloat16 outputs widened straight into the float32 result
+        # (element-wise: the same numbers as concatenating, then widening).
+        low = rows.to(torch.bfloat16)
+        out = rows.new_empty(rows.shape[0], out_features)
+        for start in range(0, low.shape[0], _BF16_ROWS_A_CALL):
+            part = low[start:start + _BF16_ROWS_A_CALL]
+            out[start:start + part.shape[0]].copy_(packed_linear(part, packed))
+        return out
+
+    # Lone rows always go in pairs: the outputs' rounding to bfloat16 hides the matrix-vector path's other
     # summation order from a probe on most rows, not on all.
-    run = _paired(lambda rows: split(rows.to(torch.bfloat16)).float())
+    run = _paired(widened)
     if _probed("bfloat16", tuple(weight.shape), run):
         return RowProduct(run, True)
     return _float32_product(weight.float())
