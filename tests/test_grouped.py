@@ -174,3 +174,16 @@ def test_embedded_model_multiplies_by_its_gguf_groups():
     theirs = reference.start(prompt).next_logprobs()
     assert int(np.argmax(ours)) == int(np.argmax(theirs))
     assert float(np.abs(np.exp(ours) - np.exp(theirs)).sum()) < 1e-4
+
+
+def test_unwritable_cache_still_builds_the_kernel(tmp_path):
+    """A cache folder that cannot be written (a file in its way) builds the kernel for the process alone."""
+    blocked = tmp_path / "cache"
+    blocked.write_text("not a folder")
+    script = ("from speculum.models.hf.grouped import kernel_unavailable\n"
+              "print(kernel_unavailable())\n")
+    env = {**os.environ, "SPECULUM_CACHE": str(blocked)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    expected = "None" if kernel_unavailable() is None else "does not compile"
+    assert expected in out.stdout

@@ -204,15 +204,23 @@ def _built() -> Path:
     target = folder / f"grouped-{identity}.so"
     if target.is_file():
         return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:
-        built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True,
-                                text=True, timeout=300)
-        if result.returncode:
-            errors = [line for line in result.stderr.splitlines() if "error" in line] or [result.stderr]
-            raise RuntimeError(f"the grouped kernel does not compile here: {errors[0].strip()}")
-        os.replace(built, target)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=folder))
+    except OSError:                     # an unwritable cache: build for this process only
+        scratch = Path(tempfile.mkdtemp())
+        folder = target = None
+    built = scratch / f"grouped-{identity}.so"
+    result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True,
+                            timeout=300)
+    if result.returncode:
+        shutil.rmtree(scratch, ignore_errors=True)
+        errors = [line for line in result.stderr.splitlines() if "error" in line] or [result.stderr]
+        raise RuntimeError(f"the grouped kernel does not compile here: {errors[0].strip()}")
+    if target is None:
+        return built                    # a temporary folder holds it for this process
+    os.replace(built, target)
+    shutil.rmtree(scratch, ignore_errors=True)
     return target
 
 
