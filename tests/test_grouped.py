@@ -17,8 +17,9 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 import speculum  # noqa: E402
 from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
-from speculum.models.hf.grouped import (GROUPS, _transformers_rows, attach_groups, grouped_run,  # noqa: E402
-                                        kernel_unavailable, load_groups, pack, save_groups)
+from speculum.drafts.twins import bf16_twin  # noqa: E402
+from speculum.models.hf.grouped import (GROUPS, GroupedProduct, _transformers_rows, attach_groups,  # noqa: E402
+                                        grouped_run, kernel_unavailable, load_groups, pack, save_groups)
 
 needs_kernel = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"no grouped kernel: {kernel_unavailable()}")
 _GGML = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
@@ -126,6 +127,10 @@ def test_tiny_grouped_llama_keeps_every_guarantee(tmp_path, kind):
     batch = speculum.generate_batch(model, [prompt, [1, 7], prompt[:2]], max_new_tokens=12, temperature=0,
                                     eos_token_id=None)
     assert [r.tokens for r in batch][0] == alone          # packed with others: the same tokens
+    assert isinstance(model._fused.blocks[0].qkv.run, GroupedProduct)
+    # A bfloat16 copy carries the float32 weights' groups on its layers, and must not multiply by them.
+    twin = bf16_twin(model)
+    assert twin.fused_forward and not isinstance(twin._fused.blocks[0].qkv.run, GroupedProduct)
 
 
 @needs_kernel

@@ -3,8 +3,8 @@
  * out[r][n] = sum_k x[r][k] * w[n][k], where each weight is rebuilt exactly as its float32 value:
  *   Q4_1: w = scale * q + minimum (q in 0..15; scale * q is exact in float32, one rounding for the sum),
  *   Q8_0: w = scale * q (q in -128..127; exact).
- * Only the bytes of the groups are read (4.5 or 8.5 bits a weight instead of 32): a decode step is bound by
- * memory bandwidth, so fewer bytes is a faster step.
+ * Only the bytes of the groups are read (6 or 9 bits a weight, scales widened to float32, instead of 32): a
+ * decode step is bound by memory bandwidth, so fewer bytes is a faster step.
  *
  * Layout (see grouped.py, which packs it): 16 output features share a "lane block"; for each lane block and
  * each group of 32 inputs one record holds the 16 features' float32 scales (and minimums), then the 32 x 16
@@ -190,7 +190,8 @@ void name(const float *x, int64_t rows, int64_t in_features, const uint8_t *pack
     const int64_t blocks = out_features / LANES, groups = in_features / 32;                                          \
     if (rows <= ROWS_A_PASS) {                                                                                       \
         _Pragma("omp parallel for schedule(static)")                                                                 \
-        for (int64_t b = 0; b < blocks; b++) direct(source, record, x, rows, in_features, packed, b, out, out_features); \
+        for (int64_t b = 0; b < blocks; b++)                                                                         \
+            direct(source, record, x, rows, in_features, packed, b, out, out_features);                              \
         return;                                                                                                      \
     }                                                                                                                \
     const int64_t tiles = (blocks + TILE_BLOCKS - 1) / TILE_BLOCKS;                                                  \

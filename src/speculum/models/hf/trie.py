@@ -22,10 +22,11 @@ LevelStep = Callable[[Any, list[int], list[int]], tuple[Any, torch.Tensor]]
 
 def trie_forward(step: LevelStep, root: Any, suffixes: Sequence[tuple[int, ...]], rows: Sequence[int],
                  emit: Callable[[list[int], torch.Tensor], None]) -> None:
-    """Call ``emit(rows, logits)`` (``emit`` must not change ``logits``) with the raw logits after ``root + suffixes[j]`` for every ``rows[j]``,
-    one ``step`` per tree depth (each non-empty suffix once per distinct value; a suffix asked twice gets the
-    same row twice). Exact: each node's logits are those of its own path, whatever else shares the forward,
-    up to the float rounding of the batch shape."""
+    """Call ``emit(rows, logits)`` with the raw logits after ``root + suffixes[j]`` for every ``rows[j]``, one
+    ``step`` per tree depth (each non-empty suffix once per distinct value; a suffix asked twice gets the
+    same row twice); ``logits`` may be a view of the step's output, which ``emit`` must not change. Exact:
+    each node's logits are those of its own path, whatever else shares the forward, up to the float
+    rounding of the batch shape."""
     rows_of: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for suffix, row in zip(suffixes, rows):
         if not suffix:
