@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("fastapi")
@@ -165,6 +165,8 @@ def test_stop_strings_cut_at_the_first_occurrence(server):
 @given(text=st.text(alphabet="ab\n", max_size=30), stops=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=3),
                                                                    max_size=3),
        cuts=st.lists(st.integers(0, 30), max_size=6))
+# A longer stop that starts before a shorter one found first, and completes in the next piece.
+@example(text="aaaa\na", stops=["\n", "a\na"], cuts=[5])
 def test_stop_matcher_equals_cutting_the_whole_text(text, stops, cuts):
     matcher = StopMatcher(stops)
     bounds = [0, *sorted(c for c in cuts if c <= len(text)), len(text)]

@@ -58,17 +58,21 @@ class StopMatcher:
         """(text safe to show, whether a stop string was found: then nothing more may be shown)."""
         text = self._held + piece
         cuts = [at for at in (text.find(s) for s in self.stops) if at >= 0]
-        if cuts:
+        first = min(cuts, default=len(text))
+        # A stop string that starts before the first one found may still complete in a later piece, and
+        # then it is the cut: hold everything from the earliest such start.
+        pending = min((len(text) - k for k in (_started(text, s) for s in self.stops) if k), default=len(text))
+        if cuts and first <= pending:
             self._held = ""
-            return text[:min(cuts)], True
-        keep = max((_started(text, s) for s in self.stops), default=0)
-        self._held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep], False
+            return text[:first], True
+        self._held = text[pending:]
+        return text[:pending], False
 
     def flush(self) -> str:
-        """The held-back text, at the end of the stream."""
+        """The held-back text, at the end of the stream (cut at a stop string it holds)."""
         held, self._held = self._held, ""
-        return held
+        cuts = [at for at in (held.find(s) for s in self.stops) if at >= 0]
+        return held[:min(cuts)] if cuts else held
 
 
 def _started(text: str, stop: str) -> int:
