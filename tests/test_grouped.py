@@ -192,3 +192,25 @@ def test_unwritable_cache_still_builds_the_kernel(tmp_path):
     assert out.returncode == 0, out.stderr
     expected = "None" if kernel_unavailable() is None else "does not compile"
     assert expected in out.stdout
+
+
+@needs_kernel
+def test_products_do_not_depend_on_thread_count_or_calling_thread():
+    """The kernel runs on as many threads as PyTorch is set to, from any calling thread; the numbers do not
+    depend on it (each output is summed by one thread in one order)."""
+    import threading
+
+    weight = pack("q4_1", random_blocks("q4_1", 64, 96, np.random.default_rng(4)))
+    run = grouped_run([weight])
+    x = torch.randn(11, 96)
+    before = torch.get_num_threads()
+    try:
+        expected = run(x)
+        torch.set_num_threads(1)
+        results = []
+        worker = threading.Thread(target=lambda: results.append(run(x)))
+        worker.start()
+        worker.join()
+        assert torch.equal(run(x), expected) and torch.equal(results[0], expected)
+    finally:
+        torch.set_num_threads(before)

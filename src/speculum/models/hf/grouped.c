@@ -179,23 +179,24 @@ static inline __attribute__((always_inline)) void direct(const int source, const
     }
 }
 
-/* Lane blocks are shared among the threads. Up to ROWS_A_PASS rows, each block's weights are decoded inside
- * the product and the sums stay in registers. More rows: TILE_BLOCKS blocks at a time, each group's weights
- * are decoded once into a small tile, every row multiplies them TILE_ROWS rows a pass, and the sums wait in
- * cache between groups. Each output gets the same products added in the same order either way: the same
- * numbers. */
+/* Lane blocks are shared among `threads` threads (PyTorch's count, passed in: the caller's thread may not be
+ * the one that set it). Up to ROWS_A_PASS rows, each block's weights are decoded inside the product and the
+ * sums stay in registers. More rows: TILE_BLOCKS blocks at a time, each group's weights are decoded once
+ * into a small tile, every row multiplies them TILE_ROWS rows a pass, and the sums wait in cache between
+ * groups. Each output gets the same products added in the same order either way: the same numbers. */
 #define PRODUCT(name, source, record)                                                                                \
-void name(const float *x, int64_t rows, int64_t in_features, const uint8_t *packed, int64_t out_features, float *out) \
+void name(const float *x, int64_t rows, int64_t in_features, const uint8_t *packed, int64_t out_features,            \
+          float *out, int threads)                                                                                   \
 {                                                                                                                    \
     const int64_t blocks = out_features / LANES, groups = in_features / 32;                                          \
     if (rows <= ROWS_A_PASS) {                                                                                       \
-        _Pragma("omp parallel for schedule(static)")                                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                            \
         for (int64_t b = 0; b < blocks; b++)                                                                         \
             direct(source, record, x, rows, in_features, packed, b, out, out_features);                              \
         return;                                                                                                      \
     }                                                                                                                \
     const int64_t tiles = (blocks + TILE_BLOCKS - 1) / TILE_BLOCKS;                                                  \
-    _Pragma("omp parallel")                                                                                          \
+    _Pragma("omp parallel num_threads(threads)")                                                                     \
     {                                                                                                                \
         float *tile = aligned_alloc(64, TILE_BLOCKS * 32 * LANES * sizeof(float));                                   \
         float *sums = aligned_alloc(64, (size_t)rows * TILE_BLOCKS * 2 * LANES * sizeof(float));                     \

@@ -130,7 +130,7 @@ class GroupedProduct:
         out = rows.new_empty(rows.shape[0], self.out_features)
         if rows.shape[0]:
             self._function(rows.data_ptr(), rows.shape[0], self.in_features, self.records.data_ptr(),
-                           self.out_features, out.data_ptr())
+                           self.out_features, out.data_ptr(), torch.get_num_threads())
         return out
 
 
@@ -187,7 +187,7 @@ def _kernel() -> ctypes.CDLL | None:
     for kind in ("q4", "q8"):
         function = getattr(library, f"{kind}_product")
         function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                             ctypes.c_void_p]
+                             ctypes.c_void_p, ctypes.c_int]
         function.restype = None
     return library
 
