@@ -18,8 +18,9 @@ import speculum  # noqa: E402
 from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.drafts.twins import bf16_twin  # noqa: E402
-from speculum.models.hf.grouped import (GROUPS, GroupedProduct, _transformers_rows, attach_groups,  # noqa: E402
-                                        grouped_run, kernel_unavailable, load_groups, pack, save_groups)
+from speculum.models.hf.grouped import (_LLAMA_NAMES, GROUPS, GroupedProduct, _transformers_rows,  # noqa: E402
+                                        attach_groups, grouped_run, kernel_unavailable, load_groups, pack,
+                                        save_groups)
 
 needs_kernel = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"no grouped kernel: {kernel_unavailable()}")
 _GGML = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
@@ -89,13 +90,11 @@ def grouped_tiny(folder, kind: str = "q4_1") -> tuple[HFModel, dict]:
     path = save_tiny_model(folder)
     model = HFModel.from_pretrained(path, prepack=False)
     rng = np.random.default_rng(2)
-    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
     groups = {}
     with torch.no_grad():
         for index, block in enumerate(model.module.model.layers):
             for owner in (block.self_attn, block.mlp):
-                for name, gguf_name in names.items():
+                for name, gguf_name in _LLAMA_NAMES.items():
                     layer = getattr(owner, name, None)
                     if layer is None:
                         continue

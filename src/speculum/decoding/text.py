@@ -57,12 +57,11 @@ class StopMatcher:
     def add(self, piece: str) -> tuple[str, bool]:
         """(text safe to show, whether a stop string was found: then nothing more may be shown)."""
         text = self._held + piece
-        cuts = [at for at in (text.find(s) for s in self.stops) if at >= 0]
-        first = min(cuts, default=len(text))
+        first = self._first_stop(text)
         # A stop string that starts before the first one found may still complete in a later piece, and
         # then it is the cut: hold everything from the earliest such start.
         pending = min((len(text) - k for k in (_started(text, s) for s in self.stops) if k), default=len(text))
-        if cuts and first <= pending:
+        if first is not None and first <= pending:
             self._held = ""
             return text[:first], True
         self._held = text[pending:]
@@ -71,8 +70,11 @@ class StopMatcher:
     def flush(self) -> str:
         """The held-back text, at the end of the stream (cut at a stop string it holds)."""
         held, self._held = self._held, ""
-        cuts = [at for at in (held.find(s) for s in self.stops) if at >= 0]
-        return held[:min(cuts)] if cuts else held
+        return held[:self._first_stop(held)]
+
+    def _first_stop(self, text: str) -> int | None:
+        """Where the earliest stop string in ``text`` starts (None: none there)."""
+        return min((at for at in (text.find(s) for s in self.stops) if at >= 0), default=None)
 
 
 def _started(text: str, stop: str) -> int:

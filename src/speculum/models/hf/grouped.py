@@ -116,10 +116,11 @@ class GroupedProduct:
     """``rows (m, in_features) float32 -> (m, out_features)``: one kernel call over ``records`` (the
     concatenated records of one kind)."""
 
-    __slots__ = ("records", "in_features", "out_features", "_function")
+    __slots__ = ("kind", "records", "in_features", "out_features", "_function")
 
-    def __init__(self, function: Callable, records: torch.Tensor, in_features: int, out_features: int) -> None:
-        self._function, self.records = function, records
+    def __init__(self, function: Callable, kind: str, records: torch.Tensor, in_features: int,
+                 out_features: int) -> None:
+        self._function, self.kind, self.records = function, kind, records
         self.in_features, self.out_features = in_features, out_features
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
@@ -143,7 +144,8 @@ def grouped_run(weights: list[GroupedWeight]) -> GroupedProduct | None:
         return None
     # Lane blocks are independent: concatenated records are the concatenated outputs' records.
     records = weights[0].records if len(weights) == 1 else torch.cat([w.records for w in weights])
-    return GroupedProduct(getattr(library, f"{kinds.pop()[:2]}_product"), records.contiguous(), widths.pop(),
+    kind = kinds.pop()
+    return GroupedProduct(getattr(library, f"{kind[:2]}_product"), kind, records.contiguous(), widths.pop(),
                           sum(w.out_features for w in weights))
 
 
@@ -165,31 +167,33 @@ def multiply_by_groups(layers: list) -> GroupedProduct | None:
 
 # ------------------------------------------------------------------------------------------ the kernel
 _KERNEL_LOCK = threading.Lock()
-_UNAVAILABLE: list[str] = []
 
 
 def kernel_unavailable() -> str | None:
     """None when the grouped kernel is built and loaded on this machine, else why not (one line)."""
-    _kernel()
-    return _UNAVAILABLE[0] if _UNAVAILABLE else None
+    return _loaded()[1]
+
+
+def _kernel() -> ctypes.CDLL | None:
+    return _loaded()[0]
 
 
 @functools.lru_cache(maxsize=1)
-def _kernel() -> ctypes.CDLL | None:
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
     with _KERNEL_LOCK:
         try:
             library = ctypes.CDLL(str(_built()))
         except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-            _UNAVAILABLE.append(" ".join(str(exc).split())[:300])
-            _log.info("grouped float32 products unavailable (%s); using oneDNN on the expanded weights",
-                      _UNAVAILABLE[0])
-            return None
+            reason = " ".join(str(exc).split())[:300]
+            _log.info("grouped float32 products unavailable (%s); using oneDNN on the expanded weights", reason)
+            return None, reason
     for kind in ("q4", "q8"):
         function = getattr(library, f"{kind}_product")
         function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                              ctypes.c_void_p, ctypes.c_int]
         function.restype = None
-    return library
+    return library, None
 
 
 def _built() -> Path:

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from .grouped import GROUPS, multiply_by_groups
+from .grouped import multiply_by_groups
 from .precision import Int8Linear
 from .prepack import PROBE_ROWS, gives_rows_alone, pack_weight, packed_linear
 
@@ -147,8 +147,7 @@ def build_product(layers: list) -> RowProduct:
     if all(is_float_linear(layer) for layer in layers):
         run = multiply_by_groups(layers)
         if run is not None:
-            kind = getattr(layers[0], GROUPS).kind
-            return RowProduct(run, _probed(f"grouped {kind}", (run.out_features, run.in_features), run))
+            return RowProduct(run, _probed(f"grouped {run.kind}", (run.out_features, run.in_features), run))
         weight = torch.cat([layer.weight for layer in layers])
         return _bf16_product(weight) if weight.dtype == torch.bfloat16 else _float32_product(weight)
     if all(is_weight_int8(layer) for layer in layers):
