@@ -202,6 +202,43 @@ def test_rows_of_a_batched_cache_select_without_touching_it():
     assert OwnCache().rows(torch.tensor([0, 0])).length == 0
 
 
+
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(0, 12)), min_size=1, max_size=4), st.integers(0, 2**31))
+@settings(max_examples=40, deadline=None)
+def test_appends_to_selected_rows_hold_their_keys_and_read_zeros_up_to_the_span(appends, seed):
+    """Rows selected from a batched cache (an enumeration level), then appended to with a span to read: each
+    returned view is the held keys, then the new ones, then zeros up to the span; the cache selected from is
+    untouched, and so is a selection of the appended cache after it appends again."""
+    generator = torch.Generator().manual_seed(seed)
+    source = OwnCache()
+    first = torch.randn(2, 3, KV_HEADS, 2, HEAD_DIM, generator=generator)
+    for layer in range(LAYERS):
+        source.append(first[0], first[1], layer)
+    picked = source.rows(torch.tensor([1, 0, 1, 1]))
+    held = [(first[0][[1, 0, 1, 1]], first[1][[1, 0, 1, 1]]) for _ in range(LAYERS)]
+    for n, span in appends:
+        new = torch.randn(LAYERS, 2, 4, KV_HEADS, n, HEAD_DIM, generator=generator)
+        fork, fork_held = picked.rows(torch.tensor([3, 2])), [(k[[3, 2]], v[[3, 2]]) for k, v in held]
+        for layer in range(LAYERS):
+            keys, values = picked.append(new[layer, 0], new[layer, 1], layer, span)
+            held[layer] = tuple(torch.cat([old, add], dim=2) for old, add in zip(held[layer], new[layer]))
+            reach = max(span, held[layer][0].shape[2])
+            for got, want in zip((keys, values), held[layer]):
+                assert got.shape[2] == reach and torch.equal(got[:, :, :want.shape[2]], want)
+                assert not got[:, :, want.shape[2]:].any()
+        assert hold_the_same(fork, _holding(fork_held))
+    assert hold_the_same(picked, _holding(held))
+    assert torch.equal(source.view(0)[0], first[0]) and torch.equal(source.view(1)[1], first[1])
+
+
+def _holding(layers: list) -> OwnCache:
+    """A cache of its own holding ``layers``: one ``(keys, values)`` per layer."""
+    cache = OwnCache()
+    for layer, (keys, values) in enumerate(layers):
+        cache.append(keys, values, layer)
+    return cache
+
+
 # ------------------------------------------------------------------------------ the package's boundaries
 # Private members of third-party objects the backend reads on purpose, each with why.
 FOREIGN_PRIVATE = {

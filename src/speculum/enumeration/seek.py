@@ -318,13 +318,15 @@ class SeekIndex(SupportAttributes):
             cached = self._bands[band] = ids[order]
         return cached
 
-    def _item(self, sid: int) -> tuple[tuple[int, ...], float]:
-        tokens = self.tokens_of(np.array([sid]))[0]
-        return tuple(int(t) for t in tokens if t >= 0), float(self.leaf_lp[sid])
+    def _items(self, ids: np.ndarray) -> list[tuple[tuple[int, ...], float]]:
+        """``(tokens, log-prob)`` of the certified sequences ``ids``, their tokens read in one walk."""
+        tokens = self.tokens_of(ids).tolist()
+        return [(tuple(t for t in row if t >= 0), lp) for row, lp in zip(tokens, self.leaf_lp[ids].tolist())]
 
     def _raise_beyond(self, rank: int) -> None:
         size = self.support_size
-        what = f"it has {size} sequences" if size is not None else f"it has at most {self._support_sequences()} sequences"
+        what = (f"it has {size} sequences" if size is not None
+                else f"it has at most {self._support_sequences()} sequences")
         raise IndexError(f"rank {rank} is beyond the support ({self.support.describe()}): {what}")
 
     # ---------------------------------------------------------------------------------------- queries
@@ -339,7 +341,7 @@ class SeekIndex(SupportAttributes):
         if i >= self.index.total:
             self._raise_beyond(i)
         band, offset = self.index.locate(i)
-        return self._item(int(self._sorted_band(band)[offset]))
+        return self._items(self._sorted_band(band)[offset: offset + 1])[0]
 
     def slice(self, start: int, k: int) -> list[tuple[tuple[int, ...], float]]:
         """Ranks ``start .. start+k-1`` in exact order (fewer if the support ends first). Exact."""
@@ -354,7 +356,7 @@ class SeekIndex(SupportAttributes):
         while rank < end:
             band, offset = self.index.locate(rank)
             ids = self._sorted_band(band)[offset: offset + end - rank]
-            out.extend(self._item(int(sid)) for sid in ids)
+            out.extend(self._items(ids))
             rank += len(ids)
         return out
 

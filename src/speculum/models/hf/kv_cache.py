@@ -127,7 +127,7 @@ class OwnCache:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         layers = getattr(self.dynamic, "layers", None)
         held = layers[layer] if isinstance(layers, list) and layer < len(layers) else None
-        if keys.shape[0] == 1 and type(held).__name__ == "DynamicLayer" and getattr(held, "is_initialized", False):
+        if type(held).__name__ == "DynamicLayer" and getattr(held, "is_initialized", False):
             return self._append_in_room(held, keys, values, layer, span)
         keys, values = self.dynamic.update(keys, values, layer)
         if span > keys.shape[2]:        # zeros past the held keys (a copy: the cache holds exactly its keys)
@@ -137,10 +137,11 @@ class OwnCache:
 
     def _append_in_room(self, held: Any, keys: torch.Tensor, values: torch.Tensor, layer: int, span: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch-1 append written in place into buffers with room (grown by doubling), the layer holding
-        views of them: no copy of the held keys per token. Only this cache writes its buffers, and only past
-        its length, so caches sharing its layers (:meth:`prefix_layers`) keep theirs; a trim drops the
-        buffers, so a write never lands inside a length another cache shares."""
+        """An append written in place into buffers with room (grown by doubling), the layer holding views of
+        them: no copy of the held keys per token, and the zeros up to ``span`` are already there. Only this
+        cache writes its buffers, and only past its length, so caches sharing its layers
+        (:meth:`prefix_layers`) keep theirs; a trim drops the buffers, so a write never lands inside a length
+        another cache shares."""
         held_keys, held_values = held.keys, held.values
         length = held_keys.shape[2]
         end = length + keys.shape[2]
@@ -148,8 +149,11 @@ class OwnCache:
         room = self._room.get(layer)
         if room is None or room[0].shape[2] < reach or room[0].data_ptr() != held_keys.data_ptr():
             capacity = reach if room is None else max(reach, 2 * room[0].shape[2])
-            room = tuple(old.new_zeros(1, old.shape[1], capacity, old.shape[3]) for old in (held_keys, held_values))
-            room[0][:, :, :length], room[1][:, :, :length] = held_keys, held_values
+            room = tuple(old.new_empty(old.shape[0], old.shape[1], capacity, old.shape[3])
+                         for old in (held_keys, held_values))
+            for buffer, old in zip(room, (held_keys, held_values)):
+                buffer[:, :, :length] = old
+                buffer[:, :, end:].zero_()      # read up to span as zeros: finite, masked
             self._room[layer] = room
         room[0][:, :, length:end], room[1][:, :, length:end] = keys, values
         held.keys, held.values = room[0][:, :, :end], room[1][:, :, :end]

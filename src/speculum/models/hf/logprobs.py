@@ -15,12 +15,13 @@ import torch
 
 from ...validation import InputError
 
-__all__ = ["finite_counts", "log_mass", "logprob_rows"]
+__all__ = ["entries_at_least", "finite_counts", "log_mass", "logprob_rows"]
 
 # Rows whose float64 soft-max temporaries exist at once: a verification or enumeration forward returns
 # hundreds of 49,152-wide rows, and a float64 copy plus its exponentials for all of them at once is a
 # peak of several hundred MB (kept by the allocator afterwards). Each row's value is the same either way.
 _ROWS_AT_ONCE = 32
+_BLOCK = 64         # entries_at_least: columns per block maximum
 
 
 def log_mass(logits: torch.Tensor) -> torch.Tensor:
@@ -28,8 +29,18 @@ def log_mass(logits: torch.Tensor) -> torch.Tensor:
 
     float64 because float32 rows' mass drifts by ~1e-5, which downstream normalisation checks rightly
     reject."""
-    parts = [torch.logsumexp(part.double(), dim=-1) for part in logits.split(_ROWS_AT_ONCE)]
-    mass = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)   # (n,); NaN / inf propagate
+    mass = torch.empty(logits.shape[0], dtype=torch.float64)                     # (n,); NaN / inf propagate
+    shifted = torch.empty(min(len(mass), _ROWS_AT_ONCE), logits.shape[-1], dtype=torch.float64)  # reused
+    for start in range(0, len(mass), _ROWS_AT_ONCE):
+        part = logits[start:start + _ROWS_AT_ONCE]
+        rows, out = shifted[:part.shape[0]], mass[start:start + part.shape[0]]
+        # torch.logsumexp's own steps, in place in one float64 buffer: the same numbers, without its
+        # full-size temporaries (fresh memory costs page faults at every call).
+        rows.copy_(part)
+        top = rows.amax(dim=-1, keepdim=True)                                     # (k, 1)
+        top.masked_fill_(top.abs() == float("inf"), 0.0)
+        torch.sum(rows.sub_(top).exp_(), dim=-1, out=out)
+        out.log_().add_(top.squeeze(-1))
     if not bool(torch.isfinite(mass).all()):
         raise InputError("the model produced NaN or infinite logits")
     return mass
@@ -51,3 +62,31 @@ def finite_counts(logits: torch.Tensor) -> torch.Tensor:
     if len(masked):
         counts[masked] = torch.isfinite(logits[masked]).sum(dim=-1)
     return counts
+
+
+def entries_at_least(logits: torch.Tensor, floors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, columns)``: the entries of ``(n, vocab)`` ``logits`` with ``logits[i, j] >= floors[i]``
+    (``floors (n,)`` of the logits' dtype), in row-major order: what ``torch.nonzero(logits >= floors[:, None],
+    as_tuple=True)`` returns.
+
+    Why: a comparison writing a boolean per entry runs at a fraction of a reduction's speed, and the wanted
+    entries are few. Each row's maximum over blocks of :data:`_BLOCK` columns is one fast reduction; only the
+    blocks whose maximum reaches the floor are compared entry by entry.
+
+    Example:
+        >>> rows, columns = entries_at_least(torch.tensor([[0.0, 2.0], [3.0, 1.0]]), torch.tensor([1.0, 0.5]))
+        >>> rows.tolist(), columns.tolist()
+        ([0, 1, 1], [1, 0, 1])
+    """
+    n, width = logits.shape
+    body = width - width % _BLOCK
+    blocks = logits[:, :body].reshape(n, -1, _BLOCK)                        # (n, body / _BLOCK, _BLOCK)
+    row, block = torch.nonzero(blocks.amax(dim=-1) >= floors[:, None], as_tuple=True)
+    hit, column = torch.nonzero(blocks[row, block] >= floors[row, None], as_tuple=True)
+    rows, columns = row[hit], block[hit] * _BLOCK + column
+    if body < width:                  # the last columns, fewer than a block: compared entry by entry
+        tail_rows, tail_columns = torch.nonzero(logits[:, body:] >= floors[:, None], as_tuple=True)
+        rows, columns = torch.cat([rows, tail_rows]), torch.cat([columns, tail_columns + body])
+        order = torch.argsort(rows * width + columns)
+        rows, columns = rows[order], columns[order]
+    return rows, columns

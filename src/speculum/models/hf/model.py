@@ -46,7 +46,7 @@ from .fused_llama import FusedLlama, release_block_weights
 from .grouped import GroupedWeight, attach_groups
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache
-from .logprobs import finite_counts, log_mass, logprob_rows
+from .logprobs import entries_at_least, finite_counts, log_mass, logprob_rows
 from .precision import parse_dtype, prepare_module, warn_if_slow
 from .prepack import prepack_linears
 from .row_invariant import RowInvariantForward
@@ -392,7 +392,7 @@ class HFModel(BaseModel):
             cut = torch.from_numpy(floors[rows]) + mass                          # (k,) logit cut, float64
             # float32 compare: lower the cut by far more than float32 rounding so no wanted entry is lost.
             loose = (cut - 1e-5 * (1.0 + cut.abs())).float()
-            r, tok = torch.nonzero(logits >= loose[:, None], as_tuple=True)
+            r, tok = entries_at_least(logits, loose)
             values = logits[r, tok].double() - mass[r]
             rows_np = np.asarray(rows)
             finite[rows_np] = finite_counts(logits).numpy()

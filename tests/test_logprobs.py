@@ -1,0 +1,69 @@
+"""The PyTorch backend's log-prob formula (speculum.models.hf.logprobs).
+
+Invariants: ``log_mass`` is bitwise ``torch.logsumexp`` of the float64 rows, whatever the row count, the
+values' range and the ``-inf`` entries; ``entries_at_least`` returns exactly the entries and the order of
+``torch.nonzero(logits >= floors[:, None])`` for any width (a multiple of its block or not) and any floors.
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from speculum.models.hf.logprobs import entries_at_least, log_mass  # noqa: E402
+from speculum.validation import InputError  # noqa: E402
+
+
+@st.composite
+def logit_rows(draw, max_rows: int = 70, max_width: int = 200):
+    """``(rows, width)`` float32 logits: random scale and offset, some entries ``-inf``, some rows tied."""
+    rows, width = draw(st.integers(1, max_rows)), draw(st.integers(1, max_width))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    logits = torch.randn(rows, width, generator=generator) * draw(st.sampled_from([1e-3, 1.0, 30.0]))
+    logits += draw(st.sampled_from([0.0, -1e4, 1e4]))
+    masked = torch.rand(rows, width, generator=generator) < draw(st.sampled_from([0.0, 0.3, 0.95]))
+    masked[:, 0] = False                                     # every row keeps a finite entry
+    logits[masked] = float("-inf")
+    if draw(st.booleans()):
+        logits = logits.round()                              # ties within rows
+    return logits
+
+
+@given(logit_rows())
+@settings(max_examples=150, deadline=None)
+def test_log_mass_is_bitwise_torch_logsumexp_in_float64(logits):
+    expected = torch.logsumexp(logits.double(), dim=-1)
+    assert torch.equal(log_mass(logits), expected)
+    assert torch.equal(log_mass(logits.double()), expected)
+
+
+def test_log_mass_names_nan_and_infinite_logits_and_takes_no_rows():
+    assert log_mass(torch.zeros(0, 5)).shape == (0,)
+    for bad in (float("nan"), float("inf")):
+        logits = torch.zeros(3, 5)
+        logits[1, 2] = bad
+        with pytest.raises(InputError, match="NaN or infinite"):
+            log_mass(logits)
+
+
+@given(logit_rows(max_width=300), st.data())
+@example(torch.full((2, 64), float("-inf")), None)          # a whole block of -inf: its maximum is -inf
+@settings(max_examples=200, deadline=None)
+def test_entries_at_least_are_nonzero_of_the_comparison_in_its_order(logits, data):
+    rows = logits.shape[0]
+    if data is None:
+        floors = torch.tensor([float("-inf"), 0.0])
+    else:
+        # Floors at entries of the row (ties with the floor), between them, above all and -inf.
+        picks = data.draw(st.lists(st.sampled_from(["entry", "offset", "above", "-inf"]), min_size=rows,
+                                   max_size=rows))
+        floors = torch.empty(rows)
+        for i, pick in enumerate(picks):
+            column = data.draw(st.integers(0, logits.shape[1] - 1))
+            floors[i] = {"entry": logits[i, column], "offset": logits[i, column] - 0.5,
+                         "above": logits[i].max() + 1.0, "-inf": float("-inf")}[pick]
+    expected = torch.nonzero(logits >= floors[:, None], as_tuple=True)
+    got = entries_at_least(logits, floors)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
