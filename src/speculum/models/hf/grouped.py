@@ -9,9 +9,8 @@ weight for Q4_1, 9 for Q8_0). The only difference from a float32 matrix kernel o
 the order of the summation.
 
 How: ``grouped.c`` (AVX2 with FMA, or AVX-512) is compiled with the machine's C compiler on first use, for
-this CPU (``-march=native``), and cached in speculum's cache folder by the hash of its source, the flags,
-the compiler and the CPU; it runs on PyTorch's OpenMP threads. Each output element is summed in one fixed
-order whatever the number of rows (ROW-CANONICAL), which the product probe of
+this CPU, and cached (:mod:`~speculum.models.hf.kernels`); it runs on PyTorch's OpenMP threads. Each output
+element is summed in one fixed order whatever the number of rows (ROW-CANONICAL), which the product probe of
 :mod:`~speculum.models.hf.products` checks as for every kernel. Where there is no compiler or no AVX2, the
 products stay on oneDNN with the expanded weights (:func:`kernel_unavailable` says why).
 
@@ -28,13 +27,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,7 +38,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..paths import cache_dir
+from .kernels import build
 
 __all__ = ["GroupedProduct", "GroupedWeight", "attach_groups", "grouped_run", "kernel_unavailable", "load_groups",
            "multiply_by_groups", "pack", "read_groups", "save_groups", "GROUPS"]
@@ -53,7 +48,6 @@ LANES = 16                        # output features sharing one record (grouped.
 GROUP = 32                        # inputs sharing one scale (GGUF Q4_1 and Q8_0)
 RECORD_BYTES = {"q4_1": 2 * LANES * 4 + 16 * LANES, "q8_0": LANES * 4 + 32 * LANES}
 _GGUF_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}      # one group of 32 weights in the GGUF file
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _SOURCE = Path(__file__).with_name("grouped.c")
 _log = logging.getLogger("speculum")
 
@@ -183,7 +177,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
     with _KERNEL_LOCK:
         try:
-            library = ctypes.CDLL(str(_built()))
+            library = ctypes.CDLL(str(build("grouped", _SOURCE)))
         except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
             reason = " ".join(str(exc).split())[:300]
             _log.info("grouped float32 products unavailable (%s); using oneDNN on the expanded weights", reason)
@@ -194,49 +188,6 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
                              ctypes.c_void_p, ctypes.c_int]
         function.restype = None
     return library, None
-
-
-def _built() -> Path:
-    """The compiled kernel for this machine, built into the cache on first use (atomically: a rename)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = _SOURCE.read_bytes()
-    identity = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
-                                          _cpu_identity().encode()])).hexdigest()[:20]
-    folder = cache_dir() / "kernels"
-    target = folder / f"grouped-{identity}.so"
-    if target.is_file():
-        return target
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(dir=folder))
-    except OSError:                     # an unwritable cache: build for this process only
-        scratch = Path(tempfile.mkdtemp())
-        folder = target = None
-    built = scratch / f"grouped-{identity}.so"
-    result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True,
-                            timeout=300)
-    if result.returncode:
-        shutil.rmtree(scratch, ignore_errors=True)
-        errors = [line for line in result.stderr.splitlines() if "error" in line] or [result.stderr]
-        raise RuntimeError(f"the grouped kernel does not compile here: {errors[0].strip()}")
-    if target is None:
-        return built                    # a temporary folder holds it for this process
-    os.replace(built, target)
-    shutil.rmtree(scratch, ignore_errors=True)
-    return target
-
-
-def _cpu_identity() -> str:
-    """The CPU's model and instruction-set flags (the kernel is built for them)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(dict.fromkeys(lines))
 
 
 # ------------------------------------------------------------------------------------------ GGUF groups

@@ -15,7 +15,9 @@ Kinds:
 * float32: oneDNN on a weight packed once; more than :data:`~speculum.models.hf.prepack.PROBE_ROWS` rows
   are split into calls of at most that many (the row counts the probe covers), and where a lone row
   takes another path than two it is multiplied beside a copy of itself;
-* bfloat16: the float32 rows rounded to bfloat16 and multiplied by oneDNN (AMX or AVX-512 BF16,
+* bfloat16 on AMX tiles (:mod:`~speculum.models.hf.tiles`, where the CPU has AMX-BF16): the float32 rows
+  rounded to bfloat16, each output summed in float32 in one fixed order, any number of rows a call;
+* bfloat16 elsewhere: the float32 rows rounded to bfloat16 and multiplied by oneDNN (AVX-512 BF16 or AMX,
   accumulating in float32, the outputs rounded to bfloat16) 2 to 32 rows a call, the one path that gives
   each row the same at any position and count; where this machine's kernel still does not, the product
   runs in float32 on the same weights;
@@ -37,6 +39,7 @@ import torch
 from .grouped import multiply_by_groups
 from .precision import Int8Linear
 from .prepack import PROBE_ROWS, gives_rows_alone, pack_weight, packed_linear
+from .tiles import TileProduct, tiles_unavailable
 
 __all__ = ["RowProduct", "build_product", "is_float_linear", "is_int8_linear", "is_weight_int8"]
 
@@ -116,6 +119,10 @@ def _float32_product(weight: torch.Tensor) -> RowProduct:
 
 
 def _bf16_product(weight: torch.Tensor) -> RowProduct:
+    if tiles_unavailable() is None:
+        tiles = TileProduct(weight)
+        if _probed("bfloat16 tiles", tuple(weight.shape), tiles):
+            return RowProduct(tiles, True)
     packed, out_features = pack_weight(weight), weight.shape[0]
 
     def widened(rows: torch.Tensor) -> torch.Tensor:

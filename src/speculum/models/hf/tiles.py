@@ -1,0 +1,111 @@
+"""bfloat16 products on AMX tiles, each output summed in one fixed order: rows in bfloat16, sums in float32.
+
+Why: a bfloat16 target on a CPU with AMX should multiply hundreds of rows (an enumeration level, a prompt,
+a packed serving step) at the tiles' rate, and every row must come out the same whatever rows surround it.
+oneDNN's bfloat16 kernels give that only for calls of at most 32 rows, each reading the whole weight again,
+and round their outputs to bfloat16. ``tiles.c`` sums each output over the input dimension in 32-wide tile
+dot products (TDPBF16PS), always in the same order, and keeps the float32 sum: ROW-CANONICAL by
+construction, which the product probe of :mod:`~speculum.models.hf.products` checks as for every kernel.
+
+Numbers: each row is rounded to bfloat16 once (round to nearest even) and multiplied by the bfloat16
+weights; the products and sums are float32, with the tiles' handling of subnormals (flushed to zero).
+
+Where the CPU has no AMX-BF16, or Linux does not grant the tiles, or there is no C compiler, the bfloat16
+products stay on oneDNN (:func:`tiles_unavailable` says why).
+
+Example:
+    >>> product = TileProduct(torch.randn(64, 96).bfloat16())          # doctest: +SKIP
+    >>> product(torch.randn(5, 96)).shape                              # doctest: +SKIP
+    torch.Size([5, 64])
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import platform
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from .kernels import build, cpu_flags
+
+__all__ = ["TileProduct", "tiles_unavailable"]
+
+_SOURCE = Path(__file__).with_name("tiles.c")
+_ROWS, _STEP, _COLUMNS = 16, 32, 16       # a tile's rows, inputs per tile dot product, columns per block
+_LOCK = threading.Lock()
+_log = logging.getLogger("speculum")
+
+
+def tiles_unavailable() -> str | None:
+    """None when the tile kernel is built and permitted on this machine, else why not (one line)."""
+    return _loaded()[1]
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
+    if platform.system() != "Linux" or not {"amx_tile", "amx_bf16"} <= cpu_flags():
+        return None, "this CPU has no AMX-BF16 tiles"
+    with _LOCK:
+        try:
+            library = ctypes.CDLL(str(build("tiles", _SOURCE)))
+        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+            reason = " ".join(str(exc).split())[:300]
+            _log.info("bfloat16 tile products unavailable (%s); using oneDNN", reason)
+            return None, reason
+    if not library.tiles_compiled():
+        return None, "the compiler did not target AMX-BF16"
+    if not library.tiles_permitted():
+        return None, "Linux did not grant this process the AMX tiles"
+    library.tiles_product.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    library.tiles_product.restype = None
+    return library, None
+
+
+def _padded(count: int, multiple: int) -> int:
+    return -(-count // multiple) * multiple
+
+
+class TileProduct:
+    """``rows (m, in_features) float32 -> (m, out_features) float32`` by a bfloat16 weight on AMX tiles.
+    Guarantee: ROW-CANONICAL (see the module); needs :func:`tiles_unavailable` to be None.
+
+    The weight is packed once into the tiles' layout, padded with zeros to whole tiles (zeros add exact
+    zeros to every sum)."""
+
+    __slots__ = ("packed", "in_features", "out_features", "_inputs", "_outputs", "_function")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        library, reason = _loaded()
+        if library is None:
+            raise RuntimeError(f"bfloat16 tile products are unavailable: {reason}")
+        self._function = library.tiles_product
+        self.out_features, self.in_features = weight.shape
+        self._inputs, self._outputs = _padded(self.in_features, _STEP), _padded(self.out_features, _COLUMNS)
+        full = weight.new_zeros(self._outputs, self._inputs, dtype=torch.bfloat16)
+        full[:self.out_features, :self.in_features] = weight.detach()
+        # (blocks, 16 columns, steps, 16 pairs, 2) -> (blocks, steps, 16 pairs, 16 columns, 2)
+        self.packed = (full.view(self._outputs // _COLUMNS, _COLUMNS, self._inputs // _STEP, _STEP // 2, 2)
+                       .permute(0, 2, 3, 1, 4).contiguous())
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.dim() != 2 or rows.shape[1] != self.in_features:
+            raise ValueError(f"tile product: expected rows of {self.in_features}, got {tuple(rows.shape)}")
+        count = rows.shape[0]
+        height = _padded(count, _ROWS)
+        if count == height and self.in_features == self._inputs:
+            low = rows.to(torch.bfloat16).contiguous()
+        else:
+            low = rows.new_zeros(height, self._inputs, dtype=torch.bfloat16)
+            low[:count, :self.in_features] = rows
+        out = rows.new_empty(height, self._outputs, dtype=torch.float32)
+        if height:
+            self._function(low.data_ptr(), self.packed.data_ptr(), out.data_ptr(), height, self._outputs,
+                           self._inputs, torch.get_num_threads())
+        out = out[:count]
+        return out if self._outputs == self.out_features else out[:, :self.out_features].contiguous()

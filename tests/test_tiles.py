@@ -1,0 +1,97 @@
+"""bfloat16 products on AMX tiles (speculum.models.hf.tiles).
+
+Invariants, where this machine has the tiles: each output is the float32 sum of the bfloat16-rounded rows
+times the bfloat16 weights (to float32 rounding of the sum); every row is bitwise the same alone, among
+others, at any offset and at any thread count; padded shapes (widths not whole tiles) give the same as
+the unpadded sums. Everywhere: without the tiles, the reason is one line and bfloat16 products stay on
+oneDNN, rows still alone.
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from speculum.models.hf import tiles  # noqa: E402
+from speculum.models.hf.prepack import gives_rows_alone  # noqa: E402
+from speculum.models.hf.products import build_product  # noqa: E402
+from speculum.models.hf.tiles import TileProduct, tiles_unavailable  # noqa: E402
+
+needs_tiles = pytest.mark.skipif(tiles_unavailable() is not None, reason=f"no AMX tiles: {tiles_unavailable()}")
+
+
+@needs_tiles
+@given(st.integers(1, 70), st.integers(1, 100), st.integers(0, 40), st.integers(0, 2**31))
+@settings(max_examples=60, deadline=None)
+def test_tile_products_are_float32_sums_of_the_rounded_rows_each_row_alone(out_features, in_features, rows, seed):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    inputs = torch.randn(rows, in_features, generator=generator) * 10
+    product = TileProduct(weight)
+    out = product(inputs)
+    assert out.shape == (rows, out_features) and out.dtype == torch.float32 and out.is_contiguous()
+    terms = inputs.bfloat16().double()[:, None, :] * weight.double()[None, :, :]     # (rows, out, in)
+    exact = terms.sum(-1)
+    # float32 sums of exact products: within a few float32 roundings of the sum of the terms' sizes.
+    assert torch.all((out.double() - exact).abs() <= 4 * in_features * 2**-24 * terms.abs().sum(-1) + 1e-30)
+    for start in range(rows):
+        assert torch.equal(product(inputs[start:start + 1]), out[start:start + 1])
+    if rows > 3:
+        assert torch.equal(product(inputs[1:rows - 1]), out[1:rows - 1])
+
+
+@needs_tiles
+def test_tile_products_do_not_depend_on_the_thread_count():
+    generator = torch.Generator().manual_seed(0)
+    product = TileProduct(torch.randn(1024, 576, generator=generator).bfloat16())
+    inputs = torch.randn(100, 576, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outs.append(product(inputs))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], other) for other in outs[1:])
+    assert gives_rows_alone(product, 576, torch.Generator().manual_seed(1))
+
+
+@needs_tiles
+def test_a_bfloat16_product_runs_on_the_tiles_and_refuses_a_wrong_width():
+    layers = [torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16) for _ in range(2)]
+    product = build_product(layers)
+    assert isinstance(product.run, TileProduct) and product.rows_alone
+    rows = torch.randn(5, 64)
+    expected = torch.cat([TileProduct(layer.weight)(rows) for layer in layers], dim=1)
+    assert torch.equal(product(rows), expected)
+    with pytest.raises(ValueError, match="expected rows of 64"):
+        product.run(torch.randn(2, 63))
+
+
+def test_without_tiles_the_reason_is_given_and_bfloat16_stays_on_onednn(monkeypatch):
+    monkeypatch.setattr(tiles, "cpu_flags", lambda: {"avx2", "fma"})
+    tiles._loaded.cache_clear()
+    try:
+        assert tiles.tiles_unavailable() == "this CPU has no AMX-BF16 tiles"
+        with pytest.raises(RuntimeError, match="no AMX-BF16"):
+            TileProduct(torch.zeros(16, 32, dtype=torch.bfloat16))
+        product = build_product([torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)])
+        assert not isinstance(product.run, TileProduct) and product.rows_alone
+    finally:
+        tiles._loaded.cache_clear()
+
+
+def test_every_kernel_source_ships_in_the_package():
+    """The kernels are compiled from their sources at run time: each ``.c`` beside the modules is package data."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    package = root / "src" / "speculum"
+    settings_ = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    shipped = set(settings_["package-data"]["speculum"])
+    sources = {path.relative_to(package).as_posix() for path in package.rglob("*.c")}
+    assert sources and sources <= shipped
