@@ -95,3 +95,34 @@ def test_every_kernel_source_ships_in_the_package():
     shipped = set(settings_["package-data"]["speculum"])
     sources = {path.relative_to(package).as_posix() for path in package.rglob("*.c")}
     assert sources and sources <= shipped
+
+
+def test_the_tiles_are_tried_in_a_child_process_once_and_a_crash_costs_only_a_reason(tmp_path, monkeypatch):
+    import subprocess
+
+    library = tmp_path / "tiles-0.so"
+    calls = []
+
+    def child(returncode):
+        def run(command, **kwargs):
+            calls.append(command)
+            return subprocess.CompletedProcess(command, returncode, b"", b"")
+        return run
+
+    monkeypatch.setattr(tiles.subprocess, "run", child(-4))          # killed by SIGILL
+    assert "crashed a test process (exit -4)" in tiles._tried(library)
+    monkeypatch.setattr(tiles.subprocess, "run", child(3))
+    assert "not granted or compute wrong sums" in tiles._tried(library)
+    monkeypatch.setattr(tiles.subprocess, "run", child(0))
+    assert tiles._tried(library) is None and tiles._tried(library) is None
+    assert len(calls) == 3                       # the pass is remembered beside the library: no fourth child
+
+
+@needs_tiles
+def test_the_tiles_self_test_passes_in_a_real_child_process():
+    from speculum.models.hf.kernels import build
+
+    library = build("tiles", tiles._SOURCE)
+    for passed in library.parent.glob(f"{library.stem}.*.passed"):
+        passed.unlink()
+    assert tiles._tried(library) is None

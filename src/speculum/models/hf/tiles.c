@@ -92,6 +92,33 @@ void tiles_product(const uint16_t *rows, const uint16_t *packed, float *out, int
 
 int tiles_compiled(void) { return 1; }
 
+static uint16_t bf16_of(float value) {         /* exact for the small integers used below */
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return (uint16_t)(bits >> 16);
+}
+
+/* 1 when one 16 x 16 x 32 product on the tiles gives the exact sums of small integers, else 0. Run in a
+ * child process first: where the system does not really grant the tiles, an AMX instruction kills it. */
+int tiles_selftest(void) {
+    uint16_t rows[16 * 32], packed[16 * 16 * 2];
+    float out[16 * 16];
+    if (!tiles_permitted()) return 0;
+    for (int r = 0; r < 16; r++)
+        for (int i = 0; i < 32; i++) rows[r * 32 + i] = bf16_of((float)((r + i) % 5));
+    for (int p = 0; p < 16; p++)              /* packed: pair p, column c, element e = input 2 p + e */
+        for (int c = 0; c < 16; c++)
+            for (int e = 0; e < 2; e++) packed[(p * 16 + c) * 2 + e] = bf16_of((float)((c + 2 * p + e) % 3) - 1.0f);
+    tiles_product(rows, packed, out, 16, 16, 32, 1);
+    for (int r = 0; r < 16; r++)
+        for (int c = 0; c < 16; c++) {
+            float sum = 0.0f;
+            for (int i = 0; i < 32; i++) sum += (float)((r + i) % 5) * ((float)((c + i) % 3) - 1.0f);
+            if (out[r * 16 + c] != sum) return 0;
+        }
+    return 1;
+}
+
 #else
 /* Built for a CPU without AMX-BF16 (or not on Linux): the Python side reads tiles_compiled() == 0. */
 int tiles_permitted(void) { return 0; }
@@ -100,4 +127,5 @@ void tiles_product(const uint16_t *rows, const uint16_t *packed, float *out, int
     (void)rows; (void)packed; (void)out; (void)m; (void)n; (void)k; (void)threads;
 }
 int tiles_compiled(void) { return 0; }
+int tiles_selftest(void) { return 0; }
 #endif

@@ -25,6 +25,7 @@ import functools
 import logging
 import platform
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -52,19 +53,48 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
         return None, "this CPU has no AMX-BF16 tiles"
     with _LOCK:
         try:
-            library = ctypes.CDLL(str(build("tiles", _SOURCE)))
+            path = build("tiles", _SOURCE)
+            library = ctypes.CDLL(str(path))
         except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
             reason = " ".join(str(exc).split())[:300]
             _log.info("bfloat16 tile products unavailable (%s); using oneDNN", reason)
             return None, reason
     if not library.tiles_compiled():
         return None, "the compiler did not target AMX-BF16"
+    reason = _tried(path)
+    if reason is not None:
+        _log.info("bfloat16 tile products unavailable (%s); using oneDNN", reason)
+        return None, reason
     if not library.tiles_permitted():
         return None, "Linux did not grant this process the AMX tiles"
     library.tiles_product.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     library.tiles_product.restype = None
     return library, None
+
+
+def _tried(library: Path) -> str | None:
+    """None when the tiles computed a small product right in a child process on this system (remembered
+    beside the library, per kernel release), else why not. A sandbox may report AMX and grant the tile
+    state without running it: the first AMX instruction then kills the process, here the child."""
+    passed = library.with_name(f"{library.stem}.{platform.release()}.passed")
+    if passed.is_file():
+        return None
+    script = ("import ctypes, sys\n"
+              f"sys.exit(0 if ctypes.CDLL({str(library)!r}).tiles_selftest() == 1 else 3)\n")
+    try:
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"the tiles' test process did not run: {exc}"
+    if result.returncode == 3:
+        return "the AMX tiles are not granted or compute wrong sums on this system"
+    if result.returncode:
+        return f"the AMX tiles crashed a test process (exit {result.returncode}): this system does not run them"
+    try:
+        passed.touch()
+    except OSError:         # an unwritable cache: tried again in the next process
+        pass
+    return None
 
 
 def _padded(count: int, multiple: int) -> int:
