@@ -169,18 +169,19 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="interleaved rounds: time each run this many times; report medians of paired ratios")
     parser.add_argument("--seed", type=int, default=0, help="seed of the run order within each group")
+    parser.add_argument("--dtype", default="float32", help="the target's dtype (float32, bfloat16, int8, ...)")
     parser.add_argument("--no-transformers", dest="transformers", action="store_false",
                         help="skip transformers' runs (ours only)")
     args = parser.parse_args(argv)
 
-    target = speculum.load_model("smollm2-135m")
-    print(f"SmolLM2-135M-Instruct float32, {torch.get_num_threads()} threads, greedy, "
+    target = speculum.load_model("smollm2-135m", dtype=args.dtype)
+    print(f"SmolLM2-135M-Instruct {args.dtype}, {torch.get_num_threads()} threads, greedy, "
           f"{args.max_new_tokens} new tokens, eos disabled", flush=True)
     # Model drafts are built once and shared by every task (their sessions carry no state between runs).
     model_drafts = {spec: make_draft(spec, target) for spec in args.drafts if spec not in ("lookup", "ngram")}
     # transformers runs the model as users load it: PyTorch's default kernels, not our pre-packed oneDNN
     # Linear layers (speculum.models.hf.prepack), and its assistants are built from that copy.
-    tf_target = speculum.load_model("smollm2-135m", prepack=False) if args.transformers else None
+    tf_target = speculum.load_model("smollm2-135m", prepack=False, dtype=args.dtype) if args.transformers else None
     tf_drafts = {spec: make_draft(spec, tf_target) for spec in model_drafts} if args.transformers else {}
     warm = target.encode("Hello")  # first calls pay one-off initialisation: keep it out of the timings
     ours(target, warm, 4)

@@ -11,6 +11,10 @@ For each dtype (`float32`, `bfloat16`, `int8`, ...) side by side in one run, in 
   continuations), whose answers are exact for each dtype's own target, in alternating rounds too, and its
   ratio to the first dtype's (the median of each round's ratio).
 
+- **the products per row**: the matrix products of one forward (every layer's and the head's, each one
+  kernel call) at 1 to 155 rows, in ms and GFLOP/s: a verification of n tokens or an enumeration level
+  multiplies n or hundreds of rows, and each dtype's kernels pay for rows differently.
+
 The process keeps freed memory for reuse (`keep_freed_memory`), as the `speculum` command does.
 
     .venv/bin/python benchmarks/dtypes.py                              # float32 bfloat16 int8
@@ -113,11 +117,34 @@ def enumeration_rate(model) -> float:
     return counted.forwards / (time.perf_counter() - start)
 
 
+def product_ms(model, rows: int, repeats: int = 5) -> tuple[float, float]:
+    """(median ms, GFLOP/s) of every matrix product of one forward of ``model`` (the fused forward's) on
+    ``rows`` random rows; (nan, nan) for a model without the fused forward."""
+    import torch  # with the llm extra
+
+    fused = getattr(model, "_fused", None)      # the fused forward's products, each timed as a forward calls it
+    if fused is None:
+        return float("nan"), float("nan")
+    products = fused.products()
+    inputs = {width: torch.randn(rows, width) for _, width in products}
+    flops = 2 * rows * sum(width * product(inputs[width][:1]).shape[1] for product, width in products)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for product, width in products:
+            product(inputs[width])
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    return seconds * 1e3, flops / seconds / 1e9
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 9, 16, 32, 155],
+                        help="row counts at which to time the products of one forward")
     args = parser.parse_args()
     keep_freed_memory()
     bandwidth = triad_gb_per_s()
@@ -146,6 +173,12 @@ def main() -> int:
         speed_up = statistics.median(r / r0 for r, r0 in zip(rates[dtype], rates[args.dtypes[0]]))
         print(f"| {dtype} | {ms:.1f} | {base / ms:.2f} | {size / 1e6:.0f} | {size / ms / 1e6:.1f} | "
               f"{agree:.4f} | {kl:.2e} | {statistics.median(rates[dtype]):.0f} | {speed_up:.2f} |")
+    print("\nThe products of one forward (ms, GFLOP/s) at each row count:\n")
+    print("| dtype | " + " | ".join(f"{rows} rows" for rows in args.rows) + " |")
+    print("|---|" + "---:|" * len(args.rows))
+    for dtype, model in models.items():
+        cells = [product_ms(model, rows) for rows in args.rows]
+        print(f"| {dtype} | " + " | ".join(f"{ms:.1f} ms, {gflops:.0f}" for ms, gflops in cells) + " |")
     return 0
 
 

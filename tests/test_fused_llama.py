@@ -95,6 +95,17 @@ def test_applies_only_where_it_reproduces_the_forward(pair):
             setattr(config, field, saved)
 
 
+def test_products_list_every_product_with_its_input_width(pair):
+    fused, _ = pair
+    forward = FusedLlama.build(fused.module)
+    products = forward.products()
+    config = fused.module.config
+    assert len(products) == 4 * config.num_hidden_layers + 1 and products[-1][0] is forward.head
+    for product, width in products:
+        assert product(torch.zeros(2, width)).shape[0] == 2
+    assert products[-1][0](torch.zeros(1, products[-1][1])).shape == (1, fused.vocab_size)
+
+
 def test_load_time_probe_rejects_a_forward_that_differs(pair, monkeypatch):
     fused, _ = pair
     built = FusedLlama.build(fused.module)

@@ -194,6 +194,7 @@ class FusedLlama:
         self.rotary = decoder.rotary_emb
         self.norm, self.norm_eps = decoder.norm.weight.detach().float(), float(decoder.norm.variance_epsilon)
         count = int(config.num_hidden_layers)
+        self.intermediate = int(config.intermediate_size)
         self.blocks = [self._block(block) for block in list(decoder.layers)[:count]]
         head = module.get_output_embeddings()
         if head not in _PACKED:
@@ -206,8 +207,15 @@ class FusedLlama:
         per shape at build, :mod:`~speculum.models.hf.products`): with attention computed per row
         (:mod:`~speculum.models.hf.row_attention`) and the other operations row-wise, a row's logits are
         then a function of its sequence's tokens up to it alone, however they were fed (ROW-CANONICAL)."""
-        products = [self.head] + [p for b in self.blocks for p in (b.qkv, b.out, b.gate_up, b.down)]
-        return all(product.rows_alone for product in products)
+        return all(product.rows_alone for product, _ in self.products())
+
+    def products(self) -> list[tuple[RowProduct, int]]:
+        """Every matrix product of a forward with its input width: the blocks' in order, then the head (what
+        a benchmark times to see the kernels' cost per row)."""
+        hidden, attended = self.embed.shape[1], self.heads * self.head_dim
+        products = [(p, width) for b in self.blocks for p, width in
+                    ((b.qkv, hidden), (b.out, attended), (b.gate_up, hidden), (b.down, self.intermediate))]
+        return [*products, (self.head, hidden)]
 
     @classmethod
     def build(cls, module: torch.nn.Module) -> "FusedLlama | None":
