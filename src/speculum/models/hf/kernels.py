@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..paths import cache_dir
 
-__all__ = ["build", "cpu_flags", "FLAGS"]
+__all__ = ["build", "FLAGS"]
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
@@ -61,14 +61,6 @@ def build(name: str, source: Path) -> Path:
     os.replace(built, target)
     shutil.rmtree(scratch, ignore_errors=True)
     return target
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's instruction-set flags as Linux lists them (empty elsewhere)."""
-    for line in _cpu_identity().splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
 
 
 def _cpu_identity() -> str:
