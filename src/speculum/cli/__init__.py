@@ -1,13 +1,14 @@
-"""Command-line interface: ``speculum generate | enumerate | rank | audit | serve | demo``.
+"""Command-line interface: ``speculum generate | enumerate | rank | audit | serve | demo | env``.
 
 Each sub-command lives in its own module exposing ``register(subparsers)``; this module builds the
 parser and runs the chosen handler. Every flag is checked before a model loads (``cli/checks.py``).
 User errors become one line on stderr with exit code 2: :class:`CLIError` (the CLI's own argument
 checks), :class:`speculum.validation.InputError` (every input check the library makes on purpose, e.g. a
 prompt longer than the context window or a draft with another tokenizer), ``ModelCacheError`` (the
-embedded model loads from neither its cache nor its GGUF), ``FileNotFoundError`` (a missing path), ``ImportError`` (a missing optional extra) and enumeration's
-resource limits (``IndexBudgetError``: raise ``--max-nodes``; ``BandTooLargeError``). Any other exception
-is a bug and keeps its traceback (exit code 1), a bare ``ValueError`` from deep inside included. When the reader of stdout goes away
+embedded model loads from neither its cache nor its GGUF), ``FileNotFoundError`` (a missing path),
+``ImportError`` (a missing optional extra) and enumeration's resource limits (``IndexBudgetError``: raise
+``--max-nodes``; ``BandTooLargeError``). Any other exception is a bug and keeps its traceback (exit code
+1), a bare ``ValueError`` from deep inside included. When the reader of stdout goes away
 (``speculum ... | head``), the command stops quietly with exit code 141, what the shell reports for a
 process ended by SIGPIPE.
 """
@@ -29,7 +30,7 @@ from speculum.validation import InputError
 __all__ = ["main", "build_parser", "CLIError", "USER_ERRORS", "BROKEN_PIPE_EXIT"]
 
 # Sub-command modules, in the order shown by --help.
-_COMMANDS = ("generate", "enumerate", "audit", "serve", "demo")
+_COMMANDS = ("generate", "enumerate", "audit", "serve", "demo", "env")
 # Enumeration's two resource limits (node budget, band size) are the user's to raise, not bugs.
 USER_ERRORS = (CLIError, InputError, ModelCacheError, FileNotFoundError, ImportError, IndexBudgetError,
                BandTooLargeError)

@@ -1,0 +1,137 @@
+"""``speculum env``: what this machine runs, and which dtype to pick on it, without loading a model.
+
+It reports the versions that matter, the CPU's instruction sets, whether each of speculum's compiled
+kernels runs here (and why not, in one line), and for each dtype of the PyTorch backend whether it pays on
+this CPU. The kernels are built on first use (about a second each), so the first call compiles them; the
+bfloat16 tiles are also tried once in a child process. Paste its output (or ``--json``) into a bug report.
+
+Example:
+    $ speculum env
+    $ speculum env --json | python -m json.tool
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+from typing import Any
+
+from speculum import __version__
+
+__all__ = ["register", "run", "environment"]
+
+# Flags that decide the kernels and the dtype advice, as /proc/cpuinfo names them.
+_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "env",
+        help="this machine's kernels and which --dtype pays on it (no model loaded)",
+        description=(
+            "Print the versions, the CPU's instruction sets, whether each compiled kernel runs here (float32 "
+            "products from GGUF weight groups; bfloat16 products on AMX tiles) and, for each --dtype, "
+            "whether it pays on this CPU. The first call builds the kernels (about a second each)."
+        ),
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.set_defaults(handler=run)
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment() -> dict[str, Any]:
+    """The report as a dict: ``versions``, ``cpu``, ``kernels`` (each ``{"runs": bool, "why_not": str |
+    None}``), ``dtypes`` (each ``{"slower": bool, "note": str}``: slower than float32 here, and why or what
+    it is good for) and ``cache``. The PyTorch entries are None without the ``[llm]`` extra."""
+    from speculum.models.paths import cache_dir  # the models package loads numpy and more: only when asked
+
+    report: dict[str, Any] = {
+        "versions": {"speculum": __version__, "python": platform.python_version(),
+                     **{name: _version(name) for name in ("torch", "transformers", "llama-cpp-python")}},
+        "cpu": {"name": _cpu_name(), "cores": os.cpu_count()},
+        "kernels": None, "dtypes": None, "cache": str(cache_dir()),
+    }
+    try:
+        import torch  # the [llm] extra: without it there is no PyTorch backend to report on
+    except ImportError:
+        return report
+    from speculum.models.hf.grouped import kernel_unavailable  # the backend's modules import torch
+    from speculum.models.hf.precision import DTYPES, cpu_flags, dtype_advice  # (as above)
+    from speculum.models.hf.prepack import onednn_available  # (as above)
+    from speculum.models.hf.tiles import tiles_unavailable  # (as above)
+
+    flags = cpu_flags()
+    report["cpu"]["flags"] = {flag: flag in flags for flag in _FLAGS} if flags else None
+    report["cpu"]["torch_threads"] = torch.get_num_threads()
+
+    def kernel(reason: str | None) -> dict[str, Any]:
+        return {"runs": reason is None, "why_not": reason}
+
+    report["kernels"] = {
+        "onednn": kernel(None if onednn_available() else "this torch build has no oneDNN"),
+        "float32 from GGUF groups": kernel(kernel_unavailable()),
+        "bfloat16 on AMX tiles": kernel(tiles_unavailable()),
+    }
+    report["dtypes"] = {dtype: _dtype_note(dtype, dtype_advice(dtype), report["kernels"]) for dtype in DTYPES}
+    return report
+
+
+def _dtype_note(dtype: str, advice: str | None, kernels: dict[str, Any]) -> dict[str, Any]:
+    """``{"slower": bool, "note": str}`` for ``--dtype dtype`` on this machine."""
+    if advice is not None:
+        return {"slower": True, "note": advice}
+    if dtype == "float32":
+        note = "the reference target" + (
+            "; the embedded model multiplies by its GGUF weight groups" if kernels["float32 from GGUF groups"]["runs"]
+            else "")
+    elif dtype == "bfloat16" and kernels["bfloat16 on AMX tiles"]["runs"]:
+        note = ("products on AMX tiles, many rows a call: pick it for enumeration and batched serving "
+                "(docs/backends.md)")
+    else:
+        note = "multiplied natively by this CPU"
+    return {"slower": False, "note": note}
+
+
+def _text(report: dict[str, Any]) -> str:
+    versions = ", ".join(f"{name} {version}" for name, version in report["versions"].items() if version)
+    cpu = report["cpu"]
+    lines = [versions, f"CPU: {cpu['name']}, {cpu['cores']} cores"]
+    if cpu.get("flags"):
+        lines.append("  " + "  ".join(f"{flag} {'yes' if present else 'no'}" for flag, present in cpu["flags"].items()))
+    if report["kernels"] is None:
+        lines.append("PyTorch backend: not installed (pip install 'speculum[llm]')")
+    else:
+        lines.append(f"PyTorch threads: {cpu['torch_threads']}")
+        lines.append("kernels:")
+        for name, state in report["kernels"].items():
+            lines.append(f"  {name}: " + ("runs" if state["runs"] else f"unavailable ({state['why_not']})"))
+        lines.append("dtypes (--dtype):")
+        for dtype, state in report["dtypes"].items():
+            lines.append(f"  {dtype}: " + (f"slower here: {state['note']}" if state["slower"] else state["note"]))
+    lines.append(f"cache: {report['cache']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = environment()
+    print(json.dumps(report) if args.json else _text(report))
+    return 0

@@ -1,0 +1,55 @@
+"""``speculum env``: the machine's kernels and dtype advice, without loading a model.
+
+Invariants: the JSON report states, for each compiled kernel, exactly what the library's own availability
+checks say, and a note for every dtype the backend accepts (slower-than-float32 exactly where the dtype
+advice says so); the text report names every kernel and dtype; a CPU without AMX shows the tiles'
+reason and no tiles advice.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from speculum.cli import main  # noqa: E402
+from speculum.models.hf import tiles  # noqa: E402
+from speculum.models.hf.grouped import kernel_unavailable  # noqa: E402
+from speculum.models.hf.precision import DTYPES, dtype_advice  # noqa: E402
+
+
+def report(capsys, *flags: str) -> str:
+    assert main(["env", *flags]) == 0
+    return capsys.readouterr().out
+
+
+def test_the_json_report_says_what_the_library_checks_say(capsys):
+    data = json.loads(report(capsys, "--json"))
+    assert data["versions"]["torch"] and data["versions"]["speculum"]
+    kernels = data["kernels"]
+    assert kernels["float32 from GGUF groups"] == {"runs": kernel_unavailable() is None,
+                                                   "why_not": kernel_unavailable()}
+    assert kernels["bfloat16 on AMX tiles"] == {"runs": tiles.tiles_unavailable() is None,
+                                                "why_not": tiles.tiles_unavailable()}
+    assert set(data["dtypes"]) == set(DTYPES)
+    for dtype, state in data["dtypes"].items():
+        assert state["slower"] == (dtype_advice(dtype) is not None) and state["note"]
+    assert data["dtypes"]["int8"]["note"] == dtype_advice("int8")
+
+
+def test_the_text_report_names_every_kernel_and_dtype(capsys):
+    text = report(capsys)
+    for name in ("onednn", "float32 from GGUF groups", "bfloat16 on AMX tiles", *DTYPES, "cache:"):
+        assert name in text
+
+
+def test_without_amx_the_tiles_reason_shows_and_bfloat16_is_not_advised_for_them(capsys, monkeypatch):
+    monkeypatch.setattr(tiles, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    tiles._loaded.cache_clear()
+    try:
+        data = json.loads(report(capsys, "--json"))
+    finally:
+        tiles._loaded.cache_clear()
+    assert data["kernels"]["bfloat16 on AMX tiles"] == {"runs": False, "why_not": "this CPU has no AMX-BF16 tiles"}
+    assert "AMX tiles" not in data["dtypes"]["bfloat16"]["note"]
