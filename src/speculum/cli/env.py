@@ -19,6 +19,7 @@ import platform
 from typing import Any
 
 from speculum import __version__
+from speculum.models.cpu import cpu_flags, cpu_name
 
 __all__ = ["register", "run", "environment"]
 
@@ -47,17 +48,6 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment() -> dict[str, Any]:
     """The report as a dict: ``versions``, ``cpu``, ``kernels`` (each ``{"runs": bool, "why_not": str |
     None}``), ``dtypes`` (each ``{"slower": bool, "note": str}``: slower than float32 here, and why or what
@@ -67,7 +57,7 @@ def environment() -> dict[str, Any]:
     report: dict[str, Any] = {
         "versions": {"speculum": __version__, "python": platform.python_version(),
                      **{name: _version(name) for name in ("torch", "transformers", "llama-cpp-python")}},
-        "cpu": {"name": _cpu_name(), "cores": os.cpu_count()},
+        "cpu": {"name": cpu_name(), "cores": os.cpu_count()},
         "kernels": None, "dtypes": None, "cache": str(cache_dir()),
     }
     try:
@@ -75,7 +65,7 @@ def environment() -> dict[str, Any]:
     except ImportError:
         return report
     from speculum.models.hf.grouped import kernel_unavailable  # the backend's modules import torch
-    from speculum.models.hf.precision import DTYPES, cpu_flags, dtype_advice  # (as above)
+    from speculum.models.hf.precision import DTYPES, dtype_advice  # (as above)
     from speculum.models.hf.prepack import onednn_available  # (as above)
     from speculum.models.hf.tiles import tiles_unavailable  # (as above)
 

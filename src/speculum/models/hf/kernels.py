@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+from ..cpu import cpu_identity
 from ..paths import cache_dir
 
 __all__ = ["build", "FLAGS"]
@@ -38,7 +38,7 @@ def build(name: str, source: Path) -> Path:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     identity = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
-                                          _cpu_identity().encode()])).hexdigest()[:20]
+                                          cpu_identity().encode()])).hexdigest()[:20]
     folder = cache_dir() / "kernels"
     target = folder / f"{name}-{identity}.so"
     if target.is_file():
@@ -61,13 +61,3 @@ def build(name: str, source: Path) -> Path:
     os.replace(built, target)
     shutil.rmtree(scratch, ignore_errors=True)
     return target
-
-
-def _cpu_identity() -> str:
-    """The CPU's model and instruction-set flags (a kernel is built for them)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(dict.fromkeys(lines))

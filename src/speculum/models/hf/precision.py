@@ -18,11 +18,11 @@ Example:
 from __future__ import annotations
 
 import warnings
-from functools import lru_cache
 
 import torch
 
 from ...validation import InputError
+from ..cpu import cpu_flags  # re-exported: the dtype advice reads it
 
 __all__ = ["DTYPES", "parse_dtype", "cast_module", "Int8Linear", "quantise_int8", "prepare_module", "dtype_advice",
            "cpu_flags"]
@@ -99,19 +99,6 @@ def prepare_module(module: torch.nn.Module, dtype: str | torch.dtype) -> torch.n
     if dtype == "int8":
         quantise_int8(module)
     return module
-
-
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``; empty where unreadable)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def dtype_advice(dtype: str, flags: frozenset[str] | None = None) -> str | None:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
+from ..cpu import cpu_flags
 from .kernels import build
-from .precision import cpu_flags
 
 __all__ = ["TileProduct", "tiles_unavailable"]
 

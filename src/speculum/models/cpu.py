@@ -1,0 +1,47 @@
+"""The CPU this process runs on, as Linux describes it in ``/proc/cpuinfo``: its model name, its
+instruction-set flags, and both together (what a compiled kernel is built for). The package's one reader
+of that file; it needs neither torch nor a model.
+
+Example:
+    >>> isinstance(cpu_name(), str) and isinstance(cpu_flags(), frozenset)
+    True
+"""
+from __future__ import annotations
+
+import platform
+from functools import lru_cache
+
+__all__ = ["cpu_flags", "cpu_identity", "cpu_name"]
+
+
+@lru_cache(maxsize=1)
+def _cpuinfo_lines() -> tuple[str, ...]:
+    """The lines of ``/proc/cpuinfo`` (none where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return tuple(info.read().splitlines())
+    except OSError:
+        return ()
+
+
+def cpu_name() -> str:
+    """The CPU's model name, else what ``platform`` knows."""
+    for line in _cpuinfo_lines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags (empty where ``/proc/cpuinfo`` cannot be read)."""
+    for line in _cpuinfo_lines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_identity() -> str:
+    """The CPU's model and flags lines, each once: what a kernel compiled with ``-march=native`` is for."""
+    lines = [line for line in _cpuinfo_lines() if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(lines)) if lines else platform.processor() or platform.machine()
