@@ -9,8 +9,7 @@ For each dtype (`float32`, `bfloat16`, `int8`, ...) side by side in one run, in 
   argmax of the teacher-forced row) agrees, and the mean KL(float32 || dtype) per token, in nats;
 - **enumeration**: prefixes per second of the exact index (`AutoregressiveEnumerable.top_k` of two-token
   continuations), whose answers are exact for each dtype's own target, in alternating rounds too, and its
-  ratio to the first dtype's (the median of each round's ratio).
-
+  ratio to the first dtype's (the median of each round's ratio);
 - **the products per row**: the matrix products of one forward (every layer's and the head's, each one
   kernel call) at 1 to 155 rows, in ms and GFLOP/s: a verification of n tokens or an enumeration level
   multiplies n or hundreds of rows, and each dtype's kernels pay for rows differently.
