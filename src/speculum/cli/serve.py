@@ -29,7 +29,7 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 DEFAULT_SHUTDOWN_SECONDS = 5.0
 
-__all__ = ["register", "run"]
+__all__ = ["register", "run", "build_server"]
 
 
 def register(subparsers: Any) -> None:
@@ -106,16 +106,29 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise ImportError("speculum serve needs FastAPI and uvicorn: pip install 'speculum[serve]'") from None
 
+    # The engine runs on this thread, which loaded the model (see Engine's `background`); HTTP on another.
+    engine, app = build_server(args, background=False)
+    # SIGINT / SIGTERM: refuse new requests, let open responses end within --shutdown-timeout, end the rest
+    # with an error event; uvicorn waits a little longer so that those last events reach their clients.
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=math.ceil(args.shutdown_timeout) + 2))
+    if not serve_on_this_thread(server, engine, grace=args.shutdown_timeout):
+        raise CLIError(f"could not serve on {args.host}:{args.port} (see the error above)")
+    return 0
+
+
+def build_server(args: argparse.Namespace, *, background: bool) -> tuple[Engine, Any]:
+    """The engine and the HTTP app ``serve`` runs for ``args`` (checked): the target loaded, its draft built,
+    its unpacked block weights given back. ``background``: see :class:`~speculum.serving.Engine`."""
     target = load_target(args)
     draft = make_draft(args.draft, target)
     # The draft is built: nothing the server runs reads the target's unpacked block weights any more.
     release = getattr(target, "release_unfused_weights", None)
     if release is not None:
         release()
-    # The engine runs on this thread, which loaded the model (see Engine's `background`); HTTP on another.
     engine = Engine(target, draft=draft, gamma=args.gamma, max_batch=args.max_batch, max_waiting=args.max_waiting,
                     batch_invariant=args.batch_invariant, prompt_tokens_per_step=args.prompt_tokens_per_step,
-                    prefix_cache_tokens=args.prefix_cache_tokens, background=False)
+                    prefix_cache_tokens=args.prefix_cache_tokens, background=background)
     name = args.served_model_name or args.target
     pieces = _token_bytes(target)
     # The HTTP side encodes with a tokenizer of its own: a long prompt never waits for, nor blocks, the
@@ -126,13 +139,7 @@ def run(args: argparse.Namespace) -> int:
                      token_bytes=pieces, limits=server_limits(args, target, pieces),
                      encode_lock=threading.Lock() if encoder is not target else None,
                      decode_text=encoder.decode, **tokenizer_routes(encoder))
-    # SIGINT / SIGTERM: refuse new requests, let open responses end within --shutdown-timeout, end the rest
-    # with an error event; uvicorn waits a little longer so that those last events reach their clients.
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_graceful_shutdown=math.ceil(args.shutdown_timeout) + 2))
-    if not serve_on_this_thread(server, engine, grace=args.shutdown_timeout):
-        raise CLIError(f"could not serve on {args.host}:{args.port} (see the error above)")
-    return 0
+    return engine, app
 
 
 def server_limits(args: argparse.Namespace, target: Any, pieces: Any) -> Any:

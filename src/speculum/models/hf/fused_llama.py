@@ -125,7 +125,9 @@ def release_block_weights(module: torch.nn.Module) -> int:
     head = module.get_output_embeddings()
     if any(part not in _PACKED for part in [*blocks, head]):
         raise ValueError("build the fused forward of this module before releasing its weights")
-    ranges = [(head.weight.data_ptr(), head.weight.numel() * head.weight.element_size())]
+    # An int8 head (``--dtype int8``) has no float weight: its int8 tensors are what its product runs on.
+    ranges = [(head.weight.data_ptr(), head.weight.numel() * head.weight.element_size())] \
+        if is_float_linear(head) else []
     for block in blocks:
         attn, mlp = block.self_attn, block.mlp
         for layer in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
