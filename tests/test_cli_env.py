@@ -53,3 +53,44 @@ def test_without_amx_the_tiles_reason_shows_and_bfloat16_is_not_advised_for_them
         tiles._loaded.cache_clear()
     assert data["kernels"]["bfloat16 on AMX tiles"] == {"runs": False, "why_not": "this CPU has no AMX-BF16 tiles"}
     assert "AMX tiles" not in data["dtypes"]["bfloat16"]["note"]
+
+
+@pytest.fixture
+def fresh_kernels():
+    """The kernels' availability computed again for this test (and again after it)."""
+    from speculum.models.hf import grouped
+
+    grouped._loaded.cache_clear()
+    tiles._loaded.cache_clear()
+    yield
+    grouped._loaded.cache_clear()
+    tiles._loaded.cache_clear()
+
+
+def test_a_compiler_failure_shows_its_reason_after_the_colon(capsys, monkeypatch, tmp_path, fresh_kernels):
+    monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    text = report(capsys)
+    line, = [line for line in text.splitlines() if "float32 from GGUF groups" in line]
+    assert "does not compile here: the compiler (/bin/false) exited 1 with no message" in line
+
+
+def test_a_cache_other_users_may_write_is_reported_and_not_used(capsys, monkeypatch, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("SPECULUM_CACHE", str(shared))
+    data = json.loads(report(capsys, "--json"))
+    assert data["kernel_cache"]["trusted"] is False and "other users" in data["kernel_cache"]["why_not"]
+    assert not data["kernel_cache"]["folder"].startswith(str(shared))
+    assert "not safe to share" in report(capsys)
+
+
+def test_kernels_off_is_reported_with_every_fallback(capsys, monkeypatch, fresh_kernels):
+    monkeypatch.setenv("SPECULUM_KERNELS", "off")
+    data = json.loads(report(capsys, "--json"))
+    assert "SPECULUM_KERNELS=off" in data["kernels_off"]
+    for name in ("float32 from GGUF groups", "bfloat16 on AMX tiles"):
+        assert data["kernels"][name]["runs"] is False and "SPECULUM_KERNELS=off" in data["kernels"][name]["why_not"]
+    assert any(line.startswith("kernels: compiled kernels are off (SPECULUM_KERNELS=off)")
+               for line in report(capsys).splitlines())

@@ -111,8 +111,13 @@ def test_the_tiles_are_tried_in_a_child_process_once_and_a_crash_costs_only_a_re
 
     monkeypatch.setattr(tiles.subprocess, "run", child(-4))          # killed by SIGILL
     assert "crashed a test process (exit -4)" in tiles._tried(library)
+    assert "crashed a test process (exit -4)" in tiles._tried(library)      # recorded: no second child
+    for record in tmp_path.glob("*.failed"):
+        record.unlink()                                                   # deleting the record tries again
     monkeypatch.setattr(tiles.subprocess, "run", child(3))
     assert "not granted or compute wrong sums" in tiles._tried(library)
+    for record in tmp_path.glob("*.failed"):
+        record.unlink()
     monkeypatch.setattr(tiles.subprocess, "run", child(0))
     assert tiles._tried(library) is None and tiles._tried(library) is None
     assert len(calls) == 3                       # the pass is remembered beside the library: no fourth child

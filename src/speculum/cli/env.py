@@ -51,20 +51,25 @@ def _version(distribution: str) -> str | None:
 def environment() -> dict[str, Any]:
     """The report as a dict: ``versions``, ``cpu``, ``kernels`` (each ``{"runs": bool, "why_not": str |
     None}``), ``dtypes`` (each ``{"slower": bool, "note": str}``: slower than float32 here, and why or what
-    it is good for) and ``cache``. The PyTorch entries are None without the ``[llm]`` extra."""
+    it is good for), ``cache``, ``kernel_cache`` (``{"folder", "trusted", "why_not"}``: where the kernels
+    are built, and why not in the cache where another user may write to it) and ``kernels_off`` (why the
+    compiled kernels are off, ``SPECULUM_KERNELS=off``, else None). The PyTorch entries are None without
+    the ``[llm]`` extra."""
     from speculum.models.paths import cache_dir  # the models package loads numpy and more: only when asked
 
     report: dict[str, Any] = {
         "versions": {"speculum": __version__, "python": platform.python_version(),
                      **{name: _version(name) for name in ("torch", "transformers", "llama-cpp-python")}},
         "cpu": {"name": cpu_name(), "cores": os.cpu_count()},
-        "kernels": None, "dtypes": None, "cache": str(cache_dir()),
+        "kernels": None, "dtypes": None, "cache": str(cache_dir()), "kernel_cache": None, "kernels_off": None,
     }
     try:
         import torch  # the [llm] extra: without it there is no PyTorch backend to report on
     except ImportError:
         return report
     from speculum.models.hf.grouped import kernel_unavailable  # the backend's modules import torch
+    from speculum.models.hf.kernel_cache import kernel_folder  # (as above)
+    from speculum.models.hf.kernels import kernels_disabled  # (as above)
     from speculum.models.hf.precision import DTYPES, dtype_advice  # (as above)
     from speculum.models.hf.prepack import onednn_available  # (as above)
     from speculum.models.hf.tiles import tiles_unavailable  # (as above)
@@ -76,6 +81,10 @@ def environment() -> dict[str, Any]:
     def kernel(reason: str | None) -> dict[str, Any]:
         return {"runs": reason is None, "why_not": reason}
 
+    where = kernel_folder()
+    report["kernel_cache"] = {"folder": str(where.path), "trusted": where.distrust is None,
+                              "why_not": where.distrust}
+    report["kernels_off"] = kernels_disabled()
     report["kernels"] = {
         "onednn": kernel(None if onednn_available() else "this torch build has no oneDNN"),
         "float32 from GGUF groups": kernel(kernel_unavailable()),
@@ -111,13 +120,18 @@ def _text(report: dict[str, Any]) -> str:
         lines.append("PyTorch backend: not installed (pip install 'speculum[llm]')")
     else:
         lines.append(f"PyTorch threads: {cpu['torch_threads']}")
-        lines.append("kernels:")
+        lines.append("kernels:" + (f" {report['kernels_off']}: every product on PyTorch's kernels"
+                                   if report["kernels_off"] else ""))
         for name, state in report["kernels"].items():
             lines.append(f"  {name}: " + ("runs" if state["runs"] else f"unavailable ({state['why_not']})"))
         lines.append("dtypes (--dtype):")
         for dtype, state in report["dtypes"].items():
             lines.append(f"  {dtype}: " + (f"slower here: {state['note']}" if state["slower"] else state["note"]))
     lines.append(f"cache: {report['cache']}")
+    trust = report.get("kernel_cache")
+    if trust and not trust["trusted"]:
+        lines.append(f"  not safe to share ({trust['why_not']}): kernels are built for each process in a "
+                     f"private folder ({trust['folder']})")
     return "\n".join(lines)
 
 

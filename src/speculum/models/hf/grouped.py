@@ -12,7 +12,8 @@ How: ``grouped.c`` (AVX2 with FMA, or AVX-512) is compiled with the machine's C 
 this CPU, and cached (:mod:`~speculum.models.hf.kernels`); it runs on PyTorch's OpenMP threads. Each output
 element is summed in one fixed order whatever the number of rows (ROW-CANONICAL), which the product probe of
 :mod:`~speculum.models.hf.products` checks as for every kernel. Where there is no compiler or no AVX2, the
-products stay on oneDNN with the expanded weights (:func:`kernel_unavailable` says why).
+products stay on oneDNN with the expanded weights (:func:`kernel_unavailable` says why), as they do with
+``SPECULUM_KERNELS=off``.
 
 :func:`read_groups` packs the groups of a Llama GGUF file (the embedded model caches them beside its
 converted checkpoint); :func:`attach_groups` checks that each layer's groups expand to the float32 weight
@@ -38,7 +39,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .kernels import build
+from .kernels import build, kernels_disabled
 
 __all__ = ["GroupedProduct", "GroupedWeight", "attach_groups", "grouped_run", "kernel_unavailable", "load_groups",
            "multiply_by_groups", "pack", "read_groups", "save_groups", "GROUPS"]
@@ -175,11 +176,14 @@ def _kernel() -> ctypes.CDLL | None:
 @functools.lru_cache(maxsize=1)
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
+    off = kernels_disabled()
+    if off is not None:
+        return None, off
     with _KERNEL_LOCK:
         try:
             library = ctypes.CDLL(str(build("grouped", _SOURCE)))
         except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-            reason = " ".join(str(exc).split())[:300]
+            reason = " ".join(str(exc).split())
             _log.info("grouped float32 products unavailable (%s); using oneDNN on the expanded weights", reason)
             return None, reason
     for kind in ("q4", "q8"):

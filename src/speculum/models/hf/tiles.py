@@ -10,8 +10,8 @@ construction, which the product probe of :mod:`~speculum.models.hf.products` che
 Numbers: each row is rounded to bfloat16 once (round to nearest even) and multiplied by the bfloat16
 weights; the products and sums are float32, with the tiles' handling of subnormals (flushed to zero).
 
-Where the CPU has no AMX-BF16, or Linux does not grant the tiles, or there is no C compiler, the bfloat16
-products stay on oneDNN (:func:`tiles_unavailable` says why).
+Where the CPU has no AMX-BF16, or Linux does not grant the tiles, or there is no C compiler, or
+``SPECULUM_KERNELS=off``, the bfloat16 products stay on oneDNN (:func:`tiles_unavailable` says why).
 
 Example:
     >>> product = TileProduct(torch.randn(64, 96).bfloat16())          # doctest: +SKIP
@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from ..cpu import cpu_flags
-from .kernels import build
+from .kernel_cache import read_record, untrusted, write_record
+from .kernels import build, kernels_disabled
 
 __all__ = ["TileProduct", "tiles_unavailable"]
 
@@ -50,6 +51,9 @@ def tiles_unavailable() -> str | None:
 @functools.lru_cache(maxsize=1)
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
+    off = kernels_disabled()
+    if off is not None:
+        return None, off
     if platform.system() != "Linux" or not {"amx_tile", "amx_bf16"} <= cpu_flags():
         return None, "this CPU has no AMX-BF16 tiles"
     with _LOCK:
@@ -57,7 +61,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
             path = build("tiles", _SOURCE)
             library = ctypes.CDLL(str(path))
         except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-            reason = " ".join(str(exc).split())[:300]
+            reason = " ".join(str(exc).split())
             _log.info("bfloat16 tile products unavailable (%s); using oneDNN", reason)
             return None, reason
     if not library.tiles_compiled():
@@ -75,27 +79,33 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
 
 
 def _tried(library: Path) -> str | None:
-    """None when the tiles computed a small product right in a child process on this system (remembered
-    beside the library, per kernel release), else why not. A sandbox may report AMX and grant the tile
-    state without running it: the first AMX instruction then kills the process, here the child."""
-    passed = library.with_name(f"{library.stem}.{platform.release()}.passed")
-    if passed.is_file():
+    """None when the tiles computed a small product right in a child process on this system, else why not.
+    A sandbox may report AMX and grant the tile state without running it: the first AMX instruction then
+    kills the process, here the child. Either outcome is recorded beside the library, per library and
+    Linux release (a record only this user may write: see :mod:`~speculum.models.hf.kernel_cache`), so
+    the child runs once; deleting the ``.failed`` record tries again."""
+    stem = f"{library.stem}.{platform.release()}"
+    passed, failed = library.with_name(f"{stem}.passed"), library.with_name(f"{stem}.failed")
+    if passed.is_file() and untrusted(passed) is None:
         return None
+    record = read_record(failed)
+    if record is not None and record.get("reason"):
+        return f"{record['reason']} (recorded in {failed}: delete it to try again)"
     script = ("import ctypes, sys\n"
               f"sys.exit(0 if ctypes.CDLL({str(library)!r}).tiles_selftest() == 1 else 3)\n")
     try:
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as exc:
-        return f"the tiles' test process did not run: {exc}"
+        return f"the tiles' test process did not run: {exc}"      # not the tiles' fault: not recorded
+    if result.returncode == 0:
+        write_record(passed, {"release": platform.release()})   # an unwritable cache: tried in each process
+        return None
     if result.returncode == 3:
-        return "the AMX tiles are not granted or compute wrong sums on this system"
-    if result.returncode:
-        return f"the AMX tiles crashed a test process (exit {result.returncode}): this system does not run them"
-    try:
-        passed.touch()
-    except OSError:         # an unwritable cache: tried again in the next process
-        pass
-    return None
+        reason = "the AMX tiles are not granted or compute wrong sums on this system"
+    else:
+        reason = f"the AMX tiles crashed a test process (exit {result.returncode}): this system does not run them"
+    write_record(failed, {"release": platform.release(), "reason": reason})
+    return reason
 
 
 def _padded(count: int, multiple: int) -> int:
