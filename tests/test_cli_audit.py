@@ -170,3 +170,93 @@ def test_ctrl_c_stops_cleanly(capsys, monkeypatch, tiny_dir, canaries_file):
     assert main(["audit", canaries_file, "--prompt", PROMPT, "--regex", FORMAT, "--target", tiny_dir]) == 130
     captured = capsys.readouterr()
     assert captured.err.strip() == "interrupted" and "Traceback" not in captured.err
+
+
+# ------------------------------------------------------------------------------ bounded inputs, checked early
+def refuse_to_load(monkeypatch) -> None:
+    def refuse(spec, **options):
+        raise AssertionError("the model loaded before the arguments were checked")
+
+    monkeypatch.setattr(enumerate_cli, "load_target", refuse)
+
+
+def one_line_error(capsys, argv) -> str:
+    assert main(["audit", *argv, "--target", "any"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("speculum audit: error: "), captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    return lines[0]
+
+
+def test_a_huge_canaries_file_is_refused_by_its_size_before_it_is_read(capsys, monkeypatch, tmp_path):
+    from speculum.cli.audit import CANARY_BYTES, DEFAULT_MAX_CANARIES
+
+    refuse_to_load(monkeypatch)
+    huge = tmp_path / "huge.txt"
+    with open(huge, "wb") as out:            # 100 MB, sparse: only its size is ever looked at
+        out.truncate(100 * 2 ** 20)
+    read = []
+    monkeypatch.setattr("speculum.cli.audit.read_lines", lambda *a, **k: read.append(a) or ["1"])
+    line = one_line_error(capsys, [str(huge), "--regex", FORMAT])
+    assert not read
+    assert str(huge) in line and "104,857,600 bytes" in line
+    assert f"{DEFAULT_MAX_CANARIES * CANARY_BYTES:,} bytes" in line and "--max-canaries" in line
+
+
+def test_the_canary_limits_follow_max_canaries(capsys, monkeypatch, tmp_path):
+    from speculum.cli.audit import CANARY_BYTES
+
+    refuse_to_load(monkeypatch)
+    path = write(tmp_path, ["12 3", "1 1", "2 2"])
+    line = one_line_error(capsys, [path, "--regex", FORMAT, "--max-canaries", "2"])
+    assert str(path) in line and "3 canaries" in line and "--max-canaries 2" in line
+    path = write(tmp_path, ["1" * (2 * CANARY_BYTES)])
+    line = one_line_error(capsys, [path, "--regex", FORMAT, "--max-canaries", "1"])
+    assert f"{2 * CANARY_BYTES + 2:,} bytes" in line and f"{CANARY_BYTES:,} bytes" in line
+    assert "--max-canaries must be >= 1" in one_line_error(capsys, [path, "--regex", FORMAT, "--max-canaries", "0"])
+    with pytest.raises(AssertionError, match="the model loaded"):
+        main(["audit", write(tmp_path, ["12 3", "1 1"]), "--regex", FORMAT, "--max-canaries", "2", "--target", "x"])
+
+
+@pytest.mark.parametrize("where", ["a folder", "inside a file", "unknown format"])
+def test_an_unwritable_plot_path_is_refused_before_the_model_loads(capsys, monkeypatch, tmp_path, canaries_file,
+                                                                   where):
+    refuse_to_load(monkeypatch)
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    if where == "unknown format":
+        pytest.importorskip("matplotlib")
+    plot = {"a folder": tmp_path, "inside a file": blocker / "plot.png",
+            "unknown format": tmp_path / "plot.nosuchformat"}[where]
+    line = one_line_error(capsys, [canaries_file, "--regex", FORMAT, "--plot", str(plot)])
+    assert "--plot" in line and str(plot) in line
+    assert not (tmp_path / "plot.nosuchformat").exists()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0,
+                    reason="root writes into a read-only folder")
+def test_a_plot_in_a_read_only_folder_is_refused(capsys, monkeypatch, tmp_path, canaries_file):
+    refuse_to_load(monkeypatch)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        line = one_line_error(capsys, [canaries_file, "--regex", FORMAT, "--plot", str(locked / "plot.png")])
+    finally:
+        locked.chmod(0o700)
+    assert "--plot" in line and "cannot write" in line and not (locked / "plot.png").exists()
+
+
+def test_a_plot_path_checked_early_is_left_as_it_was(capsys, monkeypatch, tmp_path, canaries_file):
+    """The early check writes nothing: no stray empty file when the command later fails."""
+    pytest.importorskip("matplotlib")
+    refuse_to_load(monkeypatch)
+    plot = tmp_path / "plot.png"
+    with pytest.raises(AssertionError, match="the model loaded"):
+        main(["audit", canaries_file, "--regex", FORMAT, "--plot", str(plot), "--target", "any"])
+    assert not plot.exists()
+    plot.write_bytes(b"kept")
+    with pytest.raises(AssertionError, match="the model loaded"):
+        main(["audit", canaries_file, "--regex", FORMAT, "--plot", str(plot), "--target", "any"])
+    assert plot.read_bytes() == b"kept"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -38,6 +39,10 @@ __all__ = ["register", "run_audit", "split_template", "sample_bar"]
 
 PLACEHOLDER = "{canary}"
 DEFAULT_TARGET = "smollm2-135m"
+# Most canaries one audit reads (each costs the scoring of its tokens), and the file's bytes per canary
+# allowed: a canary is a short secret, so a larger file is refused by its size before it is read.
+DEFAULT_MAX_CANARIES = 10_000
+CANARY_BYTES = 1024
 
 
 def register(subparsers: Any) -> None:
@@ -78,6 +83,9 @@ def register(subparsers: Any) -> None:
     audit.add_argument("--max-forwards", type=int, default=None,
                        help=f"most prefixes the exact index forwards before sampling or bracketing (default: "
                             f"{DEFAULT_AUTO_FORWARDS:,}; {DEFAULT_MAX_FORWARDS:,} with --method exact)")
+    audit.add_argument("--max-canaries", type=int, default=DEFAULT_MAX_CANARIES, metavar="N",
+                       help=f"most canaries the file may hold; it may be at most N x {CANARY_BYTES:,} bytes "
+                            f"(default: {DEFAULT_MAX_CANARIES:,})")
     audit.add_argument("--plot", metavar="FILE",
                        help="save a histogram of the exposures, with the format's maximum marked (needs "
                             "matplotlib: pip install 'speculum[audit]')")
@@ -113,6 +121,7 @@ def _check(args: argparse.Namespace) -> tuple[Any, list[str], str]:
     check_at_least(args.max_len, 1, "--max-len")
     check_at_least(args.max_forwards, 0, "--max-forwards")
     check_at_least(args.seed, 0, "--seed")
+    check_at_least(args.max_canaries, 1, "--max-canaries")
     if args.method == "exact" and (args.samples is not None or args.target_bits is not None):
         raise CLIError("--samples and --target-bits go with --method auto or sampled (--method exact never samples)")
     if args.target_bits is not None and not args.target_bits > 0:
@@ -121,7 +130,7 @@ def _check(args: argparse.Namespace) -> tuple[Any, list[str], str]:
         raise CLIError("--max-samples goes with --target-bits")
     if args.max_samples is not None and args.max_samples < (args.samples or DEFAULT_SAMPLES):
         raise CLIError(f"--max-samples must be at least the first set's draws ({args.samples or DEFAULT_SAMPLES})")
-    canaries = read_lines(args.canaries, "canaries file", "audit")
+    canaries = _read_canaries(args.canaries, args.max_canaries)
     if args.regex is not None:
         constraint = _regex(utf8_text(args.regex, "--regex", "audit"))
     else:
@@ -153,14 +162,45 @@ def _regex(pattern: str) -> Any:
     return regex
 
 
+def _read_canaries(path: str, limit: int) -> list[str]:
+    """The canaries of the file at ``path``: refused by its size before it is read, then by its count."""
+    file = Path(path).expanduser()
+    budget = limit * CANARY_BYTES
+    if file.is_file() and file.stat().st_size > budget:
+        raise CLIError(f"canaries file {path!r} is {file.stat().st_size:,} bytes, more than the limit of {budget:,} "
+                       f"bytes ({CANARY_BYTES:,} a canary for --max-canaries {limit:,}); raise --max-canaries or "
+                       f"split the file")
+    canaries = read_lines(path, "canaries file", "audit")
+    if len(canaries) > limit:
+        raise CLIError(f"canaries file {path!r} holds {len(canaries):,} canaries, more than --max-canaries "
+                       f"{limit:,}; raise it or split the file")
+    return canaries
+
+
 def _check_plot(path: str) -> None:
-    folder = Path(path).expanduser().resolve().parent
+    """``--plot FILE`` can be written, in a format matplotlib knows, without writing anything now."""
+    file = Path(path).expanduser().resolve()
+    folder = file.parent
+    if folder.exists() and not folder.is_dir():
+        raise CLIError(f"--plot: cannot write {path}: {folder} is a file, not a folder")
     if not folder.is_dir():
         raise CLIError(f"--plot: no such folder: {folder}")
+    if file.is_dir():
+        raise CLIError(f"--plot: {path} is a folder; give a file name, e.g. {os.path.join(path, 'exposure.png')}")
+    # Writable where the histogram goes: the file itself when it exists, else its folder (a new entry).
+    probe = file if file.exists() else folder
+    if not os.access(probe, os.W_OK) or (not file.exists() and not os.access(folder, os.X_OK)):
+        raise CLIError(f"--plot: cannot write {path}: permission denied")
     try:
         import matplotlib  # noqa: F401
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise CLIError("--plot needs matplotlib: pip install 'speculum[audit]'") from None
+    suffix = file.suffix[1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise CLIError(f"--plot: cannot write {path}: matplotlib saves no format named {suffix!r} (one of "
+                       f"{', '.join(sorted(formats))})")
 
 
 # --------------------------------------------------------------------------------------------- bars
