@@ -154,6 +154,26 @@ def test_groups_round_trip_through_their_file(tmp_path):
         assert torch.equal(loaded[name].records, weight.records)
 
 
+@pytest.mark.parametrize("records, meta, problem", [
+    (torch.zeros(1, 2, 320, dtype=torch.uint8), "q6_k,16,64", "kind"),
+    (torch.zeros(1, 2, 320, dtype=torch.uint8), "q4_1,24,64", "multiple of 16"),
+    (torch.zeros(1, 2, 320, dtype=torch.uint8), "q4_1,16,48", "multiple of 32"),
+    (torch.zeros(1, 2, 80, dtype=torch.float32), "q4_1,16,64", "uint8"),
+    (torch.zeros(1, 2, 300, dtype=torch.uint8), "q4_1,16,64", "bytes"),
+    (torch.zeros(1, 2, 320, dtype=torch.uint8), "q4_1,16", "kind,out,in"),
+    (torch.zeros(1, 2, 320, dtype=torch.uint8), "q4_1,sixteen,64", "kind,out,in"),
+])
+def test_loaded_groups_are_checked_strictly_naming_the_tensor(tmp_path, records, meta, problem):
+    from safetensors.torch import save_file
+
+    save_file({"blk.0.attn_q.weight": records}, str(tmp_path / "groups.safetensors"),
+              metadata={"blk.0.attn_q.weight": meta})
+    with pytest.raises(ValueError) as error:
+        load_groups(tmp_path)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("blk.0.attn_q.weight") and problem in message
+
+
 def test_no_compiler_means_a_reason_and_the_oneDNN_path(tmp_path):
     script = ("from speculum.models.hf.grouped import kernel_unavailable, grouped_run, pack\n"
               "import numpy as np\n"

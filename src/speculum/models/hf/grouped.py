@@ -239,18 +239,38 @@ def save_groups(groups: dict[str, GroupedWeight], folder: Path) -> None:
 
 
 def load_groups(folder: Path) -> dict[str, GroupedWeight]:
-    """The groups :func:`save_groups` wrote into ``folder``."""
+    """The groups :func:`save_groups` wrote into ``folder``. Raises ValueError (one line, naming the tensor)
+    for a record the kernel could misread: an unknown kind, widths that do not fill records (outputs a
+    multiple of 16, inputs of 32), records not uint8 or not of the size the widths give."""
     from safetensors import safe_open  # with transformers, the [llm] extra
 
     groups = {}
     with safe_open(str(Path(folder) / _FILE), framework="pt") as handle:
         for name, shape in (handle.metadata() or {}).items():
-            kind, out_features, in_features = shape.split(",")
-            records = handle.get_tensor(name)
-            groups[name] = GroupedWeight(kind, records, int(out_features), int(in_features))
-            if tuple(records.shape) != (int(out_features) // LANES, int(in_features) // GROUP, RECORD_BYTES[kind]):
-                raise ValueError(f"{name}: records of shape {tuple(records.shape)} do not fit {shape}")
+            groups[name] = _checked_groups(name, shape, handle.get_tensor(name))
     return groups
+
+
+def _checked_groups(name: str, shape: str, records: torch.Tensor) -> GroupedWeight:
+    """``records`` as a GroupedWeight of ``shape`` (``kind,out_features,in_features``), checked (see
+    :func:`load_groups`)."""
+    parts = shape.split(",")
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+        raise ValueError(f"{name}: its description {shape!r} is not kind,out,in")
+    kind, out_features, in_features = parts[0], int(parts[1]), int(parts[2])
+    if kind not in RECORD_BYTES:
+        raise ValueError(f"{name}: unknown kind {kind!r} (known: {', '.join(RECORD_BYTES)})")
+    if out_features <= 0 or out_features % LANES or in_features <= 0 or in_features % GROUP:
+        raise ValueError(f"{name}: {out_features} x {in_features} is not a multiple of 16 outputs by a multiple "
+                         f"of 32 inputs")
+    if records.dtype != torch.uint8:
+        raise ValueError(f"{name}: records of {records.dtype}, not uint8")
+    expected = (out_features // LANES, in_features // GROUP, RECORD_BYTES[kind])
+    if tuple(records.shape) != expected:
+        raise ValueError(f"{name}: records of shape {tuple(records.shape)} ({records.numel()} bytes) do not "
+                         f"fit {kind} {out_features} x {in_features} ({expected}: "
+                         f"{expected[0] * expected[1] * expected[2]} bytes)")
+    return GroupedWeight(kind, records, out_features, in_features)
 
 
 def attach_groups(module: torch.nn.Module, groups: dict[str, GroupedWeight]) -> int:
