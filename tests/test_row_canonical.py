@@ -198,4 +198,28 @@ def test_row_attention_checks_its_shapes():
         attention(torch.zeros(1, 4, 3, 8), short, short, 1.0)
     with pytest.raises(ValueError, match="n >= 1"):
         RowAttention(0, 0)
-    assert row_attention.items_are_independent(3, 3, 64)      # SmolLM2's item shape on this kernel
+
+
+@pytest.mark.parametrize("kv_heads, group", [(3, 3), (1, 9)])     # SmolLM2's item shape; one key head
+def test_row_attention_batches_items_only_where_the_kernel_keeps_them_apart(monkeypatch, kv_heads, group):
+    """Whatever this CPU's kernel does, the probe's answer decides the calls, and every row is the row
+    alone: one call over every item where items are independent, else a call per item."""
+    generator = torch.Generator().manual_seed(1)
+    batch, past, n, d = 2, 10, 3, 64
+    q = torch.randn(batch, kv_heads * group, n, d, generator=generator)
+    keys, values = (torch.randn(batch, kv_heads, 32, d, generator=generator) for _ in range(2))
+    independent = row_attention.items_are_independent(kv_heads, group, d)     # probed before counting
+    real, calls = row_attention.F.scaled_dot_product_attention, []
+
+    def counted(*args, **options):
+        calls.append(args[0].shape[0])
+        return real(*args, **options)
+
+    monkeypatch.setattr(row_attention.F, "scaled_dot_product_attention", counted)
+    out = RowAttention(past, n)(q, keys, values, d ** -0.5)
+    items = batch * n
+    assert calls == ([items] if independent else [1] * items)
+    for b in range(batch):
+        for row in range(n):
+            alone = RowAttention(past + row, 1)(q[b:b + 1, :, row:row + 1], keys[b:b + 1], values[b:b + 1], d ** -0.5)
+            assert torch.equal(alone, out[b:b + 1, :, row:row + 1])

@@ -10,6 +10,13 @@ Heavy parts (torch, transformers) are imported lazily.
 from __future__ import annotations
 
 import importlib
+import os
+
+# PyTorch's CPU build multiplies small matrices with MKL, whose sums may round otherwise by the memory
+# alignment of their operands (a thread's own buffer, say) unless its conditional numerical reproducibility
+# mode is on: the same attention row could then differ beside other rows. The mode is read once, at MKL's
+# first call, so it is set on import; a value the user set is kept.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 __version__ = "0.1.0"
 
