@@ -31,7 +31,7 @@ import numpy as np
 
 from ..decoding.text import StopMatcher
 from ..decoding.warp import sample_from_logprobs, warp_logprobs
-from .engine import Delta, Engine, GenerationRequest, Job, TokenLogprob
+from .engine import Delta, Engine, GenerationRequest, Job, Reservation, TokenLogprob
 from .render import by_text
 from .scoring import PromptScores, ScoreJob, likeliest
 
@@ -61,14 +61,14 @@ async def collect(events: asyncio.Queue) -> tuple[list[str], list, Delta]:
     return pieces, scored, last
 
 
-async def _scores(engine: Engine, ids: list[int], top: int) -> PromptScores:
+async def _scores(engine: Engine, ids: list[int], top: int, reservation: Reservation | None) -> PromptScores:
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
     def done(job: ScoreJob) -> None:
         loop.call_soon_threadsafe(lambda: future.done() or future.set_result(job))
 
-    job = engine.score(ids, top=top, on_done=done)
+    job = engine.score(ids, top=top, on_done=done, reservation=reservation)
     try:
         finished = await future
     except asyncio.CancelledError:
@@ -77,10 +77,12 @@ async def _scores(engine: Engine, ids: list[int], top: int) -> PromptScores:
     return finished.result()
 
 
-async def _generate(engine: Engine, request: GenerationRequest) -> tuple[list[str], list, Delta]:
+async def _generate(engine: Engine, request: GenerationRequest,
+                    reservation: Reservation | None) -> tuple[list[str], list, Delta]:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    job: Job = engine.submit(request, on_event=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+    job: Job = engine.submit(request, on_event=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+                             reservation=reservation)
     try:
         return await collect(events)
     except asyncio.CancelledError:
@@ -98,10 +100,21 @@ def _one_token(row: np.ndarray, request: GenerationRequest) -> int:
 
 
 async def answer_prompt(engine: Engine, request: GenerationRequest, *, echo: bool, prompt_text: str,
-                        decode: Callable[[Sequence[int]], str]) -> Answer:
-    """One choice: ``request``'s generation, after its prompt's scores when ``echo``."""
+                        decode: Callable[[Sequence[int]], str], reservation: Reservation | None = None) -> Answer:
+    """One choice: ``request``'s generation, after its prompt's scores when ``echo``; its jobs take the room
+    of ``reservation`` (if given), which it gives back at its end."""
+    try:
+        return await _answer(engine, request, echo=echo, prompt_text=prompt_text, decode=decode,
+                             reservation=reservation)
+    finally:
+        if reservation is not None:
+            reservation.release()
+
+
+async def _answer(engine: Engine, request: GenerationRequest, *, echo: bool, prompt_text: str,
+                  decode: Callable[[Sequence[int]], str], reservation: Reservation | None) -> Answer:
     ids, top = list(request.prompt_ids), request.logprobs or 0
-    echoed = await _scores(engine, ids, top) if echo else None
+    echoed = await _scores(engine, ids, top, reservation) if echo else None
     shown = prompt_text if echo else ""
     if echo and request.max_tokens <= 1:
         answer = Answer(shown, "length", len(ids), 0, echoed=echoed)
@@ -120,7 +133,7 @@ async def answer_prompt(engine: Engine, request: GenerationRequest, *, echo: boo
                 answer.scored = [TokenLogprob(token, text, float(row[token]), 0,
                                               tuple((t, decode([t]), lp) for t, lp in likeliest))]
         return answer
-    pieces, scored, last = await _generate(engine, request)
+    pieces, scored, last = await _generate(engine, request, reservation)
     if last.finish_reason == "error":
         return Answer(shown, "error", len(ids), 0, echoed=echoed, error=last.error or "generation failed")
     return Answer(shown + "".join(pieces), last.finish_reason or "length", len(ids), last.completion_tokens,

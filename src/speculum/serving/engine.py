@@ -21,7 +21,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..decoding.plan import plan_generation
@@ -29,11 +28,12 @@ from ..decoding.scheduler import Scheduler
 from ..models.allocator import trim_heap
 from ..models.base import check_token_ids
 from ..validation import InputError, check_int
-from .jobs import Delta, GenerationRequest, Job, TokenLogprob
+from .jobs import Delta, GenerationRequest, Job, Reservation, TokenLogprob
+from .metrics import EngineMetrics
 from .scoring import DEFAULT_CACHE_TOKENS, MAX_TOP, PromptScorer, ScoreJob
 
 __all__ = ["Engine", "EngineBusy", "EngineClosed", "GenerationRequest", "Delta", "Job", "EngineMetrics",
-           "TokenLogprob"]
+           "TokenLogprob", "Reservation"]
 
 MAX_TOP_LOGPROBS = MAX_TOP
 
@@ -46,43 +46,8 @@ class EngineClosed(RuntimeError):
     """The engine is shutting down and takes no more requests (HTTP 503)."""
 
 
-@dataclass
-class EngineMetrics:
-    """Running totals since the engine started (``/metrics``)."""
-
-    requests_finished: int = 0
-    requests_cancelled: int = 0
-    requests_rejected: int = 0
-    requests_disconnected: int = 0     # cancelled because their client went away (part of requests_cancelled)
-    requests_running: int = 0
-    requests_waiting: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    draft_proposed: int = 0
-    draft_accepted: int = 0
-    target_forwards: int = 0
-    busy_seconds: float = 0.0
-    prefill_seconds: float = 0.0       # admitting jobs: their prompts' own forwards, part of busy_seconds
-    #                                    (a prompt packed into a step's forward counts in that step)
-    prompts_scored: int = 0            # echo requests' prompts scored
-    scored_tokens_forwarded: int = 0   # tokens their scoring fed to the target
-    scored_tokens_reused: int = 0      # positions answered from a resident prompt sharing the prefix
-    scoring_forwards: int = 0          # forwards that scored them (a packed forward of several counts once)
-    prefix_cache_tokens: int = 0       # tokens held by resident scored prompts (gauge)
-    prefix_cache_capacity: int = 0     # the cap on them (``prefix_cache_tokens`` of the engine)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
-
-    @property
-    def tokens_per_busy_second(self) -> float:
-        return self.completion_tokens / self.busy_seconds if self.busy_seconds > 0 else 0.0
-
-
 _WAKE = object()        # wakes a worker waiting for jobs; not a job
-MAX_SCORE_BATCH = 16    # queued score jobs scored together (their chunks share forwards)
-SCORE_GATHER_SECONDS = 0.02    # how long an idle worker waits for a score batch to fill up again
+MAX_SCORE_BATCH = 16    # score jobs scored together (a round's chunks share one forward)
 
 
 class Engine:
@@ -153,32 +118,39 @@ class Engine:
         self._running: dict[int, Job] = {}     # scheduler id -> job (the worker's alone)
         self._admitting = 0                     # 1 while a job is being admitted into the scheduler
         self._worked = False                    # ran a step or scored since the heap was last trimmed
-        self._last_score_batch = 1              # score jobs scored together last time
+        self._scoring: list[ScoreJob] = []      # score jobs being scored, a round at a time (the worker's)
+        # Worker seconds scoring may still take before the next generation step, while generations run:
+        # scoring gets at most the time the generations get, so it can at most double their latency.
+        self._score_credit = 0.0
         self._worker: threading.Thread | None = None
         if background:
             self._worker = threading.Thread(target=self.run, name="speculum-engine", daemon=True)
             self._worker.start()
 
-    def submit(self, request: GenerationRequest, on_event: Callable[[Delta | None], None] | None = None) -> Job:
+    def submit(self, request: GenerationRequest, on_event: Callable[[Delta | None], None] | None = None, *,
+               reservation: Reservation | None = None) -> Job:
         """Queue ``request``. Its arguments are checked here, before it waits (``InputError``); a full
-        queue raises :class:`EngineBusy`, a closed engine :class:`EngineClosed`. Events go to
-        ``on_event`` (called from the worker thread; None marks the end) or, without it, to the job's
-        blocking iterator."""
+        queue raises :class:`EngineBusy` (never with a ``reservation``, whose room it takes), a closed
+        engine :class:`EngineClosed`. Events go to ``on_event`` (called from the worker thread; None marks
+        the end) or, without it, to the job's blocking iterator."""
         if request.logprobs is not None and check_int(request.logprobs, "logprobs", minimum=0) > MAX_TOP_LOGPROBS:
             raise InputError(f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {request.logprobs}")
         plan = plan_generation(self.target, list(request.prompt_ids), draft=self.draft,
                                max_new_tokens=request.max_tokens, gamma=self.gamma, temperature=request.temperature,
                                top_k=None, top_p=request.top_p, eos_token_id=self.eos_token_id, seed=request.seed)
         job = Job(request, plan, self._locked_decode, on_event)
-        self._enqueue(job)
+        self._enqueue(job, reservation)
         return job
 
-    def score(self, prompt_ids: Sequence[int], *, top: int = 0,
-              on_done: Callable[[ScoreJob], None] | None = None) -> ScoreJob:
-        """Queue ``prompt_ids`` for scoring (OpenAI's ``echo``): the worker teacher-forces it between
-        steps (:class:`~speculum.serving.scoring.PromptScorer`, sharing prefixes with recently scored
-        prompts) and the job's :meth:`~speculum.serving.scoring.ScoreJob.result` gives its exact log-probs
-        and ``top`` likeliest tokens per position. Counts toward the engine's bound like a generation.
+    def score(self, prompt_ids: Sequence[int], *, top: int = 0, on_done: Callable[[ScoreJob], None] | None = None,
+              reservation: Reservation | None = None) -> ScoreJob:
+        """Queue ``prompt_ids`` for scoring (OpenAI's ``echo``): the worker teacher-forces it a chunk per
+        round (:class:`~speculum.serving.scoring.PromptScorer`, sharing prefixes with recently scored
+        prompts), its rounds interleaved with the generations' steps (scoring takes at most as much of the
+        worker's time as the running generations), and the job's
+        :meth:`~speculum.serving.scoring.ScoreJob.result` gives its exact log-probs and ``top`` likeliest
+        tokens per position. A cancelled job stops at the next round. Counts toward the engine's bound like
+        a generation.
 
         Guarantee: exact, and bitwise the same whatever else is scored or generated."""
         check_int(top, "logprobs", minimum=0)
@@ -191,20 +163,59 @@ class Engine:
         if max_context is not None and len(ids) > max_context:
             raise InputError(f"the prompt has {len(ids)} tokens, more than the target's max_context {max_context}")
         job = ScoreJob(ids, top, on_done)
-        self._enqueue(job)
+        self._enqueue(job, reservation)
         return job
 
-    def _enqueue(self, job: Any) -> None:
+    @property
+    def capacity(self) -> int:
+        """Requests the engine holds at most, running and waiting: ``max_batch + max_waiting``."""
+        return self.max_batch + self.max_waiting
+
+    def reserve(self, count: int) -> list[Reservation]:
+        """A place for each of ``count`` requests, or none: :class:`EngineBusy` when the engine cannot hold
+        them all now, ``InputError`` when it never can (more than :attr:`capacity`), :class:`EngineClosed`
+        while shutting down. A batch of prompts submits its jobs with the reservation: either every prompt
+        runs or none does."""
+        check_int(count, "count", minimum=1)
+        if count > self.capacity:
+            raise InputError(f"{count} requests at once are more than the server ever holds ({self.capacity}: "
+                             f"max_batch {self.max_batch} + max_waiting {self.max_waiting})")
         with self._lock:
             if self._closed or self._deadline is not None:
                 raise EngineClosed("the server is shutting down")
-            # One count of every job not yet ended: free batch slots the worker has not filled yet do not
-            # let a burst pile up in the queue.
-            if self._admitted >= self.max_batch + self.max_waiting:
+            if self._admitted + count > self.capacity:
                 self.metrics.requests_rejected += 1
                 raise EngineBusy(f"the server holds {self._admitted} requests ({self.max_batch} running and "
-                                 f"{self.max_waiting} waiting at most); retry later")
-            self._admitted += 1
+                                 f"{self.max_waiting} waiting at most): no room for {count} more; retry later")
+            self._admitted += count
+        return [Reservation(self) for _ in range(count)]
+
+    def resize_reservation(self, reservation: Reservation, *, release: bool = False, live: int = 0) -> None:
+        """Change what ``reservation`` holds (see :class:`Reservation`): the engine's count follows."""
+        with self._lock:
+            self._resize_locked(reservation, release, live)
+
+    def _resize_locked(self, reservation: Reservation, release: bool, live: int) -> None:
+        before = reservation.held()
+        reservation.released = reservation.released or release
+        reservation.live += live
+        self._admitted += reservation.held() - before
+
+    def _enqueue(self, job: Any, reservation: Reservation | None = None) -> None:
+        with self._lock:
+            if self._closed or self._deadline is not None:
+                raise EngineClosed("the server is shutting down")
+            job.reservation = reservation
+            if reservation is not None:
+                self._resize_locked(reservation, False, 1)
+            else:
+                # One count of every job not yet ended: free batch slots the worker has not filled yet do not
+                # let a burst pile up in the queue.
+                if self._admitted >= self.capacity:
+                    self.metrics.requests_rejected += 1
+                    raise EngineBusy(f"the server holds {self._admitted} requests ({self.max_batch} running and "
+                                     f"{self.max_waiting} waiting at most); retry later")
+                self._admitted += 1
             job.ended = False
             self._waiting.put(job)
             self.metrics.requests_waiting = self._waiting.qsize()
@@ -251,17 +262,21 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ worker
     def _admit(self) -> bool:
-        """Move waiting jobs into the scheduler (blocking while nothing runs); False once closed."""
+        """Move waiting jobs into the scheduler or the scoring rounds (blocking while nothing runs); False
+        once closed."""
         if self._deadline is not None and time.monotonic() >= self._deadline:
             self._end_all("the server is shutting down")
-        while len(self._running) < self.max_batch:
+        while True:
+            idle = not self._running and not self._scoring
+            if not idle and not self._room_for(self._head()):
+                break
             try:
-                if self._worked and not self._running:
+                if self._worked and idle:
                     job = self._waiting.get(timeout=self.idle_trim_seconds)
                 else:
-                    job = self._waiting.get(block=not self._running)
+                    job = self._waiting.get(block=idle)
             except queue.Empty:
-                if self._running:
+                if not idle:
                     break
                 # Idle for a while: the forwards' freed buffers, which the C heap keeps for reuse, go back
                 # to the system (not between back-to-back requests, which would fault them in again).
@@ -280,7 +295,7 @@ class Engine:
                 self._end(job, cancelled=True)
                 continue
             if isinstance(job, ScoreJob):
-                self._score([job, *self._more_scoring()])
+                self._start_scoring(job)
                 continue
             self._admitting = 1
             started = time.perf_counter()
@@ -301,7 +316,30 @@ class Engine:
             self.metrics.requests_running = len(self._running)
         return True
 
+    def _head(self) -> Any:
+        """The job next in the queue, left there (only the worker takes jobs out: it stays the head)."""
+        with self._waiting.mutex:
+            return self._waiting.queue[0] if self._waiting.queue else None
+
+    def _room_for(self, job: Any) -> bool:
+        if job is None:
+            return False
+        if isinstance(job, ScoreJob):
+            return len(self._scoring) < MAX_SCORE_BATCH
+        return job is _WAKE or not isinstance(job, Job) or len(self._running) < self.max_batch
+
     def _step(self) -> None:
+        """A generation step of the running jobs, then a scoring round when scoring has time left."""
+        if self._running:
+            took = self._generate()
+            # Unused time does not pile up: scoring never runs for long between two generation steps.
+            self._score_credit = min(self._score_credit + took, took)
+        if self._scoring and (not self._running or self._score_credit >= 0):
+            took = self._score_round()
+            self._score_credit = self._score_credit - took if self._running else 0.0
+
+    def _generate(self) -> float:
+        """One step of the running generations; returns its seconds."""
         started = time.perf_counter()
         self._worked = True
         for ident, job in list(self._running.items()):
@@ -317,7 +355,7 @@ class Engine:
                 job.put(Delta("", "error", error=f"{type(exc).__name__}: {exc}"))
                 self._end(job)
             self._running.clear()
-            return
+            return time.perf_counter() - started
         for ident, chunk in results:
             job = self._running[ident]
             job.emitted = chunk.stats.emitted
@@ -338,54 +376,39 @@ class Engine:
                 job.put(Delta("", reason, prompt_tokens=len(job.request.prompt_ids), completion_tokens=job.emitted))
                 self.metrics.prompt_tokens += len(job.request.prompt_ids)
                 self._end(job, finished=True)
-        self.metrics.busy_seconds += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.metrics.busy_seconds += took
+        return took
 
-    def _more_scoring(self) -> list[ScoreJob]:
-        """The score jobs queued next, up to :data:`MAX_SCORE_BATCH` in all with the one being scored (a
-        generation job next in the queue ends the run: jobs are taken in order)."""
-        more: list[ScoreJob] = []
-        # Concurrent clients' requests arrive a little apart: while nothing else runs, wait a moment for the
-        # batch the last one had (answers do not depend on the batch, only the forwards' count does).
-        deadline = time.monotonic() + SCORE_GATHER_SECONDS
-        while len(more) < MAX_SCORE_BATCH - 1:
-            with self._waiting.mutex:                # look at the head without taking it
-                head = self._waiting.queue[0] if self._waiting.queue else None
-            if head is None and not self._running and len(more) + 1 < self._last_score_batch \
-                    and time.monotonic() < deadline:
-                time.sleep(SCORE_GATHER_SECONDS / 20)
-                continue
-            if not isinstance(head, ScoreJob):
-                break
-            job = self._waiting.get_nowait()
-            if job.cancelled:
-                self._end(job, cancelled=True)
-            else:
-                more.append(job)
-        return more
+    def _start_scoring(self, job: ScoreJob) -> None:
+        try:
+            job.work = self.scorer.start(job.tokens, top=job.top)
+        except Exception as exc:  # noqa: BLE001  (checked at submit; the job's own failure goes to its client)
+            job.finish(error=exc)
+            self._end(job)
+            return
+        self._scoring.append(job)
 
-    def _score(self, jobs: list[ScoreJob]) -> None:
-        """Score ``jobs`` together (:meth:`PromptScorer.score_many`: each answer bitwise its answer alone);
-        when that fails, each alone, so that a prompt the model fails on fails only its own request."""
+    def _score_round(self) -> float:
+        """One round of the scorer (:meth:`PromptScorer.advance`: a chunk of each prompt being scored,
+        in one packed forward where the target packs); a cancelled job is dropped first. Returns its
+        seconds."""
         started = time.perf_counter()
         self._worked = True
-        self._last_score_batch = len(jobs)
-        try:
-            results: list = self.scorer.score_many([job.tokens for job in jobs], top=[job.top for job in jobs])
-        except Exception as exc:
-            if len(jobs) == 1:
-                results = [exc]
-            else:
-                results = []
-                for job in jobs:
-                    try:
-                        results.append(self.scorer.score(job.tokens, top=job.top))
-                    except Exception as alone:  # noqa: BLE001  (the job's own failure goes to its client)
-                        results.append(alone)
+        for job in [job for job in self._scoring if job.cancelled]:
+            self.scorer.drop(job.work)
+            self._scoring.remove(job)
+            self._end(job, cancelled=True)
+        finished, failed = self.scorer.advance() if self._scoring else ([], [])
+        ended = {id(work): (work, None) for work in finished} | {id(work): (work, exc) for work, exc in failed}
         metrics = self.metrics
-        for job, scores in zip(jobs, results):
-            if isinstance(scores, BaseException):
-                job.finish(error=scores)
+        for job in [job for job in self._scoring if id(job.work) in ended]:
+            work, error = ended[id(job.work)]
+            self._scoring.remove(job)
+            if error is not None:
+                job.finish(error=error)
             else:
+                scores = self.scorer.scores(work)
                 metrics.prompts_scored += 1
                 metrics.scored_tokens_forwarded += scores.forwarded
                 metrics.scored_tokens_reused += len(scores.tokens) - scores.forwarded
@@ -393,7 +416,9 @@ class Engine:
             self._end(job, finished=True)
         metrics.prefix_cache_tokens = self.scorer.resident_tokens
         metrics.scoring_forwards = self.scorer.forwards
-        metrics.busy_seconds += time.perf_counter() - started
+        took = time.perf_counter() - started
+        metrics.busy_seconds += took
+        return took
 
     def _account(self, chunk: Any) -> None:
         metrics = self.metrics
@@ -416,7 +441,10 @@ class Engine:
         with self._lock:
             if not job.ended:
                 job.ended = True
-                self._admitted -= 1
+                if job.reservation is None:
+                    self._admitted -= 1
+                else:
+                    self._resize_locked(job.reservation, False, -1)
             self.metrics.requests_running = len(self._running)
 
     def _end_all(self, reason: str) -> None:
@@ -426,6 +454,11 @@ class Engine:
             job.put(Delta("", "error", error=reason))
             self._end(job, cancelled=True)
         self._running.clear()
+        for job in self._scoring:
+            self.scorer.drop(job.work)
+            job.finish(error=EngineClosed(reason))
+            self._end(job, cancelled=True)
+        self._scoring.clear()
         while True:
             try:
                 job = self._waiting.get_nowait()

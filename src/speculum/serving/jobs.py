@@ -1,5 +1,6 @@
 """A generation request and the job that carries it through the engine: its events (:class:`Delta`), the
-log-probs of its tokens (:class:`TokenLogprob`), cancellation.
+log-probs of its tokens (:class:`TokenLogprob`), cancellation; the place a request holds in the engine
+(:class:`Reservation`).
 
 Example:
     >>> from speculum.serving.jobs import Delta
@@ -17,7 +18,7 @@ from ..decoding.plan import Plan
 from ..decoding.text import StopMatcher, TextStream
 from .scoring import likeliest
 
-__all__ = ["GenerationRequest", "TokenLogprob", "Delta", "Job"]
+__all__ = ["GenerationRequest", "TokenLogprob", "Delta", "Job", "Reservation"]
 
 _DONE = object()        # the last item of a job's event queue
 
@@ -78,6 +79,7 @@ class Job:
         self._cancelled = threading.Event()
         self.ended = True                                    # False while the engine holds it (set by the engine)
         self.disconnected = False                            # cancelled because its reader went away
+        self.reservation: Any = None                         # the room it takes (set by the engine; None: its own)
         self.text = TextStream(decode)
         self.stops = StopMatcher(request.stop)
         self.emitted = 0
@@ -138,3 +140,22 @@ class Job:
     def __iter__(self) -> Iterator[Delta]:
         while (event := self.next_event()) is not None:
             yield event
+
+
+class Reservation:
+    """A place held in an engine for one request (:meth:`Engine.reserve
+    <speculum.serving.engine.Engine.reserve>` holds those of a batch at once):
+    the jobs submitted with it, one after another, take no place of their own. The place is the engine's
+    again once the request is done (:meth:`release`) and no job of it is held any more."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.released = False
+        self.live = 0               # jobs of it the engine holds
+
+    def held(self) -> int:
+        return 0 if self.released and not self.live else 1
+
+    def release(self) -> None:
+        """The request is done (idempotent)."""
+        self.engine.resize_reservation(self, release=True)

@@ -47,7 +47,7 @@ from .guards import BodyLimit, client_gone
 from .lifecycle import serve_on_this_thread
 from .render import ChatRenderer, CompletionRenderer
 from .schema import (ChatBody, CompletionBody, DetokenizeBody, RequestError, ServerLimits, TextCodec, TokenizeBody,
-                     check_prompt_size, error_body, to_request)
+                     check_batch_size, check_prompt_size, error_body, to_request)
 
 __all__ = ["create_app", "serve_on_this_thread", "prometheus_text"]
 
@@ -225,15 +225,18 @@ class _Api:
             return ids, [p if isinstance(p, str) else self.codec.decode(p) for p in prompts]
 
         try:
+            check_batch_size(prompts, self.engine.capacity)
             check_prompt_size(body, self.limits)
             ids, texts = await asyncio.to_thread(self._encode, encode)
             generations = [to_request(body, prompt_ids, self.limits, model_name=self.model_name,
                                       default_max_tokens=self.default_max_tokens) for prompt_ids in ids]
+            # Room for every prompt or none: a batch refused with 429 runs no prompt of it.
+            places = self.engine.reserve(len(generations))
         except (InputError, EngineBusy, EngineClosed) as exc:
             return _refusal(exc)
         answers = asyncio.gather(*(answer_prompt(self.engine, generation, echo=body.echo, prompt_text=text,
-                                                 decode=self.codec.decode)
-                                   for generation, text in zip(generations, texts)))
+                                                 decode=self.codec.decode, reservation=place)
+                                   for generation, text, place in zip(generations, texts, places)))
         gone = asyncio.ensure_future(client_gone(request.receive))
         try:
             await asyncio.wait({answers, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -241,6 +244,8 @@ class _Api:
             gone.cancel()
             if not answers.done():
                 answers.cancel()
+            for place in places:
+                place.release()
         if answers.cancelled():
             return Response(status_code=499)
         try:

@@ -25,7 +25,7 @@ from ..validation import InputError
 from .engine import MAX_TOP_LOGPROBS, GenerationRequest
 
 __all__ = ["CompletionBody", "ChatBody", "Message", "TokenizeBody", "DetokenizeBody", "TextCodec", "ServerLimits", "RequestError", "error_body", "to_request",
-           "check_prompt_size", "default_body_limit"]
+           "check_prompt_size", "check_batch_size", "default_body_limit"]
 
 # OpenAI's own limit on stop sequences; a longer list costs the generating thread for every request.
 MAX_STOP_STRINGS = 4
@@ -168,6 +168,15 @@ def check_prompt_size(body: _Body, limits: ServerLimits) -> None:
         raise RequestError(f"the prompt has {size:,} bytes of text, more than the context window can hold "
                            f"({limits.max_prompt_bytes:,} bytes at most)",
                            param="prompt" if isinstance(body, CompletionBody) else "messages")
+
+
+def check_batch_size(prompts: Sequence[Any], capacity: int) -> None:
+    """Refuse a batch of more prompts than the server ever holds at once (``capacity``: ``--max-batch`` +
+    ``--max-waiting``): it could never be admitted whole, however long the client waited."""
+    if len(prompts) > capacity:
+        raise RequestError(f"the prompt holds {len(prompts)} prompts, more than the server holds at once "
+                           f"({capacity}: --max-batch + --max-waiting); send at most {capacity} per request",
+                           param="prompt")
 
 
 def _stops(stop: str | list[str] | None, limits: ServerLimits) -> tuple[str, ...]:

@@ -92,10 +92,12 @@ class _Resident:
 class _Work:
     """A prompt being scored: its session (None before its first forward), the tokens in it (``done``, a
     cut or the whole prompt), the row of the law of token ``done`` when not noted yet (``pending``) and the
-    positions noted so far."""
+    positions noted so far. ``top``: the alternatives its answer gives per position; ``resumed``: looked up
+    among the residents (a work is resumed when it first takes part in a round); ``alone``: fed in forwards
+    of its own."""
 
-    def __init__(self, ids: list[int]) -> None:
-        self.ids = ids
+    def __init__(self, ids: list[int], top: int) -> None:
+        self.ids, self.top = ids, top
         self.session: Any = None
         self.done = 0
         self.pending: np.ndarray | None = None
@@ -103,15 +105,30 @@ class _Work:
         self.top_ids: list = [np.zeros(0, np.int64)]
         self.top_values: list = [np.zeros(0)]
         self.forwarded = 0
+        self.resumed = False
+        self.alone = False
+
+    def restart(self) -> None:
+        """Back to its first token, to be fed in forwards of its own (after a packed round failed)."""
+        self.__init__(self.ids, self.top)
+        self.alone = True
+
+    @property
+    def finished(self) -> bool:
+        return self.done == len(self.ids)
 
 
 class PromptScorer:
     """Scores prompts for ``echo`` (see the module docstring), reusing the longest shared prefix of up to
     ``slots`` resident prompts holding at most ``max_tokens`` tokens in all.
 
+    Two ways to use it: :meth:`score` / :meth:`score_many` score to the end in one call; :meth:`start`,
+    :meth:`advance` and :meth:`drop` score in rounds of at most ``chunk`` tokens per prompt (an engine
+    interleaves them with other work, and stops a prompt nobody waits for between two rounds).
+
     Guarantee: exact and reuse-invariant — every log-prob is the target's teacher-forced one, computed
     in the canonical chunking, so a prompt's scores are bitwise those it gets scored alone, whatever was
-    scored before or alongside. Thread-safe (one call at a time).
+    scored before or alongside, and however its rounds were interleaved. Thread-safe (one call at a time).
     """
 
     def __init__(self, target: Any, *, chunk: int = DEFAULT_CHUNK, max_tokens: int = DEFAULT_CACHE_TOKENS,
@@ -123,8 +140,9 @@ class PromptScorer:
         # Packed rounds need forwards whose rows do not depend on the batch, and sessions that fork.
         self.packs = capabilities_of(target).invariant_extend
         self._residents: OrderedDict[int, _Resident] = OrderedDict()    # least recently used first
+        self._active: list[_Work] = []                                   # started, not finished nor dropped
         self._next_key = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.forwarded_tokens = 0        # tokens fed to the target, in all
         self.reused_tokens = 0           # positions answered from a resident or a shared forward, in all
         self.forwards = 0                # forwards (packed rounds count once)
@@ -133,6 +151,11 @@ class PromptScorer:
     def resident_tokens(self) -> int:
         """Tokens held by the resident prompts (their sessions' caches)."""
         return sum(len(r.tokens) for r in self._residents.values())
+
+    @property
+    def busy(self) -> bool:
+        """True while a started prompt is not scored to its end (nor dropped)."""
+        return bool(self._active)
 
     def score(self, tokens: Sequence[int], *, top: int = 0) -> PromptScores:
         """The exact log-probs of ``tokens`` (at least one) and, per position, its ``top`` likeliest tokens
@@ -146,25 +169,67 @@ class PromptScorer:
         tops = [top] * len(prompts) if isinstance(top, int) else list(top)
         if len(tops) != len(prompts):
             raise InputError(f"{len(prompts)} prompts but {len(tops)} top counts")
-        works = []
-        for i, (tokens, count) in enumerate(zip(prompts, tops)):
-            name = f"prompts[{i}]" if len(prompts) > 1 else "prompt"
-            ids = check_token_ids(tokens, self.target.vocab_size, name=name)
-            if not ids:
-                raise InputError("prompt is empty: echo needs at least one token")
-            check_int(count, "top", minimum=0)
-            if count > MAX_TOP:
-                raise InputError(f"top must be at most {MAX_TOP}, got {count}")
-            works.append(_Work(ids))
+        names = [f"prompts[{i}]" if len(prompts) > 1 else "prompt" for i in range(len(prompts))]
+        works = [_checked(tokens, count, self.target.vocab_size, name)
+                 for tokens, count, name in zip(prompts, tops, names)]
         with self._lock:
-            for group in ([works] if self.packs else [[work] for work in works]):
-                for work in group:
+            self._active += works
+            while not all(work.finished for work in works):
+                _, failed = self.advance()
+                if failed:
+                    for work in works:
+                        self.drop(work)
+                    raise failed[0][1]
+        return [self.scores(work) for work in works]
+
+    def start(self, tokens: Sequence[int], *, top: int = 0) -> _Work:
+        """Queue ``tokens`` for scoring by :meth:`advance` (checked here); its answer is :meth:`scores` once
+        ``finished``."""
+        work = _checked(tokens, top, self.target.vocab_size, "prompt")
+        with self._lock:
+            self._active.append(work)
+        return work
+
+    def drop(self, work: _Work) -> None:
+        """Stop scoring ``work`` (its forwards so far are lost; nothing of it is kept)."""
+        with self._lock:
+            if work in self._active:
+                self._active.remove(work)
+
+    def advance(self) -> tuple[list[_Work], list[tuple[_Work, BaseException]]]:
+        """One round: every started prompt (one at a time, in order, for a target that does not pack)
+        fed its next chunk, in one packed forward where the target packs. Returns the prompts it finished
+        and those it failed with the error: a failing packed round starts its prompts again, each in
+        forwards of its own from then on, so that a prompt the model fails on fails alone."""
+        with self._lock:
+            alone = next((work for work in self._active if work.alone), None)
+            group = [alone] if alone is not None else self._active if self.packs else self._active[:1]
+            group = list(group)
+            failed: list[tuple[_Work, BaseException]] = []
+            for work in group:
+                if not work.resumed:
                     self._resume(work)
-                self._run(group)
-        return [PromptScores(tuple(w.ids), tuple(w.logprobs),
-                             tuple(tuple((int(t), float(v)) for t, v in zip(i[:count], value[:count]))
-                                   for i, value in zip(w.top_ids, w.top_values)),
-                             np.asarray(w.pending), w.forwarded) for w, count in zip(works, tops)]
+            try:
+                if group:
+                    self._round(group)
+            except Exception as exc:  # noqa: BLE001  (the prompt's own failure goes to its client)
+                if len(group) == 1:
+                    failed.append((group[0], exc))
+                for work in group if len(group) > 1 else ():
+                    work.restart()
+            lost = {id(work) for work, _ in failed}
+            finished = [work for work in group if work.finished]
+            self._active = [work for work in self._active if not work.finished and id(work) not in lost]
+            return finished, failed
+
+    @staticmethod
+    def scores(work: _Work) -> PromptScores:
+        """The answer of a finished ``work``, with its ``top`` alternatives per position."""
+        count = work.top
+        return PromptScores(tuple(work.ids), tuple(work.logprobs),
+                            tuple(tuple((int(t), float(v)) for t, v in zip(i[:count], value[:count]))
+                                  for i, value in zip(work.top_ids, work.top_values)),
+                            np.asarray(work.pending), work.forwarded)
 
     # ------------------------------------------------------------------------------------------ internals
     def _cut(self, shared: int) -> int:
@@ -174,6 +239,7 @@ class PromptScorer:
     def _resume(self, work: _Work) -> None:
         """Start ``work`` at the longest cut it shares with a resident prompt (on a fork of its session when
         sessions fork, else on the session itself, taken out of the cache and rolled back)."""
+        work.resumed = True
         best, best_cut = None, 0
         for key, resident in self._residents.items():
             cut = self._cut(_common(resident.tokens, work.ids))
@@ -193,30 +259,27 @@ class PromptScorer:
         work.logprobs = resident.logprobs[: best_cut + 1]
         work.top_ids, work.top_values = resident.top_ids[: best_cut + 1], resident.top_values[: best_cut + 1]
 
-    def _run(self, works: list[_Work]) -> None:
-        """Feed ``works`` chunk by chunk to their ends: each round, one forward of every distinct next chunk
-        (works whose prompts agree up to its end share it and its session)."""
-        active = list(works)                         # a resumed prompt has a token after its cut to feed
-        while active:
-            rounds: dict[tuple[int, ...], list[_Work]] = {}
-            for work in active:
-                end = min(len(work.ids), (work.done // self.chunk + 1) * self.chunk)
-                rounds.setdefault(tuple(work.ids[:end]), []).append(work)
-            taken: set[int] = set()
-            feeds = []
-            for key, members in rounds.items():
-                lead = members[0]
-                session = lead.session
-                if session is not None and id(session) in taken:
-                    session = session.fork()         # another chunk continues the same prefix this round
-                taken.add(id(session))
-                feeds.append((members, session, lead.done, len(key)))
-            for (members, _, done, end), (session, rows) in zip(feeds, self._forward(feeds)):
-                self._advance(members, session, rows, done, end)
-            for work in active:
-                if work.done == len(work.ids):
-                    self._keep(work)
-            active = [w for w in active if w.done < len(w.ids)]
+    def _round(self, active: list[_Work]) -> None:
+        """Feed each of ``active`` its next chunk: one forward of every distinct next chunk (works whose
+        prompts agree up to its end share it and its session)."""
+        rounds: dict[tuple[int, ...], list[_Work]] = {}
+        for work in active:
+            end = min(len(work.ids), (work.done // self.chunk + 1) * self.chunk)
+            rounds.setdefault(tuple(work.ids[:end]), []).append(work)
+        taken: set[int] = set()
+        feeds = []
+        for key, members in rounds.items():
+            lead = members[0]
+            session = lead.session
+            if session is not None and id(session) in taken:
+                session = session.fork()         # another chunk continues the same prefix this round
+            taken.add(id(session))
+            feeds.append((members, session, lead.done, len(key)))
+        for (members, _, done, end), (session, rows) in zip(feeds, self._forward(feeds)):
+            self._advance(members, session, rows, done, end)
+        for work in active:
+            if work.finished:
+                self._keep(work)
 
     def _forward(self, feeds: list) -> list[tuple[Any, np.ndarray]]:
         """``(session, rows)`` per ``(members, session, done, end)``: rows j = the law of token done + j + 1
@@ -293,6 +356,8 @@ class ScoreJob:
         self.error: BaseException | None = None
         self.ended = True             # False while the engine holds it (set by the engine)
         self.disconnected = False
+        self.reservation: Any = None  # the room it takes in the engine (set by the engine; None: its own)
+        self.work: Any = None         # its place in the engine's scorer, while scored
 
     def finish(self, scores: PromptScores | None = None, error: BaseException | None = None) -> None:
         self.scores, self.error = scores, error
@@ -324,6 +389,17 @@ class ScoreJob:
             raise self.error
         assert self.scores is not None
         return self.scores
+
+
+def _checked(tokens: Sequence[int], top: int, vocab_size: int, name: str) -> _Work:
+    """A work for ``tokens`` with ``top`` alternatives, both checked where they enter."""
+    ids = check_token_ids(tokens, vocab_size, name=name)
+    if not ids:
+        raise InputError("prompt is empty: echo needs at least one token")
+    check_int(top, "top", minimum=0)
+    if top > MAX_TOP:
+        raise InputError(f"top must be at most {MAX_TOP}, got {top}")
+    return _Work(ids, top)
 
 
 def _common(first: Sequence[int], second: Sequence[int]) -> int:

@@ -1,0 +1,158 @@
+"""Echo scoring in rounds: a long prompt's scoring is interleaved with the generations' steps (a short
+generation ends while it is still being scored), a cancelled scoring stops at the next round and is counted
+as a cancelled request, and the answer is bitwise the same however the prompt was cut into rounds.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+
+from speculum.models import MarkovModel  # noqa: E402
+from speculum.serving import Engine, GenerationRequest  # noqa: E402
+from speculum.serving.scoring import DEFAULT_CHUNK, PromptScorer  # noqa: E402
+
+from test_serve import decode  # noqa: E402
+from test_serve_echo import same  # noqa: E402
+
+LONG = 4000                  # prompt tokens: over a hundred rounds of the scorer's chunk
+
+
+class SlowChain(MarkovModel):
+    """A first-order chain whose sessions take a moment per forward, as a real model's do."""
+
+    def start(self, prompt):
+        session = super().start(prompt)
+        extend = session.extend
+
+        def slow_extend(tokens):
+            time.sleep(0.001)
+            return extend(tokens)
+
+        session.extend = slow_extend
+        return session
+
+
+def slow_chain() -> SlowChain:
+    base = MarkovModel.random(8, seed=3, scale=2.0)
+    return SlowChain(base.transition_logprobs, base.initial_logprobs, eos_token_id=None)
+
+
+def long_prompt(seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 7, LONG).tolist()
+
+
+def wait_until(condition, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_short_generation_ends_while_a_long_echo_is_still_scored():
+    engine = Engine(slow_chain(), decode=decode)
+    try:
+        scoring = engine.score(long_prompt(), top=5)
+        wait_until(lambda: engine.scorer.forwards > 0)
+        generation = engine.submit(GenerationRequest([1, 2], max_tokens=4, temperature=0.0))
+        assert [d.finish_reason for d in generation][-1] == "length"
+        assert not scoring.done                      # the generation did not wait for the whole prompt
+        scores = scoring.result(timeout=60)
+    finally:
+        engine.close()
+    assert same(scores, PromptScorer(slow_chain()).score(long_prompt(), top=5))
+
+
+def test_a_cancelled_echo_stops_at_the_next_round_and_counts_as_cancelled():
+    engine = Engine(slow_chain(), decode=decode)
+    try:
+        scoring = engine.score(long_prompt(), top=5)
+        wait_until(lambda: engine.scorer.forwards > 2)
+        scoring.cancel(disconnected=True)
+        wait_until(lambda: scoring.done)
+        fed_then = engine.scorer.forwarded_tokens
+        assert fed_then < LONG // 2
+        time.sleep(0.05)
+        assert engine.scorer.forwarded_tokens == fed_then     # nothing more fed for it
+        wait_until(lambda: engine.admitted == 0)
+        assert (engine.metrics.requests_cancelled, engine.metrics.requests_disconnected) == (1, 1)
+        with pytest.raises(Exception, match="cancelled"):
+            scoring.result(timeout=1)
+        # The worker is free: the next request is served at once.
+        job = engine.submit(GenerationRequest([1, 2], max_tokens=2, temperature=0.0))
+        assert [d.finish_reason for d in job][-1] == "length"
+    finally:
+        engine.close()
+
+
+def test_interleaved_scoring_rounds_answer_each_prompt_as_alone():
+    """Prompts started at different rounds of one scorer, each bitwise its answer from a fresh scorer."""
+    target = MarkovModel.random(8, seed=5, scale=2.0)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 8, int(n)).tolist() for n in rng.integers(1, 200, 6)]
+    scorer = PromptScorer(target, chunk=7)
+    works, pending = [], list(prompts)
+    while pending or scorer.busy:
+        if pending:
+            works.append(scorer.start(pending.pop(0), top=3))
+        scorer.advance()
+    for prompt, work in zip(prompts, works):
+        assert same(scorer.scores(work), PromptScorer(target, chunk=7).score(prompt, top=3))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from hf_tiny import save_tiny_model
+    from speculum.models.hf import HFModel
+
+    return HFModel.from_pretrained(save_tiny_model(tmp_path_factory.mktemp("rounds") / "tiny", max_context=1024))
+
+
+@pytest.mark.parametrize("length,chunk", [(40, 1), (40, 3), pytest.param(300, 7, marks=pytest.mark.slow),
+                                          pytest.param(1000, DEFAULT_CHUNK, marks=pytest.mark.slow)])
+def test_a_row_canonical_model_scores_bitwise_the_same_in_any_chunking(tiny_llama, length, chunk):
+    """The PyTorch fused forward is row-canonical: a prompt scored in rounds of ``chunk`` tokens gets the
+    rows it gets scored in one forward, bit for bit (long prompts against short chunks included)."""
+    if not tiny_llama.capabilities.canonical_rows:
+        pytest.skip("this model's forward is not row-canonical here")
+    prompt = np.random.default_rng(length).integers(3, tiny_llama.vocab_size, length).tolist()
+    whole = PromptScorer(tiny_llama, chunk=length).score(prompt, top=5)
+    assert same(PromptScorer(tiny_llama, chunk=chunk).score(prompt, top=5), whole)
+
+
+def test_scoring_never_runs_between_two_steps_for_longer_than_the_step_before():
+    """While generations run, the worker spends at most as long scoring as generating (plus one round)."""
+    engine = Engine(slow_chain(), decode=decode, background=False)
+    spent = {"generate": 0.0, "score": 0.0, "rounds": 0, "longest": 0.0}
+    generate, score_round = engine._generate, engine._score_round
+
+    def timed_generate():
+        took = generate()
+        spent["generate"] += took
+        return took
+
+    def timed_round():
+        took = score_round()
+        spent["score"] += took
+        spent["rounds"] += 1
+        spent["longest"] = max(spent["longest"], took)
+        return took
+
+    engine._generate, engine._score_round = timed_generate, timed_round
+    scoring = engine.score(long_prompt(), top=0)
+    generation = engine.submit(GenerationRequest([1, 2], max_tokens=200, temperature=0.0))
+    worker = threading.Thread(target=engine.run)
+    worker.start()
+    try:
+        assert [d.finish_reason for d in generation][-1] == "length"
+        generated, scored = spent["generate"], spent["score"]
+    finally:
+        engine.close()
+        worker.join(10)
+    assert spent["rounds"] > 0 and scored <= generated + spent["longest"]
+    del scoring
