@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from typing import Any
 
 from .engine import Engine
@@ -25,10 +26,10 @@ def serve_on_this_thread(server: Any, engine: Engine, *, grace: float = DEFAULT_
     docstring for why), until the server stops. Returns whether the server started (False: it could not
     listen; uvicorn has logged why).
 
-    From the main thread, SIGINT / SIGTERM start a graceful shutdown: new requests get 503, the engine keeps
-    generating the admitted ones for up to ``grace`` seconds, then ends those left with an error event (a
-    stream then sends it and ``[DONE]``; a waiting non-streamed request gets 503), uvicorn closes the
-    connections (give its ``timeout_graceful_shutdown`` a margin over ``grace``), the app's shutdown closes
+    From the main thread, SIGINT / SIGTERM start a graceful shutdown: new requests get 503 (the server keeps
+    listening meanwhile), the engine keeps generating the admitted ones for up to ``grace`` seconds, then
+    ends those left with an error event (a stream then sends it and ``[DONE]``; a waiting non-streamed
+    request gets 503), uvicorn stops listening and closes the connections (give its ``timeout_graceful_shutdown`` a margin over ``grace``), the app's shutdown closes
     the engine, and the signal is raised again with its previous handler, so the process ends as stopped by
     it (exit status 130 / 143 in a shell).
     """
@@ -48,7 +49,15 @@ def serve_on_this_thread(server: Any, engine: Engine, *, grace: float = DEFAULT_
         # engine's locks there (its queue's mutex, its metrics lock): the drain, which takes them, runs on a
         # thread of its own. uvicorn's handle_exit only sets flags.
         received.append(sig)
-        threading.Thread(target=engine.drain, args=(grace,), name="speculum-drain", daemon=True).start()
+        threading.Thread(target=drain, args=(sig, frame), name="speculum-drain", daemon=True).start()
+
+    def drain(sig: int, frame: Any) -> None:
+        engine.drain(grace)
+        # uvicorn stops listening as soon as it is told to exit: until the admitted requests are done (or
+        # the grace period is over) it keeps answering, and a request arriving meanwhile gets its 503.
+        deadline = time.monotonic() + grace
+        while engine.admitted and time.monotonic() < deadline:
+            time.sleep(0.02)
         server.handle_exit(sig, frame)
 
     previous = {}
