@@ -2,6 +2,8 @@
 which field an error names, and that renderers give OpenAI's keys."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("pydantic")
@@ -106,3 +108,40 @@ def test_renderers_give_openais_keys():
     end = chat.chunk("id", last, False)
     assert end["usage"]["total_tokens"] == 3 and end["object"] == "chat.completion.chunk"
     assert CompletionRenderer("m", logprobs=None).whole("id", "c", last, scored)["choices"][0]["logprobs"] is None
+
+
+# ------------------------------------------------------------------------------- every refusal names its field
+def _refusal_over_http(body: dict, route: str = "/v1/completions") -> dict:
+    from fastapi.testclient import TestClient
+
+    from speculum.serving import Engine, create_app
+    from test_serve import NAME, decode, encode, encode_chat, make_target
+
+    engine = Engine(make_target(), decode=decode)
+    with TestClient(create_app(engine, NAME, encode_text=encode, encode_chat=encode_chat)) as client:
+        reply = client.post(route, content=json.dumps(body, allow_nan=True),
+                            headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    return reply.json()["error"]
+
+
+@pytest.mark.parametrize("body,param,says", [
+    ({"prompt": [0, 1, 99]}, "prompt", "vocab"),                             # an id outside the vocabulary
+    ({"prompt": [0, 1] * 40}, "prompt", "max_context"),                     # longer than the context window
+    ({"prompt": [[0, 1], [0, 99]], "echo": True, "max_tokens": 0}, "prompt", "vocab"),
+    ({"prompt": 5}, "prompt", "prompt"),                                      # a type error
+    ({"prompt": "ab", "max_tokens": "3"}, "max_tokens", "integer"),
+    ({"prompt": "ab", "temperature": float("nan")}, "temperature", "finite"),
+    ({"prompt": "ab", "temperature": float("inf")}, "temperature", "finite"),
+    ({"prompt": "ab", "top_p": float("nan")}, "top_p", "finite"),
+    ({"prompt": "ab", "logprobs": 21}, "logprobs", "20"),
+    ({"prompt": "ab", "stop": 3}, "stop", "stop"),
+])
+def test_every_validation_error_names_the_request_field(body, param, says):
+    error = _refusal_over_http(body)
+    assert error["param"] == param and says in error["message"], error
+
+
+def test_a_chat_message_of_the_wrong_type_names_messages():
+    error = _refusal_over_http({"messages": [{"role": "user", "content": 3}]}, "/v1/chat/completions")
+    assert error["param"] == "messages", error

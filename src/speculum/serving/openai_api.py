@@ -115,7 +115,9 @@ async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONRe
         return _error(400, f"the body is not valid JSON (at byte {where}): {problems[0].get('ctx', {}).get('error', '')}"
                            .rstrip(": "))
     first = problems[0] if problems else {}
-    field = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+    # The request field at fault, as every other refusal names it ("prompt", not "prompt.list[int].0").
+    location = first.get("loc", ())
+    field = str(location[1]) if len(location) > 1 else None
     message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
                         for e in problems[:3])
     return _error(400, message or "invalid request body", param=field)
@@ -189,6 +191,17 @@ class _Api:
         return PlainTextResponse(prometheus_text(self.engine), media_type="text/plain; version=0.0.4")
 
     # -------------------------------------------------------------------------------------------------
+    def _check_ids(self, ids: Sequence[int], param: str) -> None:
+        """Refuse ids outside the vocabulary or more than the context window, naming the request field."""
+        try:
+            check_token_ids(ids, self.engine.target.vocab_size, name=param)
+        except InputError as exc:
+            raise RequestError(str(exc), param=param) from None
+        max_context = getattr(self.engine.target, "max_context", None)
+        if max_context is not None and len(ids) > max_context:
+            raise RequestError(f"the prompt has {len(ids)} tokens, more than the target's max_context "
+                               f"{max_context}", param=param)
+
     def _encode(self, encode: Callable[[], Any]) -> Any:
         with self.codec.lock:
             try:
@@ -204,6 +217,7 @@ class _Api:
             prompt_ids = await asyncio.to_thread(self._encode, encode)      # never on the event loop
             generation = to_request(body, prompt_ids, self.limits, model_name=self.model_name,
                                     default_max_tokens=self.default_max_tokens)
+            self._check_ids(prompt_ids, "prompt" if isinstance(body, CompletionBody) else "messages")
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
             job = self.engine.submit(generation, on_event=lambda event: loop.call_soon_threadsafe(events.put_nowait,
@@ -227,9 +241,14 @@ class _Api:
         try:
             check_batch_size(prompts, self.engine.capacity)
             check_prompt_size(body, self.limits)
+            for prompt in prompts:          # token ids are checked before anything decodes them
+                if isinstance(prompt, list):
+                    self._check_ids(prompt, "prompt")
             ids, texts = await asyncio.to_thread(self._encode, encode)
             generations = [to_request(body, prompt_ids, self.limits, model_name=self.model_name,
                                       default_max_tokens=self.default_max_tokens) for prompt_ids in ids]
+            for prompt_ids in ids:
+                self._check_ids(prompt_ids, "prompt")
             # Room for every prompt or none: a batch refused with 429 runs no prompt of it.
             places = self.engine.reserve(len(generations))
         except (InputError, EngineBusy, EngineClosed) as exc:

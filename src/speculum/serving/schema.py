@@ -75,7 +75,8 @@ def error_body(message: str, *, kind: str = "invalid_request_error", param: str 
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    # NaN and infinities are refused as not finite (a NaN compares false with every bound).
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)          # 0: only with echo
     max_completion_tokens: int | None = Field(None, ge=1)
