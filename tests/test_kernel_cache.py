@@ -13,6 +13,7 @@ import re
 import stat
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -186,20 +187,16 @@ def test_a_planted_tiles_pass_does_not_skip_the_child_test(tmp_path, monkeypatch
 # ------------------------------------------------------------------------------------------ off
 @pytest.mark.parametrize("value", ["off", "0", "OFF "])
 def test_kernels_off_takes_every_fallback(monkeypatch, value):
+    grouped.kernel_unavailable(), tiles.tiles_unavailable()      # whatever this machine has, loaded first
     monkeypatch.setenv("SPECULUM_KERNELS", value)
-    grouped._loaded.cache_clear()
-    tiles._loaded.cache_clear()
-    try:
-        assert "SPECULUM_KERNELS" in kernels.kernels_disabled()
-        assert "SPECULUM_KERNELS" in grouped.kernel_unavailable()
-        assert "SPECULUM_KERNELS" in tiles.tiles_unavailable()
-        import numpy as np
-        assert grouped.grouped_run([grouped.pack("q8_0", np.zeros((16, 34), np.uint8))]) is None
-        product = build_product([torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)])
-        assert not isinstance(product.run, TileProduct) and product.rows_alone
-    finally:
-        grouped._loaded.cache_clear()
-        tiles._loaded.cache_clear()
+    assert "SPECULUM_KERNELS" in kernels.kernels_disabled()
+    assert "SPECULUM_KERNELS" in grouped.kernel_unavailable()
+    assert "SPECULUM_KERNELS" in tiles.tiles_unavailable()
+    assert grouped.grouped_run([grouped.pack("q8_0", np.zeros((16, 34), np.uint8))]) is None
+    with pytest.raises(RuntimeError, match="SPECULUM_KERNELS"):
+        TileProduct(torch.zeros(16, 32, dtype=torch.bfloat16))
+    product = build_product([torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)])
+    assert not isinstance(product.run, TileProduct) and product.rows_alone
 
 
 @pytest.mark.parametrize("value", ["", "on", "1"])

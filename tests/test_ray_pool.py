@@ -217,3 +217,43 @@ def test_workers_wait_passively_at_openmp_barriers(tiny_pool):
 
     expected = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     assert [info["omp_wait_policy"] for info in tiny_pool.worker_info()] == [expected, expected]
+
+
+# ------------------------------------------------------------------------------------------ kernels
+PATHS = {"kernels_off": None, "grouped": "a3acb240f156", "tiles": None, "cpu_flags": ["avx2", "avx512f", "fma"]}
+
+
+def test_a_worker_on_other_kernels_is_named_in_one_line():
+    from speculum.distributed.ray_pool import kernel_mismatch
+
+    assert kernel_mismatch([PATHS, dict(PATHS)], PATHS) is None
+    assert kernel_mismatch([None, None], None) is None                  # another backend: nothing to compare
+    reason = kernel_mismatch([PATHS, {**PATHS, "cpu_flags": ["avx2", "fma"]}], PATHS)
+    assert reason.startswith("Ray worker 1 ") and "cpu_flags" in reason and "SPECULUM_KERNELS=off" in reason
+    assert "\n" not in reason
+    assert "grouped" in kernel_mismatch([{**PATHS, "grouped": None}], PATHS)
+
+
+def test_a_pool_whose_workers_turn_the_kernels_off_alone_is_refused(cluster):
+    pytest.importorskip("torch")
+
+    def kernels_off_there():
+        os.environ["SPECULUM_KERNELS"] = "off"
+        import speculum.models.hf.products  # noqa: F401  (a model on the PyTorch backend)
+        return TINY()
+
+    with pytest.raises(InputError, match="Ray worker 0 multiplies on other kernels than this process"):
+        RayPool(kernels_off_there, workers=1)
+
+
+def test_kernels_off_here_reaches_every_worker(cluster, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.setenv("SPECULUM_KERNELS", "off")
+
+    def on_the_pytorch_backend():
+        import speculum.models.hf.products  # noqa: F401  (a model on the PyTorch backend)
+        return TINY()
+
+    with RayPool(on_the_pytorch_backend, workers=1) as pool:
+        reports = [info["products"] for info in pool.worker_info()]
+    assert all(report["kernels_off"] and report["grouped"] is None for report in reports)

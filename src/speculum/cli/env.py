@@ -19,12 +19,10 @@ import platform
 from typing import Any
 
 from speculum import __version__
-from speculum.models.cpu import cpu_flags, cpu_name
+from speculum.models.cpu import KERNEL_FLAGS, cpu_flags, cpu_name
 
 __all__ = ["register", "run", "environment"]
 
-# Flags that decide the kernels and the dtype advice, as /proc/cpuinfo names them.
-_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def register(subparsers: Any) -> None:
@@ -75,7 +73,7 @@ def environment() -> dict[str, Any]:
     from speculum.models.hf.tiles import tiles_unavailable  # (as above)
 
     flags = cpu_flags()
-    report["cpu"]["flags"] = {flag: flag in flags for flag in _FLAGS} if flags else None
+    report["cpu"]["flags"] = {flag: flag in flags for flag in KERNEL_FLAGS} if flags else None
     report["cpu"]["torch_threads"] = torch.get_num_threads()
 
     def kernel(reason: str | None) -> dict[str, Any]:

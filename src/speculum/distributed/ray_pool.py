@@ -14,6 +14,11 @@ enumeration run on the pool unchanged and answer exactly as they do locally.
 Sessions (``start``, incremental decoding) and the rest of a model's surface (``tokenizer``, ``encode``,
 ``decode``) come from a local copy of the model, loaded on first use.
 
+Kernels: each actor reports the paths its products take (speculum's compiled kernels, where they run, and
+the CPU flags that pick PyTorch's); a pool whose actors would multiply on other kernels than this process
+is refused with a one-line reason, since its rows would not be bitwise the local model's.
+``SPECULUM_KERNELS=off`` set here reaches every actor: PyTorch's kernels everywhere.
+
 Faults: an actor that dies during a call (its process killed, its node lost) is replaced by a fresh actor
 that loads the same model, and every batch queued on it runs again there; which actor computed a batch
 never changes a result.
@@ -42,7 +47,7 @@ from ..models.base import Capabilities, check_token_ids
 from ..models.default import load_model
 
 __all__ = ["RayPool", "ModelSpec", "PoolStats", "ClusterUnreachableError", "WorkerLostError", "ray_install_hint",
-           "check_address", "CONNECT_TIMEOUT"]
+           "check_address", "kernel_mismatch", "CONNECT_TIMEOUT"]
 
 # Replacements of a dead actor within one call before the call fails.
 DEFAULT_MAX_RETRIES = 3
@@ -128,7 +133,7 @@ class _Worker:
     def describe(self) -> dict[str, Any]:
         model = self.model
         return {"vocab_size": int(model.vocab_size), "pid": os.getpid(), "allocator_tuned": self.allocator_tuned,
-                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "products": _product_paths(),
                 **{name: getattr(model, name, None) for name in
                    ("bos_token_id", "eos_token_id", "max_context", "name", "capabilities")},
                 "accepts_empty_prompt": bool(getattr(model, "accepts_empty_prompt", False))}
@@ -197,10 +202,15 @@ class RayPool:
         self.threads = check_optional_int(threads, "threads", minimum=1) or _local_threads()
         try:
             self._actors = [self._new_actor() for _ in range(self.workers)]
-            info = ray.get([actor.describe.remote() for actor in self._actors])[0]
+            infos = ray.get([actor.describe.remote() for actor in self._actors])
+            reports = [worker["products"] for worker in infos]
+            mismatch = kernel_mismatch(reports, _product_paths(needed=any(r is not None for r in reports)))
+            if mismatch is not None:
+                raise InputError(mismatch)
         except BaseException:
             self.close()
             raise
+        info = infos[0]
         self.vocab_size: int = info["vocab_size"]
         self.bos_token_id = info["bos_token_id"]
         self.eos_token_id = info["eos_token_id"]
@@ -237,6 +247,8 @@ class RayPool:
         # they wait would take cores from the threads doing work, so they wait passively (unless the caller
         # chose a policy); the variable is read when torch loads, so it is set in the actor's environment.
         policy = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        if "SPECULUM_KERNELS" in os.environ:       # kernels off here: off on every worker too
+            policy["SPECULUM_KERNELS"] = os.environ["SPECULUM_KERNELS"]
         remote = self._ray.remote(_Worker).options(num_cpus=self.cpus_per_worker, max_restarts=0,
                                                    runtime_env={"env_vars": policy})
         return remote.remote(self.spec, self.threads)
@@ -267,7 +279,8 @@ class RayPool:
         return [info["pid"] for info in self.worker_info()]
 
     def worker_info(self) -> list[dict[str, Any]]:
-        """What each live actor reports of itself: ``pid``, ``allocator_tuned``, ``omp_wait_policy``, and
+        """What each live actor reports of itself: ``pid``, ``allocator_tuned``, ``omp_wait_policy``,
+        ``products`` (its product paths, None off the PyTorch backend), and
         its model's ``vocab_size``, ``name``, ``capabilities`` and special tokens."""
         return self._ray.get([a.describe.remote() for a in self._actors])
 
@@ -416,6 +429,29 @@ def check_address(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise ClusterUnreachableError(f"cannot reach the Ray cluster at {address}: {reason}") from None
+
+
+def _product_paths(needed: bool = False) -> dict[str, Any] | None:
+    """This process's product paths (:func:`~speculum.models.hf.products.product_paths`) where its model runs
+    on the PyTorch backend (or ``needed``), else None: other backends' numbers do not depend on them."""
+    if not needed and "speculum.models.hf.products" not in sys.modules:
+        return None
+    from ..models.hf.products import product_paths  # the hf backend (torch): only where a model uses it
+
+    return product_paths()
+
+
+def kernel_mismatch(workers: Sequence[dict[str, Any] | None], local: dict[str, Any] | None) -> str | None:
+    """Why the workers' products would not be bitwise this process's (one line), else None. ``workers``
+    and ``local`` are product-path reports (None: a model off the PyTorch backend, nothing to compare)."""
+    for index, report in enumerate(workers):
+        if report is None or local is None or report == local:
+            continue
+        key = next(key for key in sorted(set(report) | set(local)) if report.get(key) != local.get(key))
+        return (f"Ray worker {index} multiplies on other kernels than this process ({key}: {report.get(key)!r} "
+                f"there, {local.get(key)!r} here), so its rows would not be bitwise the local model's; set "
+                "SPECULUM_KERNELS=off here and on every machine of the cluster to use PyTorch's kernels everywhere")
+    return None
 
 
 def _one_line(exc: BaseException) -> str:

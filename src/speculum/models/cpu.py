@@ -11,7 +11,10 @@ from __future__ import annotations
 import platform
 from functools import lru_cache
 
-__all__ = ["cpu_flags", "cpu_identity", "cpu_name"]
+__all__ = ["cpu_flags", "cpu_identity", "cpu_name", "KERNEL_FLAGS"]
+
+# The flags that decide which kernels run (speculum's own and PyTorch's) and which dtypes pay on this CPU.
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 @lru_cache(maxsize=1)

@@ -41,7 +41,7 @@ import torch
 
 from .kernels import build, kernels_disabled
 
-__all__ = ["GroupedProduct", "GroupedWeight", "attach_groups", "grouped_run", "kernel_unavailable", "load_groups",
+__all__ = ["kernel_source", "GroupedProduct", "GroupedWeight", "attach_groups", "grouped_run", "kernel_unavailable", "load_groups",
            "multiply_by_groups", "pack", "read_groups", "save_groups", "GROUPS"]
 
 GROUPS = "speculum_groups"        # the attribute of an ``nn.Linear`` holding its GroupedWeight
@@ -164,21 +164,24 @@ def multiply_by_groups(layers: list) -> GroupedProduct | None:
 _KERNEL_LOCK = threading.Lock()
 
 
+def kernel_source() -> Path:
+    """The kernel's C source (what its release is the hash of)."""
+    return _SOURCE
+
+
 def kernel_unavailable() -> str | None:
-    """None when the grouped kernel is built and loaded on this machine, else why not (one line)."""
-    return _loaded()[1]
+    """None when the grouped kernel is built and loaded on this machine, else why not (one line);
+    ``SPECULUM_KERNELS=off`` is read at each call."""
+    return kernels_disabled() or _loaded()[1]
 
 
 def _kernel() -> ctypes.CDLL | None:
-    return _loaded()[0]
+    return None if kernels_disabled() else _loaded()[0]
 
 
 @functools.lru_cache(maxsize=1)
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
-    off = kernels_disabled()
-    if off is not None:
-        return None, off
     with _KERNEL_LOCK:
         try:
             library = ctypes.CDLL(str(build("grouped", _SOURCE)))

@@ -47,7 +47,8 @@ import torch  # noqa: F401  (loads PyTorch's OpenMP runtime, which the kernels l
 from ..cpu import cpu_identity
 from .kernel_cache import kernel_folder, private_folder, read_record, untrusted, write_record
 
-__all__ = ["build", "kernels_disabled", "compiler_command", "library_stem", "openmp_runtime", "FLAGS"]
+__all__ = ["build", "kernels_disabled", "compiler_command", "library_release", "library_stem", "openmp_runtime",
+           "FLAGS"]
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC"]      # compiling, not linking
 _OFF = {"off", "0", "no", "false"}
@@ -100,6 +101,12 @@ def library_stem(name: str, source: Path) -> str:
              cpu_identity().encode()]
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()
     return f"{name}-{digest[:20]}"
+
+
+def library_release(source: Path) -> str:
+    """The hash of the source and the flags: what two machines compare (their CPUs aside) to know that
+    they compile the same kernel."""
+    return hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode()])).hexdigest()[:12]
 
 
 def build(name: str, source: Path) -> Path:

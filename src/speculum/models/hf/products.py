@@ -36,12 +36,14 @@ from typing import Any, Callable
 
 import torch
 
-from .grouped import multiply_by_groups
+from ..cpu import KERNEL_FLAGS, cpu_flags
+from .grouped import kernel_source, kernel_unavailable, multiply_by_groups
+from .kernels import kernels_disabled, library_release
 from .precision import Int8Linear
 from .prepack import PROBE_ROWS, gives_rows_alone, pack_weight, packed_linear
-from .tiles import TileProduct, tiles_unavailable
+from .tiles import TileProduct, tile_source, tiles_unavailable
 
-__all__ = ["RowProduct", "build_product", "is_float_linear", "is_int8_linear", "is_weight_int8"]
+__all__ = ["RowProduct", "build_product", "is_float_linear", "is_int8_linear", "is_weight_int8", "product_paths"]
 
 _BF16_ROWS_A_CALL = 32      # most rows a bfloat16 kernel call multiplies
 _ROWS_ALONE: dict[tuple[str, tuple[int, int]], bool] = {}   # (kind, weight shape) -> passed the probe
@@ -170,3 +172,15 @@ def build_product(layers: list) -> RowProduct:
         return RowProduct(lambda rows: torch.ops.quantized.linear_dynamic(rows, params, reduce_range=reduce), False)
     return RowProduct(lambda rows: torch.cat([torch.ops.quantized.linear_dynamic(rows, params, reduce_range=reduce)
                                               for params, reduce in ops], dim=-1), False)
+
+
+def product_paths() -> dict[str, Any]:
+    """What decides this machine's product paths: ``kernels_off`` (why the compiled kernels are off, else
+    None), ``grouped`` and ``tiles`` (each kernel's release, :func:`~speculum.models.hf.kernels.library_release`,
+    where it runs here, else None) and ``cpu_flags`` (those of :data:`~speculum.models.cpu.KERNEL_FLAGS` this
+    CPU has: they pick PyTorch's kernels too). Two processes with equal reports and thread counts multiply
+    every kind of product above on the same kernels."""
+    return {"kernels_off": kernels_disabled(),
+            "grouped": library_release(kernel_source()) if kernel_unavailable() is None else None,
+            "tiles": library_release(tile_source()) if tiles_unavailable() is None else None,
+            "cpu_flags": sorted(flag for flag in KERNEL_FLAGS if flag in cpu_flags())}

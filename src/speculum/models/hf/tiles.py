@@ -35,7 +35,7 @@ from ..cpu import cpu_flags
 from .kernel_cache import read_record, untrusted, write_record
 from .kernels import build, kernels_disabled
 
-__all__ = ["TileProduct", "tiles_unavailable"]
+__all__ = ["tile_source", "TileProduct", "tiles_unavailable"]
 
 _SOURCE = Path(__file__).with_name("tiles.c")
 _ROWS, _STEP, _COLUMNS = 16, 32, 16       # a tile's rows, inputs per tile dot product, columns per block
@@ -43,17 +43,20 @@ _LOCK = threading.Lock()
 _log = logging.getLogger("speculum")
 
 
+def tile_source() -> Path:
+    """The kernel's C source (what its release is the hash of)."""
+    return _SOURCE
+
+
 def tiles_unavailable() -> str | None:
-    """None when the tile kernel is built and permitted on this machine, else why not (one line)."""
-    return _loaded()[1]
+    """None when the tile kernel is built and permitted on this machine, else why not (one line);
+    ``SPECULUM_KERNELS=off`` is read at each call."""
+    return kernels_disabled() or _loaded()[1]
 
 
 @functools.lru_cache(maxsize=1)
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
-    off = kernels_disabled()
-    if off is not None:
-        return None, off
     if platform.system() != "Linux" or not {"amx_tile", "amx_bf16"} <= cpu_flags():
         return None, "this CPU has no AMX-BF16 tiles"
     with _LOCK:
@@ -123,7 +126,8 @@ class TileProduct:
 
     def __init__(self, weight: torch.Tensor) -> None:
         library, reason = _loaded()
-        if library is None:
+        reason = kernels_disabled() or reason
+        if reason is not None:
             raise RuntimeError(f"bfloat16 tile products are unavailable: {reason}")
         self._function = library.tiles_product
         self.out_features, self.in_features = weight.shape
