@@ -10,10 +10,17 @@ Four phases, each checked, with `/health` polled every 50 ms throughout (its lar
    (goal: < 1 s).
 3. **8 disconnecting clients**: non-streamed 2,000-token requests whose clients give up after 1 s; the
    server must cancel them (`requests_disconnected_total` 8, nothing left running) and answer the next.
-4. **SIGTERM with open streams**: two streams open, the server is sent SIGTERM; both must end with `[DONE]`
+4. **A generation beside a long echo**: a 4-token greedy generation's latency alone, then while an
+   `--echo-tokens` (8,000) prompt is scored (`echo`, `logprobs: 20`, `max_tokens: 0`), measured side by
+   side: the ratio must stay within 3x. The echo's client then gives up: the server must stop scoring
+   it within one round (`scoring_forwards_total` grows by at most one after it is gone) and count it as
+   a disconnected request.
+5. **An oversized batch**: a list of more prompts than `--max-batch` + `--max-waiting` must get 400 naming
+   `prompt` and admit nothing (`requests_finished_total` unchanged).
+6. **SIGTERM with open streams**: two streams open, the server is sent SIGTERM; both must end with `[DONE]`
    (the long one after an error event) and the process must end as stopped by SIGTERM.
 
-    .venv/bin/python benchmarks/server_limits.py            # ~2 min on 2 cores
+    .venv/bin/python benchmarks/server_limits.py            # ~3 min on 2 cores
     .venv/bin/python benchmarks/server_limits.py --json
 """
 from __future__ import annotations
@@ -83,9 +90,53 @@ def metrics(url: str) -> dict[str, float]:
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
+def echo_phase(url: str, prompt: str, echo_tokens: int) -> dict:
+    """A 4-token generation's latency alone and beside an echo of ``echo_tokens`` tokens (medians of 3,
+    side by side), then how many scoring rounds ran after the echo's client left."""
+    def latency() -> float:
+        began = time.monotonic()
+        complete(url, prompt, max_tokens=4, temperature=0)
+        return time.monotonic() - began
+
+    alone = sorted(latency() for _ in range(3))[1]
+    ids = [1000 + (i * 7919) % 39000 for i in range(echo_tokens)]      # ordinary tokens, no specials
+    give_up_after = max(5.0, 12 * alone)
+    gave_up = threading.Event()
+
+    def echo() -> None:
+        try:
+            complete(url, ids, timeout=give_up_after, echo=True, logprobs=20, max_tokens=0)
+        except httpx.TimeoutException:
+            pass
+        gave_up.set()
+
+    before = metrics(url)
+    thread = threading.Thread(target=echo)
+    thread.start()
+    while metrics(url)["speculum_scoring_forwards_total"] == before["speculum_scoring_forwards_total"]:
+        time.sleep(0.05)
+    beside = sorted(latency() for _ in range(3))[1]
+    gave_up.wait()
+    left = metrics(url)["speculum_scoring_forwards_total"]
+    began = time.monotonic()
+    while (metrics(url)["speculum_requests_disconnected_total"] == before["speculum_requests_disconnected_total"]
+           and time.monotonic() - began < 30):
+        time.sleep(0.02)
+    time.sleep(0.5)
+    after = metrics(url)
+    thread.join()
+    alone = (alone + sorted(latency() for _ in range(3))[1]) / 2        # before and after, side by side
+    return {"echo_tokens": echo_tokens, "generation_alone_s": round(alone, 3),
+            "generation_beside_echo_s": round(beside, 3), "latency_ratio": round(beside / alone, 2),
+            "rounds_after_client_left": int(after["speculum_scoring_forwards_total"] - left),
+            "cancelled_by_server": int(after["speculum_requests_disconnected_total"]
+                                       - before["speculum_requests_disconnected_total"])}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--burst", type=int, default=120, help="requests sent at once (default: 120)")
+    parser.add_argument("--echo-tokens", type=int, default=8000, help="tokens of the echoed prompt (default: 8000)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()
 
@@ -169,7 +220,19 @@ def main() -> int:
             "seconds_until_nothing_runs": round(freed, 2), "next_request_status": follow.status_code,
             "largest_health_latency_s": round(probe.worst, 3)}
 
-        # 4. SIGTERM with two open streams
+        # 4. A 4-token generation beside a long echo, then the echo's client gives up
+        report["echo"] = echo_phase(url, prompts[2], args.echo_tokens)
+
+        # 5. A batch larger than the bound
+        before = metrics(url)
+        batch = complete(url, [prompts[0]] * 17, max_tokens=2)          # --max-batch 8 + --max-waiting 8, + 1
+        after = metrics(url)
+        report["oversized_batch"] = {
+            "prompts": 17, "status": batch.status_code, "param": batch.json().get("error", {}).get("param"),
+            "requests_finished_meanwhile": int(after["speculum_requests_finished_total"]
+                                               - before["speculum_requests_finished_total"])}
+
+        # 6. SIGTERM with two open streams
         opened = threading.Barrier(3)
 
         def stream(max_tokens: int) -> list[str]:
@@ -206,7 +269,7 @@ def main() -> int:
         print(json.dumps(report, indent=2))
     else:
         print(f"# speculum serve under adversarial load, {report['cpu']}\n")
-        for phase in ("burst", "big_body", "disconnects", "sigterm"):
+        for phase in ("burst", "big_body", "disconnects", "echo", "oversized_batch", "sigterm"):
             print(f"{phase}:")
             for key, value in report[phase].items():
                 print(f"  {key}: {value}")
@@ -214,6 +277,10 @@ def main() -> int:
           and report["burst"]["answered"] + report["burst"]["refused_429"] == args.burst
           and report["big_body"]["largest_health_latency_s"] < 1.0
           and report["disconnects"]["cancelled_by_server"] == 8 and report["sigterm"]["ended_as_sigterm"]
+          and report["echo"]["latency_ratio"] <= 3.0 and report["echo"]["rounds_after_client_left"] <= 1
+          and report["echo"]["cancelled_by_server"] == 1
+          and report["oversized_batch"]["status"] == 400 and report["oversized_batch"]["param"] == "prompt"
+          and report["oversized_batch"]["requests_finished_meanwhile"] == 0
           and not report["sigterm"]["traceback_in_log"])
     return 0 if ok else 1
 

@@ -265,7 +265,9 @@ class _Api:
                 answers.cancel()
             for place in places:
                 place.release()
-        if answers.cancelled():
+        if not answers.done() or answers.cancelled():
+            # The client left: the answers are being cancelled (a gather ends once its children have).
+            answers.add_done_callback(lambda gathered: gathered.cancelled() or gathered.exception())
             return Response(status_code=499)
         try:
             results = answers.result()
