@@ -326,3 +326,35 @@ def test_draft_only_flags_warn_with_a_format(tmp_path, capsys):
     err = capsys.readouterr().err
     for flag in ("--certify", "--assumed-gap", "--window", "--seed"):
         assert f"warning: {flag} has no effect with --regex" in err
+
+
+# ------------------------------------------------------------------------------------ bounded work
+def test_a_listing_past_max_forwards_stops_with_one_line_naming_the_limit(capsys, tiny_dir):
+    """A format whose top-K needs more forwards than --max-forwards stops within about a batch past it,
+    with one line naming the regex and the flag; a budget large enough gives the listing unchanged."""
+    argv = ["enumerate", PROMPT, "--target", tiny_dir, "--regex", "[123xy]{1,5}", "--eos", "--top-k", "40"]
+    assert main(argv + ["--max-forwards", "2"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("speculum enumerate: error: "), captured.err
+    assert "'[123xy]{1,5}'" in lines[0] and "--max-forwards 2" in lines[0] and captured.out == ""
+    unbounded = run_json(capsys, *argv)
+    bounded = run_json(capsys, *argv, "--max-forwards", str(unbounded["forwards"]))
+    assert [row["tokens"] for row in bounded["items"]] == [row["tokens"] for row in unbounded["items"]]
+    assert [row["log_prob"] for row in bounded["items"]] == [row["log_prob"] for row in unbounded["items"]]
+    assert bounded["forwards"] <= unbounded["forwards"]
+    assert main(argv + ["--max-forwards", "0"]) == 2 and "--max-forwards must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("json_output", [False, True])
+def test_an_astronomically_large_format_is_listed_with_its_size(capsys, tiny_dir, json_output):
+    """'.{0,1000}' holds more strings than Python prints as an integer: the size is given in bits."""
+    argv = ["enumerate", PROMPT, "--target", tiny_dir, "--regex", ".{0,1000}", "--eos", "--max-len", "3",
+            "--top-k", "3"]
+    if json_output:
+        report = run_json(capsys, *argv)
+        assert report["size"] is None and report["size_bits"] > 20_000 and len(report["items"]) == 3
+    else:
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "format: 2^2" in out and len(out.strip().splitlines()) == 6

@@ -39,6 +39,11 @@ __all__ = ["add_enumerate_arguments", "add_rank_arguments", "check_enumerate", "
 MAX_LINE_CHARS = 1_000
 # Share of a file's characters that may be invalid UTF-8 before it counts as binary, not text.
 MAX_INVALID_SHARE = 0.05
+# Most prefixes ``enumerate --regex`` forwards for its listing: ~0.1 s each for SmolLM2-135M on a CPU, so a
+# format whose top-K lies deep in the model's tail (a wide class, a rare script) stops within about a minute.
+DEFAULT_LISTING_FORWARDS = 500
+# Counts with more binary digits than this are shown as 2^bits: Python refuses to print huge integers.
+_PRINTABLE_BITS = 10_000
 
 
 # -------------------------------------------------------------------------------------------- flags
@@ -54,6 +59,9 @@ def add_enumerate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strings", action="store_true",
                         help="with --regex: items are strings, each scored over all its tokenizations "
                              "(default: token sequences)")
+    parser.add_argument("--max-forwards", type=int, default=None, metavar="N",
+                        help="with --regex: most prefixes the index may forward for the listing; a format that "
+                             f"needs more stops with an error (default: {DEFAULT_LISTING_FORWARDS:,})")
     parser.add_argument("--all-tokenizations", action="store_true",
                         help="with --choices-file: score each choice over every token sequence that spells it "
                              "(default: the tokenizer's own tokens)")
@@ -85,6 +93,10 @@ def check_enumerate(args: argparse.Namespace) -> Any:
         raise CLIError("--strings goes with --regex (items are the strings of the format)")
     if args.all_tokenizations and args.choices_file is None:
         raise CLIError("--all-tokenizations goes with --choices-file")
+    max_forwards = getattr(args, "max_forwards", None)        # a Namespace built by an embedding caller may lack it
+    check_at_least(max_forwards, 1, "--max-forwards")
+    if max_forwards is not None and args.regex is None:
+        raise CLIError("--max-forwards goes with --regex")
     if args.regex is None and args.choices_file is None:
         if args.top_k is None:
             raise CLIError("--top-k is required (optional only with --choices-file)")
@@ -188,6 +200,23 @@ def read_lines(path: str, flag: str, command: str) -> list[str]:
     return lines
 
 
+class _ForwardLimit:
+    """A ``progress`` callback that stops a listing (CLIError) once it has forwarded more than ``limit``
+    prefixes, or as soon as the pass under way is sure to (its pending prefixes); ``limit`` None: no limit.
+    Events also go to ``inner`` (a bar)."""
+
+    def __init__(self, limit: int | None, what: str, inner: Callable[[Any], None] | None) -> None:
+        self.limit, self.what, self.inner = limit, what, inner
+
+    def __call__(self, event: Any) -> None:
+        if self.inner is not None:
+            self.inner(event)
+        if self.limit is not None and event.forwards + event.pending > self.limit:
+            raise CLIError(f"{self.what} needs more than {self.limit:,} forwarded prefixes (the limit, "
+                           f"--max-forwards {self.limit:,}; ~0.1 s each on a small CPU model): its members lie deep "
+                           f"in the model's tail; raise --max-forwards, narrow the format or cap --max-len")
+
+
 def eos_id(target: Any) -> int:
     """The target's eos id for ``--eos``; CLIError when it has none."""
     eos = getattr(target, "eos_token_id", None)
@@ -206,13 +235,31 @@ def _finite(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+def _infinite(value: float) -> bool:
+    # A count is an int (any size: no float conversion, which overflows past 2^1024) or float("inf").
+    return isinstance(value, float) and value == math.inf
+
+
 def _size(value: float) -> int | None:
-    """A count for JSON: an int, or None for an infinite one."""
-    return int(value) if math.isfinite(value) else None
+    """A count for JSON: an int, or None for an infinite one or one too large to print."""
+    return None if _infinite(value) or int(value).bit_length() > _PRINTABLE_BITS else int(value)
+
+
+def _bits(value: float) -> float | None:
+    """log2 of a count for JSON (None: infinite, or 0)."""
+    if _infinite(value) or value <= 0:
+        return None
+    value = int(value)
+    shift = max(value.bit_length() - 64, 0)      # exact to float precision, whatever the size
+    return math.log2(value >> shift) + shift
 
 
 def _count(value: float) -> str:
-    return "infinite" if value == math.inf else f"{int(value):,}"
+    if _infinite(value):
+        return "infinite"
+    if int(value).bit_length() > _PRINTABLE_BITS:
+        return f"2^{_bits(value):,.1f}"
+    return f"{int(value):,}"
 
 
 def _print_json(data: dict) -> None:
@@ -224,10 +271,13 @@ def enumerate_format(args: argparse.Namespace, target: Any, prompt: list[int], e
     """The top-K members of the format, exact, and a footer with its size and mass bracket."""
 
     started = time.perf_counter()
+    limit = getattr(args, "max_forwards", None) or DEFAULT_LISTING_FORWARDS
+    watch = _ForwardLimit(limit, f"the top {args.top_k:,} of --regex {args.regex!r}", _bar())
     index = AutoregressiveEnumerable(target, prompt=prompt, constraint=regex, eos=eos, max_len=args.max_len,
-                                     strings=args.strings, max_nodes=args.max_nodes, progress=_bar())
+                                     strings=args.strings, max_nodes=args.max_nodes, progress=watch)
     items = index.top_k(args.top_k)
     seek = index.seek_index()
+    watch.limit = None            # the limit is the listing's: the footer below has a cap of its own
     # The footer's bracket may deepen the index: capped near what the listing spent, so it never dominates.
     try:
         mass = list(index.mass(max_forwards=2 * seek.forwards + 1000))
@@ -249,7 +299,8 @@ def enumerate_format(args: argparse.Namespace, target: Any, prompt: list[int], e
         rows.append({**row, "log_prob": float(log_prob), "probability": math.exp(log_prob)})
     if args.json:
         data = {"prompt": args.prompt, "regex": args.regex, "strings": args.strings, "size": _size(size),
-                "mass": mass, "items": rows, "seconds": seconds, "forwards": seek.forwards}
+                "size_bits": _bits(size), "mass": mass, "items": rows, "seconds": seconds,
+                "forwards": seek.forwards}
         if not args.strings:
             data["token_sequences"] = None if sequences is None else _size(sequences)
             data["token_sequences_counted"] = sequences is not None
