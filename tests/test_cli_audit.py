@@ -197,7 +197,7 @@ def test_a_huge_canaries_file_is_refused_by_its_size_before_it_is_read(capsys, m
     with open(huge, "wb") as out:            # 100 MB, sparse: only its size is ever looked at
         out.truncate(100 * 2 ** 20)
     read = []
-    monkeypatch.setattr("speculum.cli.audit.read_lines", lambda *a, **k: read.append(a) or ["1"])
+    monkeypatch.setattr("speculum.cli.constrained.read_lines", lambda *a, **k: read.append(a) or ["1"])
     line = one_line_error(capsys, [str(huge), "--regex", FORMAT])
     assert not read
     assert str(huge) in line and "104,857,600 bytes" in line
@@ -260,3 +260,17 @@ def test_a_plot_path_checked_early_is_left_as_it_was(capsys, monkeypatch, tmp_pa
     with pytest.raises(AssertionError, match="the model loaded"):
         main(["audit", canaries_file, "--regex", FORMAT, "--plot", str(plot), "--target", "any"])
     assert plot.read_bytes() == b"kept"
+
+
+@pytest.mark.parametrize("json_output", [False, True])
+def test_an_astronomically_large_format_is_sized_in_bits(capsys, tmp_path, tiny_dir, json_output):
+    """'.{0,1000}' holds more strings than Python prints as an integer: the audit gives its size in bits."""
+    argv = [write(tmp_path, ["1", "12"]), "--prompt", PROMPT, "--regex", ".{0,1000}", "--eos", "--max-len", "3",
+            "--strings", "--target", tiny_dir, "--samples", "64"]
+    if json_output:
+        report = run_json(capsys, *argv)
+        assert report["space_size"] is None and report["space_bits"] > 20_000
+        assert all(row["exposure_bits"] > 20_000 for row in report["items"])
+    else:
+        assert main(["audit", *argv]) == 0
+        assert capsys.readouterr().out.startswith("space: 2^2")

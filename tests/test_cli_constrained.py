@@ -28,6 +28,7 @@ from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.cli import main  # noqa: E402
 from speculum.cli.constrained import read_lines  # noqa: E402
 from speculum.enumeration import AutoregressiveEnumerable, Regex, score_choices  # noqa: E402
+from speculum.enumeration.exact import IndexBudgetError  # noqa: E402
 
 WORDS = ["1", "2", "3", "12", "23", "x", "y"]
 PROMPT = "x y"
@@ -358,3 +359,127 @@ def test_an_astronomically_large_format_is_listed_with_its_size(capsys, tiny_dir
         assert main(argv) == 0
         out = capsys.readouterr().out
         assert "format: 2^2" in out and len(out.strip().splitlines()) == 6
+
+
+# ------------------------------------------------------------------------- astronomically large formats
+HUGE = [".{0,1000}", "--eos", "--max-len", "3", "--strings"]     # about 2^20,000 strings
+
+
+def test_rank_in_an_astronomically_large_format_gives_its_size_in_bits(capsys, tiny_dir):
+    """rank --regex prints and serialises a format of more strings than Python prints as an integer."""
+    argv = ["rank", PROMPT, "--target", tiny_dir, "--regex", *HUGE, "--text", "1"]
+    report = run_json(capsys, *argv)
+    assert report["space_size"] is None and report["space_bits"] > 20_000
+    assert report["items"][0]["exposure_bits"] > 20_000
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("space: 2^2") and "strings of regex" in out
+
+
+def test_every_count_the_cli_prints_goes_through_one_helper():
+    """No command formats a size of its own: an int of 4,300 digits and more cannot be printed."""
+    from speculum.cli import audit, constrained
+    from speculum.cli.counts import PRINTABLE_BITS, count_bits, count_json, count_text
+
+    huge, fits = 3 ** 20_000, 2 ** PRINTABLE_BITS - 1
+    assert count_json(huge) is None and count_text(huge).startswith("2^31,699.")
+    assert count_bits(huge) == pytest.approx(20_000 * math.log2(3))
+    assert count_json(fits) == fits and count_text(fits) == f"{fits:,}"
+    assert (count_json(math.inf), count_bits(math.inf), count_text(math.inf)) == (None, None, "infinite")
+    for module in (audit, constrained):
+        assert not hasattr(module, "_count") and not hasattr(module, "_size")
+
+
+# ------------------------------------------------------------------------------- a tight forward limit
+def count_forwards(monkeypatch, model) -> list[int]:
+    """Count every prefix ``model`` forwards (dense and sparse rows), per call."""
+    calls: list[int] = []
+    for name in ("next_logprobs", "next_logprobs_above"):
+        method = getattr(model, name, None)
+        if method is not None:
+            def counted(prefixes, *rest, _method=method):
+                calls.append(len(prefixes))
+                return _method(prefixes, *rest)
+            monkeypatch.setattr(model, name, counted)
+    return calls
+
+
+def test_the_forward_limit_is_tight_and_changes_nothing_under_it(capsys, monkeypatch, tiny_dir, library_model):
+    """A listing refused by --max-forwards N forwarded at most N prefixes (checked before each batch, not
+    after); with N its exact need it answers as an unlimited run does, and with one less it is refused."""
+    argv = ["enumerate", PROMPT, "--target", tiny_dir, "--regex", "[123xy]{1,5}", "--eos", "--top-k", "40"]
+    main(argv + ["--max-forwards", "1"])                      # loads the model (cached for the runs below)
+    capsys.readouterr()
+    model = _LOADED[tiny_dir]
+    calls = count_forwards(monkeypatch, model)
+
+    def no_bracket(self, **options):      # the footer's bracket deepens past the listing: left out here
+        raise IndexBudgetError("not bracketed")
+
+    monkeypatch.setattr(AutoregressiveEnumerable, "mass", no_bracket)
+    unlimited = run_json(capsys, *argv, "--max-forwards", "1000000")
+    needed = sum(calls)
+    assert needed == unlimited["forwards"] > 2
+    for limit in (1, 2, needed // 2, needed - 1):
+        calls.clear()
+        assert main(argv + ["--max-forwards", str(limit)]) == 2
+        assert f"--max-forwards {limit:,}" in capsys.readouterr().err
+        assert sum(calls) <= limit, (limit, calls)
+    exact = run_json(capsys, *argv, "--max-forwards", str(needed))
+    assert [row["tokens"] for row in exact["items"]] == [row["tokens"] for row in unlimited["items"]]
+    assert [row["log_prob"] for row in exact["items"]] == [row["log_prob"] for row in unlimited["items"]]
+    assert exact["forwards"] == needed
+
+
+# ------------------------------------------------------------------------------------ bounded label files
+def refuse_to_load(monkeypatch) -> None:
+    def refuse(spec, **options):
+        raise AssertionError("the model loaded before the arguments were checked")
+
+    monkeypatch.setattr(enumerate_cli, "load_target", refuse)
+
+
+def one_line_error(capsys, argv) -> str:
+    assert main(argv + ["--target", "any"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"speculum {argv[0]}: error: "), captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    return lines[0]
+
+
+@pytest.mark.parametrize("command,flag,limit_flag,default", [
+    ("enumerate", "--choices-file", "--max-choices", 100_000),
+    ("rank", "--file", "--max-canaries", 10_000),
+])
+def test_a_huge_label_file_is_refused_by_its_size_before_it_is_read(capsys, monkeypatch, tmp_path, command, flag,
+                                                                    limit_flag, default):
+    from speculum.cli.constrained import LINE_BYTES
+
+    refuse_to_load(monkeypatch)
+    huge = tmp_path / "huge.txt"
+    with open(huge, "wb") as out:            # 200 MB, sparse: only its size is ever looked at
+        out.truncate(200 * 2 ** 20)
+    monkeypatch.setattr("speculum.cli.constrained.read_lines", lambda *a, **k: pytest.fail("the file was read"))
+    line = one_line_error(capsys, [command, PROMPT, flag, str(huge)])
+    assert str(huge) in line and "209,715,200 bytes" in line
+    assert f"{default * LINE_BYTES:,} bytes" in line and limit_flag in line
+
+
+@pytest.mark.parametrize("command,flag,limit_flag", [
+    ("enumerate", "--choices-file", "--max-choices"),
+    ("rank", "--file", "--max-canaries"),
+])
+def test_the_label_file_limits_follow_their_flag(capsys, monkeypatch, tmp_path, command, flag, limit_flag):
+    refuse_to_load(monkeypatch)
+    path = tmp_path / "labels.txt"
+    path.write_text("1\n2\n3\n")
+    line = one_line_error(capsys, [command, PROMPT, flag, str(path), limit_flag, "2"])
+    assert str(path) in line and "holds 3 " in line and f"{limit_flag} 2" in line
+    path.write_text("1" * 3000 + "\n")
+    line = one_line_error(capsys, [command, PROMPT, flag, str(path), limit_flag, "2"])
+    assert "3,001 bytes" in line and "2,048 bytes" in line
+    assert f"{limit_flag} must be >= 1" in one_line_error(capsys, [command, PROMPT, flag, str(path), limit_flag, "0"])
+    path.write_text("1\n2\n")
+    with pytest.raises(AssertionError, match="the model loaded"):
+        main([command, PROMPT, flag, str(path), limit_flag, "2", "--target", "x"])

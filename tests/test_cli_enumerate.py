@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import numpy as np
 import pytest
@@ -119,3 +120,52 @@ def test_node_budget_is_a_one_line_error_and_progress_shows_on_a_terminal(capsys
     report = json.loads(captured.out)
     assert [tuple(row["tokens"]) for row in report["items"]][0] == (0, 5, 3, 3, 3, 3, 3, 3, 3, 3, 3)
     assert "prefix" in captured.err
+
+
+def test_an_eos_listing_is_bounded_by_max_forwards(capsys, monkeypatch):
+    """--eos lists may lie deep (eos unlikely): --max-forwards bounds them as it bounds --regex, tightly (a
+    refused run forwarded at most the limit), and a limit at the run's exact need changes no answer."""
+    model = reference_model()
+    calls: list[int] = []
+
+    def counted(prefixes, _method=model.next_logprobs):
+        calls.append(len(prefixes))
+        return _method(prefixes)
+
+    monkeypatch.setattr(model, "next_logprobs", counted)
+    monkeypatch.setattr("speculum.cli.enumerate.load_target", lambda spec, **options: model)
+    argv = ["enumerate", "0 1", "--eos", "--max-len", "8", "--top-k", "30", "--target", REFERENCE]
+    unlimited = run_json(capsys, *argv, "--max-forwards", "10000000")
+    needed = sum(calls)
+    assert needed > 2
+    for limit in (1, needed // 2, needed - 1):
+        calls.clear()
+        assert main(argv + ["--max-forwards", str(limit)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and f"--max-forwards {limit:,}" in err and "ending in eos" in err
+        assert "--max-len 8" in err and sum(calls) <= limit
+    exact = run_json(capsys, *argv, "--max-forwards", str(needed))
+    assert [row["tokens"] for row in exact["items"]] == [row["tokens"] for row in unlimited["items"]]
+    assert [row["target_log_prob"] for row in exact["items"]] == [row["target_log_prob"] for row in unlimited["items"]]
+    assert main(["enumerate", "0 1", "--length", "2", "--top-k", "3", "--max-forwards", "9",
+                 "--target", REFERENCE]) == 2
+    assert "--max-forwards goes with --regex or --eos" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.llm
+@pytest.mark.parametrize("fmt", [[r"[\u4e00-\u9fff]{2}"], [".{0,1000}", "--eos", "--max-len", "8"]])
+def test_a_deep_format_on_the_real_model_answers_or_refuses_within_a_minute(capsys, fmt):
+    """A rare script or a wide class lies deep in SmolLM2's tail: the listing answers, or stops with one line
+    naming --max-forwards, within the minute the default forward limit is sized for (load included)."""
+    pytest.importorskip("transformers")
+    started = time.perf_counter()
+    code = main(["enumerate", "My favourite word is", "--raw", "--regex", *fmt, "--top-k", "5"])
+    seconds = time.perf_counter() - started
+    captured = capsys.readouterr()
+    assert seconds < 60, seconds
+    if code == 2:
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and "--max-forwards 500" in lines[0] and repr(fmt[0]) in lines[0], captured.err
+    else:
+        assert code == 0 and len(captured.out.strip().splitlines()) == 5 + 3, captured.out

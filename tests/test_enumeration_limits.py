@@ -181,3 +181,30 @@ def test_a_deepening_keeps_children_at_most_one_more_step_deep():
     index = ar.seek_index()
     assert ar.count(threshold) >= 250
     assert sum(len(level) for level in index.tree.levels) < 100 * index.forwards
+
+
+@pytest.mark.parametrize("options", [dict(max_len=6), dict(eos=True, max_len=8), dict(max_len=6, batch_size=3)])
+def test_a_forward_budget_is_never_passed_and_changes_nothing_under_it(options):
+    """max_forwards is checked before each batch (beam steps included): a refused query forwarded at most
+    the limit; the exact need answers as an unlimited index, with the same forwards; lifting the limit
+    afterwards finishes the same query exactly."""
+    from counting import CountingModel
+    from speculum.enumeration.exact import ForwardBudgetError
+
+    def model():
+        return CountingModel(MarkovModel.random(6, seed=3, eos_token_id=5))
+
+    free = AutoregressiveEnumerable(model(), **options)
+    truth = free.top_k(25)
+    needed = free.seek_index().forwards
+    assert needed > 3
+    for limit in (0, 1, needed // 2, needed - 1):
+        counted = model()
+        ar = AutoregressiveEnumerable(counted, max_forwards=limit, **options)
+        with pytest.raises(ForwardBudgetError) as raised:
+            ar.top_k(25)
+        assert counted.positions <= limit and raised.value.limit == limit and raised.value.needed > limit
+        ar.seek_index().max_forwards = None
+        assert ar.top_k(25) == truth
+    exact = AutoregressiveEnumerable(model(), max_forwards=needed, **options)
+    assert exact.top_k(25) == truth and exact.seek_index().forwards == needed

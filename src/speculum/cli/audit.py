@@ -27,10 +27,12 @@ from tqdm.auto import tqdm
 
 import speculum.cli.enumerate as enumerate_cli
 from speculum.cli.checks import CLIError, check_at_least, utf8_text, warn
-from speculum.cli.constrained import eos_id, read_lines
+from speculum.cli.constrained import (DEFAULT_MAX_CANARIES, DEFAULT_MAX_CHOICES, LINE_BYTES, eos_id,
+                                      read_bounded_lines, read_choices)
+from speculum.cli.counts import count_json, count_text
 from speculum.cli.generate import add_cache_argument, add_dtype_argument
 from speculum.cli.progress import index_bar
-from speculum.enumeration import AutoregressiveEnumerable, Choices, Regex, StringIndex, estimate_ranks
+from speculum.enumeration import AutoregressiveEnumerable, Regex, StringIndex, estimate_ranks
 from speculum.enumeration.exposure import DEFAULT_AUTO_FORWARDS, DEFAULT_MAX_FORWARDS, METHODS
 from speculum.enumeration.sampling import DEFAULT_SAMPLES
 from speculum.validation import InputError
@@ -39,10 +41,9 @@ __all__ = ["register", "run_audit", "split_template", "sample_bar"]
 
 PLACEHOLDER = "{canary}"
 DEFAULT_TARGET = "smollm2-135m"
-# Most canaries one audit reads (each costs the scoring of its tokens), and the file's bytes per canary
-# allowed: a canary is a short secret, so a larger file is refused by its size before it is read.
-DEFAULT_MAX_CANARIES = 10_000
-CANARY_BYTES = 1024
+# The canaries file's bytes per canary allowed: a canary is a short secret, so a larger file is refused by its
+# size before it is read (DEFAULT_MAX_CANARIES: the most canaries one audit reads).
+CANARY_BYTES = LINE_BYTES
 
 
 def register(subparsers: Any) -> None:
@@ -86,6 +87,9 @@ def register(subparsers: Any) -> None:
     audit.add_argument("--max-canaries", type=int, default=DEFAULT_MAX_CANARIES, metavar="N",
                        help=f"most canaries the file may hold; it may be at most N x {CANARY_BYTES:,} bytes "
                             f"(default: {DEFAULT_MAX_CANARIES:,})")
+    audit.add_argument("--max-choices", type=int, default=DEFAULT_MAX_CHOICES, metavar="N",
+                       help=f"with --choices-file: most choices the file may hold; it may be at most N x "
+                            f"{LINE_BYTES:,} bytes (default: {DEFAULT_MAX_CHOICES:,})")
     audit.add_argument("--plot", metavar="FILE",
                        help="save a histogram of the exposures, with the format's maximum marked (needs "
                             "matplotlib: pip install 'speculum[audit]')")
@@ -122,6 +126,7 @@ def _check(args: argparse.Namespace) -> tuple[Any, list[str], str]:
     check_at_least(args.max_forwards, 0, "--max-forwards")
     check_at_least(args.seed, 0, "--seed")
     check_at_least(args.max_canaries, 1, "--max-canaries")
+    check_at_least(args.max_choices, 1, "--max-choices")
     if args.method == "exact" and (args.samples is not None or args.target_bits is not None):
         raise CLIError("--samples and --target-bits go with --method auto or sampled (--method exact never samples)")
     if args.target_bits is not None and not args.target_bits > 0:
@@ -130,14 +135,12 @@ def _check(args: argparse.Namespace) -> tuple[Any, list[str], str]:
         raise CLIError("--max-samples goes with --target-bits")
     if args.max_samples is not None and args.max_samples < (args.samples or DEFAULT_SAMPLES):
         raise CLIError(f"--max-samples must be at least the first set's draws ({args.samples or DEFAULT_SAMPLES})")
-    canaries = _read_canaries(args.canaries, args.max_canaries)
+    canaries = read_bounded_lines(args.canaries, "canaries file", "audit", limit=args.max_canaries,
+                                  limit_flag="--max-canaries", nouns=("canary", "canaries"))
     if args.regex is not None:
         constraint = _regex(utf8_text(args.regex, "--regex", "audit"))
     else:
-        try:
-            constraint = Choices(tuple(read_lines(args.choices_file, "--choices-file", "audit")))
-        except InputError as exc:
-            raise CLIError(f"--choices-file {args.choices_file!r}: {exc}") from None
+        constraint = read_choices(args.choices_file, args.max_choices, "audit")
     prompt = ""
     if args.template is not None:
         prompt, after = split_template(utf8_text(args.template, "--template", "audit"))
@@ -160,21 +163,6 @@ def _regex(pattern: str) -> Any:
     except (InputError, re.error) as exc:
         raise CLIError(f"invalid --regex {pattern!r}: {exc}") from None
     return regex
-
-
-def _read_canaries(path: str, limit: int) -> list[str]:
-    """The canaries of the file at ``path``: refused by its size before it is read, then by its count."""
-    file = Path(path).expanduser()
-    budget = limit * CANARY_BYTES
-    if file.is_file() and file.stat().st_size > budget:
-        raise CLIError(f"canaries file {path!r} is {file.stat().st_size:,} bytes, more than the limit of {budget:,} "
-                       f"bytes ({CANARY_BYTES:,} a canary for --max-canaries {limit:,}); raise --max-canaries or "
-                       f"split the file")
-    canaries = read_lines(path, "canaries file", "audit")
-    if len(canaries) > limit:
-        raise CLIError(f"canaries file {path!r} holds {len(canaries):,} canaries, more than --max-canaries "
-                       f"{limit:,}; raise it or split the file")
-    return canaries
 
 
 def _check_plot(path: str) -> None:
@@ -254,12 +242,12 @@ def run_audit(args: argparse.Namespace) -> int:
         _plot(args.plot, [row["exposure_bits"] for row in rows], space_bits, _describe(args))
     if args.json:
         print(json.dumps({"prompt": prompt_text, "format": _describe(args), "strings": args.strings,
-                          "space_size": _finite_int(space), "space_bits": _finite(space_bits), "samples": draws,
+                          "space_size": count_json(space), "space_bits": _finite(space_bits), "samples": draws,
                           "forwards": forwards, "seconds": seconds, "items": rows}, allow_nan=False))
         return 0
     unit = "strings" if args.strings else "token sequences"
-    bits = "" if space == math.inf else f" = 2^{space_bits:.2f}"
-    print(f"space: {_count(space)} {unit} of {_describe(args)}{bits}; draws {draws:,}, index forwards "
+    bits = "" if space == math.inf else f" = 2^{space_bits:,.2f}"
+    print(f"space: {count_text(space)} {unit} of {_describe(args)}{bits}; draws {draws:,}, index forwards "
           f"{forwards:,}, {seconds:.2f} s")
     print(f"{'rank':>14}  {'95% interval':>27}  {'exposure':>8}  {'95% interval':>15}  {'method':<7}  canary")
     for row in rows:
@@ -347,10 +335,3 @@ def _finite(value: float) -> float | None:
     """JSON has no infinities: None stands for one."""
     return float(value) if math.isfinite(value) else None
 
-
-def _finite_int(value: float) -> int | None:
-    return int(value) if math.isfinite(value) else None
-
-
-def _count(value: float) -> str:
-    return "infinite" if value == math.inf else f"{int(value):,}"

@@ -23,27 +23,34 @@ from pathlib import Path
 from typing import Any, Callable
 
 from speculum.cli.checks import CLIError, check_at_least, utf8_text, warn
+from speculum.cli.counts import count_bits, count_json, count_text
 from speculum.cli.progress import choices_bar, index_bar
 from speculum.enumeration import AutoregressiveEnumerable, Choices, Regex, estimate_ranks, score_choices
 from speculum.enumeration.automaton import AutomatonBudgetError
 from speculum.enumeration.charfsm import compile_chars
-from speculum.enumeration.exact import IndexBudgetError
+from speculum.enumeration.exact import ForwardBudgetError, IndexBudgetError
 from speculum.enumeration.exposure import DEFAULT_MAX_FORWARDS
 from speculum.enumeration.rescored import DEFAULT_RERANK_WINDOW
 from speculum.validation import InputError
 
 __all__ = ["add_enumerate_arguments", "add_rank_arguments", "check_enumerate", "check_rank", "parse_regex",
-           "read_lines", "eos_id", "enumerate_format", "enumerate_choices", "rank_format", "MAX_LINE_CHARS"]
+           "read_lines", "read_bounded_lines", "eos_id", "listing_forwards", "over_forward_limit", "enumerate_format",
+           "enumerate_choices", "rank_format", "MAX_LINE_CHARS", "DEFAULT_LISTING_FORWARDS", "DEFAULT_MAX_CHOICES",
+           "DEFAULT_MAX_CANARIES", "LINE_BYTES"]
 
 # Longest line of a --choices-file / --file, in characters: a label or canary, not a document.
 MAX_LINE_CHARS = 1_000
 # Share of a file's characters that may be invalid UTF-8 before it counts as binary, not text.
 MAX_INVALID_SHARE = 0.05
-# Most prefixes ``enumerate --regex`` forwards for its listing: ~0.1 s each for SmolLM2-135M on a CPU, so a
-# format whose top-K lies deep in the model's tail (a wide class, a rare script) stops within about a minute.
+# Most prefixes ``enumerate --regex`` / ``--eos`` forwards for its listing: ~0.1 s each for SmolLM2-135M on a
+# CPU, so a listing whose top-K lies deep in the model's tail (a wide class, a rare script, an unlikely eos)
+# stops within about a minute.
 DEFAULT_LISTING_FORWARDS = 500
-# Counts with more binary digits than this are shown as 2^bits: Python refuses to print huge integers.
-_PRINTABLE_BITS = 10_000
+# Most lines of a --choices-file (a label set: each costs a few forwards) and of a canaries file (each canary
+# costs a rank), and the bytes a line may take on average: a larger file is refused by its size, unread.
+DEFAULT_MAX_CHOICES = 100_000
+DEFAULT_MAX_CANARIES = 10_000
+LINE_BYTES = 1024
 
 
 # -------------------------------------------------------------------------------------------- flags
@@ -60,8 +67,11 @@ def add_enumerate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --regex: items are strings, each scored over all its tokenizations "
                              "(default: token sequences)")
     parser.add_argument("--max-forwards", type=int, default=None, metavar="N",
-                        help="with --regex: most prefixes the index may forward for the listing; a format that "
-                             f"needs more stops with an error (default: {DEFAULT_LISTING_FORWARDS:,})")
+                        help="with --regex or --eos: most prefixes the index may forward for the listing; a "
+                             f"listing that needs more stops with an error (default: {DEFAULT_LISTING_FORWARDS:,})")
+    parser.add_argument("--max-choices", type=int, default=DEFAULT_MAX_CHOICES, metavar="N",
+                        help=f"with --choices-file: most choices the file may hold; it may be at most N x "
+                             f"{LINE_BYTES:,} bytes (default: {DEFAULT_MAX_CHOICES:,})")
     parser.add_argument("--all-tokenizations", action="store_true",
                         help="with --choices-file: score each choice over every token sequence that spells it "
                              "(default: the tokenizer's own tokens)")
@@ -95,8 +105,10 @@ def check_enumerate(args: argparse.Namespace) -> Any:
         raise CLIError("--all-tokenizations goes with --choices-file")
     max_forwards = getattr(args, "max_forwards", None)        # a Namespace built by an embedding caller may lack it
     check_at_least(max_forwards, 1, "--max-forwards")
-    if max_forwards is not None and args.regex is None:
-        raise CLIError("--max-forwards goes with --regex")
+    if max_forwards is not None and (args.choices_file is not None or (args.regex is None and not args.eos)):
+        raise CLIError("--max-forwards goes with --regex or --eos (it bounds the listing's index)")
+    max_choices = getattr(args, "max_choices", DEFAULT_MAX_CHOICES)
+    check_at_least(max_choices, 1, "--max-choices")
     if args.regex is None and args.choices_file is None:
         if args.top_k is None:
             raise CLIError("--top-k is required (optional only with --choices-file)")
@@ -119,10 +131,17 @@ def check_enumerate(args: argparse.Namespace) -> Any:
     if args.max_len is not None:
         raise CLIError("--max-len does not go with --choices-file")
 
+    return read_choices(args.choices_file, max_choices, "enumerate")
+
+
+def read_choices(path: str, limit: int, command: str) -> Any:
+    """The ``Choices`` of a ``--choices-file``, bounded by ``--max-choices`` (see :func:`read_bounded_lines`)."""
+    lines = read_bounded_lines(path, "--choices-file", command, limit=limit, limit_flag="--max-choices",
+                               nouns=("choice", "choices"))
     try:
-        return Choices(tuple(read_lines(args.choices_file, "--choices-file", "enumerate")))
+        return Choices(tuple(lines))
     except InputError as exc:
-        raise CLIError(f"--choices-file {args.choices_file!r}: {exc}") from None
+        raise CLIError(f"--choices-file {path!r}: {exc}") from None
 
 
 def check_rank(args: argparse.Namespace) -> Any:
@@ -200,21 +219,35 @@ def read_lines(path: str, flag: str, command: str) -> list[str]:
     return lines
 
 
-class _ForwardLimit:
-    """A ``progress`` callback that stops a listing (CLIError) once it has forwarded more than ``limit``
-    prefixes, or as soon as the pass under way is sure to (its pending prefixes); ``limit`` None: no limit.
-    Events also go to ``inner`` (a bar)."""
+def read_bounded_lines(path: str, flag: str, command: str, *, limit: int, limit_flag: str,
+                       nouns: tuple[str, str], line_bytes: int = LINE_BYTES) -> list[str]:
+    """:func:`read_lines` of a file that may hold at most ``limit`` lines: a file larger than ``limit x
+    line_bytes`` bytes is refused by its size before it is read, then one of more than ``limit`` lines by
+    their count; each refusal is one line naming the file, its size or count, and ``limit_flag``'s limit.
+    ``nouns``: what a line is, singular and plural ("canary", "canaries")."""
+    file = Path(path).expanduser()
+    budget = limit * line_bytes
+    if file.is_file() and file.stat().st_size > budget:
+        raise CLIError(f"{flag} {path!r} is {file.stat().st_size:,} bytes, more than the limit of {budget:,} bytes "
+                       f"({line_bytes:,} a {nouns[0]} for {limit_flag} {limit:,}); raise {limit_flag} or split the file")
+    lines = read_lines(path, flag, command)
+    if len(lines) > limit:
+        raise CLIError(f"{flag} {path!r} holds {len(lines):,} {nouns[1]}, more than {limit_flag} {limit:,}; raise "
+                       f"it or split the file")
+    return lines
 
-    def __init__(self, limit: int | None, what: str, inner: Callable[[Any], None] | None) -> None:
-        self.limit, self.what, self.inner = limit, what, inner
 
-    def __call__(self, event: Any) -> None:
-        if self.inner is not None:
-            self.inner(event)
-        if self.limit is not None and event.forwards + event.pending > self.limit:
-            raise CLIError(f"{self.what} needs more than {self.limit:,} forwarded prefixes (the limit, "
-                           f"--max-forwards {self.limit:,}; ~0.1 s each on a small CPU model): its members lie deep "
-                           f"in the model's tail; raise --max-forwards, narrow the format or cap --max-len")
+def listing_forwards(args: argparse.Namespace) -> int:
+    """The forward budget of a listing: ``--max-forwards``, else :data:`DEFAULT_LISTING_FORWARDS`."""
+    return getattr(args, "max_forwards", None) or DEFAULT_LISTING_FORWARDS
+
+
+def over_forward_limit(what: str, exc: ForwardBudgetError, remedy: str) -> CLIError:
+    """The one line of a listing stopped by its forward budget (``what``: the listing; ``remedy``: how to
+    ask for less)."""
+    return CLIError(f"{what} needs more than {exc.limit:,} forwarded prefixes (the limit, --max-forwards "
+                    f"{exc.limit:,}; ~0.1 s each on a small CPU model): its members lie deep in the model's tail; "
+                    f"raise --max-forwards, {remedy}")
 
 
 def eos_id(target: Any) -> int:
@@ -235,33 +268,6 @@ def _finite(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def _infinite(value: float) -> bool:
-    # A count is an int (any size: no float conversion, which overflows past 2^1024) or float("inf").
-    return isinstance(value, float) and value == math.inf
-
-
-def _size(value: float) -> int | None:
-    """A count for JSON: an int, or None for an infinite one or one too large to print."""
-    return None if _infinite(value) or int(value).bit_length() > _PRINTABLE_BITS else int(value)
-
-
-def _bits(value: float) -> float | None:
-    """log2 of a count for JSON (None: infinite, or 0)."""
-    if _infinite(value) or value <= 0:
-        return None
-    value = int(value)
-    shift = max(value.bit_length() - 64, 0)      # exact to float precision, whatever the size
-    return math.log2(value >> shift) + shift
-
-
-def _count(value: float) -> str:
-    if _infinite(value):
-        return "infinite"
-    if int(value).bit_length() > _PRINTABLE_BITS:
-        return f"2^{_bits(value):,.1f}"
-    return f"{int(value):,}"
-
-
 def _print_json(data: dict) -> None:
     print(json.dumps(data, allow_nan=False))
 
@@ -271,13 +277,16 @@ def enumerate_format(args: argparse.Namespace, target: Any, prompt: list[int], e
     """The top-K members of the format, exact, and a footer with its size and mass bracket."""
 
     started = time.perf_counter()
-    limit = getattr(args, "max_forwards", None) or DEFAULT_LISTING_FORWARDS
-    watch = _ForwardLimit(limit, f"the top {args.top_k:,} of --regex {args.regex!r}", _bar())
     index = AutoregressiveEnumerable(target, prompt=prompt, constraint=regex, eos=eos, max_len=args.max_len,
-                                     strings=args.strings, max_nodes=args.max_nodes, progress=watch)
-    items = index.top_k(args.top_k)
+                                     strings=args.strings, max_nodes=args.max_nodes, progress=_bar(),
+                                     max_forwards=listing_forwards(args))
+    try:
+        items = index.top_k(args.top_k)
+    except ForwardBudgetError as exc:
+        raise over_forward_limit(f"the top {args.top_k:,} of --regex {args.regex!r}", exc,
+                                 "narrow the format or cap --max-len") from None
     seek = index.seek_index()
-    watch.limit = None            # the limit is the listing's: the footer below has a cap of its own
+    seek.max_forwards = None      # the limit is the listing's: the footer below has a cap of its own
     # The footer's bracket may deepen the index: capped near what the listing spent, so it never dominates.
     try:
         mass = list(index.mass(max_forwards=2 * seek.forwards + 1000))
@@ -298,11 +307,11 @@ def enumerate_format(args: argparse.Namespace, target: Any, prompt: list[int], e
             row["tokens"] = [int(t) for t in item]
         rows.append({**row, "log_prob": float(log_prob), "probability": math.exp(log_prob)})
     if args.json:
-        data = {"prompt": args.prompt, "regex": args.regex, "strings": args.strings, "size": _size(size),
-                "size_bits": _bits(size), "mass": mass, "items": rows, "seconds": seconds,
+        data = {"prompt": args.prompt, "regex": args.regex, "strings": args.strings, "size": count_json(size),
+                "size_bits": count_bits(size), "mass": mass, "items": rows, "seconds": seconds,
                 "forwards": seek.forwards}
         if not args.strings:
-            data["token_sequences"] = None if sequences is None else _size(sequences)
+            data["token_sequences"] = None if sequences is None else count_json(sequences)
             data["token_sequences_counted"] = sequences is not None
         _print_json(data)
         return 0
@@ -311,10 +320,10 @@ def enumerate_format(args: argparse.Namespace, target: Any, prompt: list[int], e
         tokens = "" if args.strings else f"  {row['tokens']}"
         print(f"{row['rank']:>4}  {row['log_prob']:>10.4f}  {row['probability']:>11.4e}  {row['text']!r}{tokens}")
     spelled = "" if args.strings else (" (token sequences: too many to count)" if sequences is None
-                                       else f" ({_count(sequences)} token sequences)")
+                                       else f" ({count_text(sequences)} token sequences)")
     bracket = ("not bracketed within --max-nodes" if mass is None
                else f">= {mass[0]:.6g}, <= {mass[1]:.6g}")
-    print(f"format: {_count(size)} strings{spelled}; mass of the format {bracket}")
+    print(f"format: {count_text(size)} strings{spelled}; mass of the format {bracket}")
     print(f"forwards {seek.forwards:,}, {seconds:.2f} s")
     return 0
 
@@ -387,11 +396,12 @@ def rank_format(args: argparse.Namespace, target: Any, prompt: list[int], texts:
         rows.append(row)
     if args.json:
         _print_json({"prompt": args.prompt, "regex": args.regex, "strings": args.strings,
-                     "space_size": _size(space), "items": rows, "seconds": seconds, "forwards": forwards})
+                     "space_size": count_json(space), "space_bits": count_bits(space), "items": rows,
+                     "seconds": seconds, "forwards": forwards})
         return 0
     unit = "strings" if args.strings else "token sequences"
-    bits = "" if space == math.inf else f" = 2^{math.log2(space):.2f}"
-    print(f"space: {_count(space)} {unit} of regex {args.regex!r}{bits}; forwards {forwards:,}, {seconds:.2f} s")
+    bits = "" if count_bits(space) is None else f" = 2^{count_bits(space):,.2f}"
+    print(f"space: {count_text(space)} {unit} of regex {args.regex!r}{bits}; forwards {forwards:,}, {seconds:.2f} s")
     for row in rows:
         lo, hi = row["rank_bracket"]
         rank = f"{row['rank']:,}" if row["method"] == "exact" else f"~{row['rank']:,} in [{lo:,}, {hi:,}]"

@@ -27,7 +27,7 @@ from speculum.cli.progress import index_bar
 from speculum.distributed.ray_pool import ClusterUnreachableError, ModelSpec, RayPool, check_address, ray_install_hint
 from speculum.drafts import ENUMERATION_DRAFTS, is_embedded_model, make_enumeration_draft
 from speculum.enumeration import AutoregressiveEnumerable, RescoredIndex
-from speculum.enumeration.exact import DEFAULT_MAX_NODES
+from speculum.enumeration.exact import DEFAULT_MAX_NODES, ForwardBudgetError
 from speculum.enumeration.exposure import estimate_rank
 from speculum.enumeration.rescored import DEFAULT_RERANK_WINDOW
 from speculum.validation import InputError
@@ -81,6 +81,9 @@ def register(subparsers: Any) -> None:
     canary.add_argument("--text", help="the continuation (token ids for models without a tokenizer)")
     canary.add_argument("--file", help="rank every line of this file (one continuation per line; leading "
                                        "spaces count, empty lines are skipped)")
+    rank.add_argument("--max-canaries", type=int, default=constrained.DEFAULT_MAX_CANARIES, metavar="N",
+                      help=f"with --file: most lines the file may hold; it may be at most N x "
+                           f"{constrained.LINE_BYTES:,} bytes (default: {constrained.DEFAULT_MAX_CANARIES:,})")
     rank.add_argument("--n-paths", type=int, default=16, help="sampled paths of the envelope (default: 16)")
     rank.add_argument("--exact-limit", type=int, default=1000,
                       help="count exactly when the rank is at most this (default: 1000)")
@@ -222,17 +225,15 @@ def run_enumerate(args: argparse.Namespace) -> int:
                                    seed=args.seed)
     # A bar on stderr while the index is built, only on a terminal (it would litter logs and pipes).
     index_options = dict(max_len=max_len, eos=eos, prompt=prompt, max_nodes=args.max_nodes,
-                         progress=index_bar(leave=False) if sys.stderr.isatty() else None)
-    if draft is None:
-        exact = AutoregressiveEnumerable(target, **index_options)
-        items = exact.top_k(args.top_k)
-        result = {"items": items, "draft_log_probs": [lp for _, lp in items], "certified": True,
-                  "reason": "exact index on the target", "window": 0, "gap": 0.0, "target_calls": None}
-    else:
-        draft_index = AutoregressiveEnumerable(draft, **index_options)
-        index = RescoredIndex(draft_index, target, rerank_window=args.window, assumed_gap=args.assumed_gap,
-                              certify=args.certify, max_window=max(args.max_window, args.window))
-        result = index.top_k(args.top_k)
+                         progress=index_bar(leave=False) if sys.stderr.isatty() else None,
+                         # An eos listing may lie arbitrarily deep (eos unlikely): bounded like --regex.
+                         max_forwards=None if eos is None else constrained.listing_forwards(args))
+    try:
+        result = _listing(args, target, draft, index_options)
+    except ForwardBudgetError as exc:
+        capped = "" if args.max_len is None else f" within --max-len {args.max_len}"
+        raise constrained.over_forward_limit(f"the top {args.top_k:,} continuations ending in eos{capped}", exc,
+                                             "lower --top-k or cap --max-len") from None
     seconds = time.perf_counter() - started
     rows = [{"rank": r, "tokens": list(seq), "text": _text(target, seq), "target_log_prob": lp,
              "draft_log_prob": dlp}
@@ -253,17 +254,31 @@ def run_enumerate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _listing(args: argparse.Namespace, target: Any, draft: Any, index_options: dict) -> dict:
+    """The top ``--top-k`` of an unconstrained run: the exact index on the target, or a draft's rescored."""
+    if draft is None:
+        items = AutoregressiveEnumerable(target, **index_options).top_k(args.top_k)
+        return {"items": items, "draft_log_probs": [lp for _, lp in items], "certified": True,
+                "reason": "exact index on the target", "window": 0, "gap": 0.0, "target_calls": None}
+    draft_index = AutoregressiveEnumerable(draft, **index_options)
+    index = RescoredIndex(draft_index, target, rerank_window=args.window, assumed_gap=args.assumed_gap,
+                          certify=args.certify, max_window=max(args.max_window, args.window))
+    return index.top_k(args.top_k)
+
+
 # --------------------------------------------------------------------------------------------- rank
 def run_rank(args: argparse.Namespace) -> int:
     check_at_least(args.n_paths, 1, "--n-paths")
     check_at_least(args.exact_limit, 0, "--exact-limit")
     check_at_least(args.seed, 0, "--seed")
+    check_at_least(args.max_canaries, 1, "--max-canaries")
     regex = constrained.check_rank(args)
     prompt_text = utf8_text(args.prompt, "prompt", "rank")
     if args.text is not None:
         texts = [utf8_text(args.text, "--text", "rank")]
     else:
-        texts = constrained.read_lines(args.file, "--file", "rank")
+        texts = constrained.read_bounded_lines(args.file, "--file", "rank", limit=args.max_canaries,
+                                               limit_flag="--max-canaries", nouns=("line", "lines"))
     _check_workers(args)
     target = _on_workers(args, load_target(args.target, verify=args.verify_cache, dtype=args.dtype,
                                                   command=args.command))

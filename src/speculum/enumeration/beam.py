@@ -20,19 +20,20 @@ from typing import Any, Sequence
 import numpy as np
 
 from .support import Support
+from .tree import ForwardBudgetError
 
 __all__ = ["beam_logprobs"]
 
 
 def beam_logprobs(model: Any, *, prompt: Sequence[int], width: int, support: Support,
-                  max_steps: int = 64) -> tuple[np.ndarray, int]:
+                  max_steps: int = 64, max_forwards: int | None = None) -> tuple[np.ndarray, int]:
     """Log-probs (descending) of up to ``width`` distinct complete sequences found by a width-``width`` beam,
     and the number of prefixes it forwarded.
 
     Complete means in ``support`` (within ``max_steps`` tokens when the support has no length cap). Each
     log-prob is the float sum of the model's steps in order, as the prefix tree computes it (a step above 0
     clipped to 0). Costs at most ``width`` forwards per step. Approximate search, exact scores of real
-    sequences.
+    sequences. ``max_forwards``: a step that would pass it raises ``ForwardBudgetError`` before it forwards.
     """
     horizon = support.horizon(max_steps)
     eos = support.eos
@@ -45,6 +46,8 @@ def beam_logprobs(model: Any, *, prompt: Sequence[int], width: int, support: Sup
     for depth in range(horizon):
         if not live:
             break
+        if max_forwards is not None and forwards + len(live) > max_forwards:
+            raise ForwardBudgetError(max_forwards, forwards + len(live))
         rows = np.asarray(model.next_logprobs([prompt + seq for seq, _ in live]), dtype=np.float64)
         forwards += len(live)
         steps = support.allowed(np.minimum(rows, 0.0), states)

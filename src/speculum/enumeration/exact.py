@@ -29,14 +29,15 @@ from ..models.base import as_model, check_prompt
 from ..validation import InputError, check_int, check_number, check_optional_int
 from .histogram import DEFAULT_WIDTH_BITS
 from .seek import (DEFAULT_BATCH_SIZE, DEFAULT_BEAM_FORWARDS, DEFAULT_MAX_BAND, DEFAULT_MAX_NODES,
-                   DEFAULT_RESERVE_BITS, BandTooLargeError, IndexBudgetError, SeekIndex)
+                   DEFAULT_RESERVE_BITS, BandTooLargeError, ForwardBudgetError, IndexBudgetError, SeekIndex)
 from .constraint import compile_for
 from .strings import DEFAULT_MAX_TOKENIZATIONS, StringIndex
 from .stream import DEFAULT_STREAM_ITEMS, DEFAULT_STREAM_WINDOW, StreamProgress, ranked_stream
 from .support import Support, SupportAttributes
 from .tree import BuildProgress
 
-__all__ = ["AutoregressiveEnumerable", "SeekIndex", "BandTooLargeError", "IndexBudgetError", "BuildProgress",
+__all__ = ["AutoregressiveEnumerable", "SeekIndex", "BandTooLargeError", "IndexBudgetError", "ForwardBudgetError",
+           "BuildProgress",
            "StreamProgress", "DEFAULT_MAX_BAND", "DEFAULT_MAX_NODES"]
 
 
@@ -73,6 +74,10 @@ class AutoregressiveEnumerable(SupportAttributes):
             reaches it stops with ``IndexBudgetError``, leaving the index usable for smaller queries.
         max_beam_forwards: most forwards a small beam search may spend to find real sequences that aim a
             query's first budget (0: never); it changes what is forwarded, never an answer.
+        max_forwards: most prefixes the index may forward in all (None: no limit; also settable later as
+            ``seek_index().max_forwards``): a query that would pass it raises ``ForwardBudgetError`` before
+            forwarding the batch that would, so the count never passes it; under it, answers and forwards are
+            those of an unlimited index.
         progress: callable receiving ``BuildProgress`` events (the library draws nothing itself; the CLI's
             ``speculum.cli.progress.index_bar()`` is such a callable drawing a tqdm bar).
         constraint: ``Regex(...)`` / ``Choices(...)`` (or a compiled ``TokenAutomaton``): only the token
@@ -100,7 +105,8 @@ class AutoregressiveEnumerable(SupportAttributes):
                  reserve_bits: float = DEFAULT_RESERVE_BITS, max_band: int = DEFAULT_MAX_BAND,
                  max_nodes: int = DEFAULT_MAX_NODES, max_beam_forwards: int = DEFAULT_BEAM_FORWARDS,
                  progress: Callable[[BuildProgress], None] | None = None, constraint=None,
-                 strings: bool = False, max_tokenizations: int = DEFAULT_MAX_TOKENIZATIONS) -> None:
+                 strings: bool = False, max_tokenizations: int = DEFAULT_MAX_TOKENIZATIONS,
+                 max_forwards: int | None = None) -> None:
         model = as_model(model, name="model")
         if eos is True:
             eos = _eos_token_of(model)
@@ -113,6 +119,7 @@ class AutoregressiveEnumerable(SupportAttributes):
         max_band = check_int(max_band, "max_band", minimum=1)
         max_nodes = check_int(max_nodes, "max_nodes", minimum=1)
         max_beam_forwards = check_int(max_beam_forwards, "max_beam_forwards", minimum=0)
+        max_forwards = check_optional_int(max_forwards, "max_forwards", minimum=0)
         width_bits = check_number(width_bits, "width_bits", above=0)
         reserve_bits = check_number(reserve_bits, "reserve_bits", minimum=0)
         if progress is False:
@@ -126,6 +133,7 @@ class AutoregressiveEnumerable(SupportAttributes):
                                 batch_size=batch_size, width_bits=width_bits, reserve_bits=reserve_bits,
                                 max_band=max_band, max_nodes=max_nodes, max_beam_forwards=max_beam_forwards,
                                 progress=progress)
+        self._index.max_forwards = max_forwards
         self.vocab_size, self.support, self.prompt = self._index.vocab_size, support, self._index.prompt
         self.order_error = 0.0
         self.strings = bool(strings)

@@ -26,7 +26,7 @@ from .automaton import AutomatonBudgetError
 from .beam import beam_logprobs
 from .histogram import DEFAULT_WIDTH_BITS, BucketIndex
 from .support import Support, SupportAttributes
-from .tree import DEFAULT_MAX_NODES, BuildProgress, IndexBudgetError, PrefixTree
+from .tree import DEFAULT_MAX_NODES, BuildProgress, ForwardBudgetError, IndexBudgetError, PrefixTree
 
 __all__ = ["SeekIndex", "BandTooLargeError", "IndexBudgetError", "DEFAULT_MAX_BAND", "DEFAULT_MAX_NODES",
            "DEFAULT_BATCH_SIZE", "DEFAULT_RESERVE_BITS", "DEFAULT_BEAM_FORWARDS"]
@@ -76,6 +76,7 @@ class SeekIndex(SupportAttributes):
         self._last_deepening: tuple[float, int] | None = None   # (bits, forwards) before the last deepening
         self._beam = np.zeros(0)      # descending log-probs (less a slack) of complete sequences a beam found
         self.beam_forwards = 0        # prefixes the beam sent to the model (beside the tree's forwards)
+        self.max_forwards = None
         self._refresh()
 
     # ------------------------------------------------------------------------------------------ state
@@ -83,6 +84,16 @@ class SeekIndex(SupportAttributes):
     def forwards(self) -> int:
         """Prefixes sent to the model so far: the tree's forwards and the aiming beam's."""
         return self.tree.forwards + self.beam_forwards
+
+    @property
+    def max_forwards(self) -> int | None:
+        """Most prefixes forwarded in all, beam included (None: no limit): ``ForwardBudgetError`` before passing it."""
+        return self._max_forwards
+
+    @max_forwards.setter
+    def max_forwards(self, limit: int | None) -> None:
+        self._max_forwards = limit    # the tree counts only its own forwards: its share is what the beam left
+        self.tree.max_forwards = None if limit is None else limit - self.beam_forwards
 
     @property
     def capped(self) -> bool:
@@ -123,7 +134,10 @@ class SeekIndex(SupportAttributes):
 
     def extend_to(self, budget: float, *, expected: float | None = None) -> None:
         before = (-self.tree.budget / _LN2 if math.isfinite(self.tree.budget) else 0.0, self.tree.forwards)
-        self.tree.extend(budget, expected=expected)
+        try:
+            self.tree.extend(budget, expected=expected)
+        except ForwardBudgetError as exc:     # the tree counts its own forwards: the limit counts the beam's too
+            raise ForwardBudgetError(self._max_forwards, exc.needed + self.beam_forwards) from None
         self._last_deepening = before
         self._refresh()
 
@@ -278,9 +292,14 @@ class SeekIndex(SupportAttributes):
         stored = sum(int(np.count_nonzero(level.leaf)) for level in self.tree.levels)
         if stored >= needed:
             return
-        found, forwards = beam_logprobs(self.model, prompt=self.prompt, width=width, support=self.support,
-                                        max_steps=_BEAM_MAX_STEPS)
+        limit = self._max_forwards
+        try:
+            found, forwards = beam_logprobs(self.model, prompt=self.prompt, width=width, support=self.support,
+                                            max_steps=_BEAM_MAX_STEPS, max_forwards=limit and limit - self.forwards)
+        except ForwardBudgetError as exc:
+            raise ForwardBudgetError(limit, self.forwards + exc.needed) from None
         self.beam_forwards += forwards
+        self.max_forwards = limit     # the tree's share shrinks by the beam's forwards
         found = found[np.isfinite(found)]
         self._beam = found - 1e-6 * (1.0 + np.abs(found))
 
@@ -459,6 +478,8 @@ class SeekIndex(SupportAttributes):
         elif found is None:
             # Probe its log-prob (one batched call over its prefixes) to know how deep to build.
             prefixes = [list(self.prompt) + list(seq[:j]) for j in range(len(seq))]
+            if self._max_forwards is not None and self.forwards + len(prefixes) > self._max_forwards:
+                raise ForwardBudgetError(self._max_forwards, self.forwards + len(prefixes))
             rows = np.asarray(self.model.next_logprobs(prefixes), dtype=np.float64)
             self.tree.forwards += len(prefixes)
             probe = float(np.sum(rows[np.arange(len(seq)), list(seq)]))

@@ -30,7 +30,7 @@ from ..models.base import capabilities_of, map_calls
 from ..validation import InputError
 from .support import Support
 
-__all__ = ["BuildProgress", "Level", "PrefixTree", "IndexBudgetError", "DEFAULT_MAX_NODES"]
+__all__ = ["BuildProgress", "Level", "PrefixTree", "IndexBudgetError", "ForwardBudgetError", "DEFAULT_MAX_NODES"]
 
 # Default node budget of one index: ~60 bytes a node at the peak of a build, so about 1.2 GB.
 DEFAULT_MAX_NODES = 20_000_000
@@ -43,6 +43,16 @@ MAX_UNBOUNDED_DEPTH = 100_000
 
 class IndexBudgetError(MemoryError):
     """A build would store more prefix-tree nodes than its ``max_nodes`` budget allows."""
+
+
+class ForwardBudgetError(InputError):
+    """A build would forward more prefixes than its ``max_forwards`` allows; raised before any of them is
+    forwarded. ``limit``: that budget; ``needed``: the forwards in all that going on would have reached."""
+
+    def __init__(self, limit: int, needed: int) -> None:
+        super().__init__(f"the enumeration index needs more than {limit:,} forwarded prefixes (at least "
+                         f"{needed:,}), its max_forwards; raise max_forwards or ask for less")
+        self.limit, self.needed = limit, needed
 
 
 @dataclass(frozen=True)
@@ -152,6 +162,7 @@ class PrefixTree:
         self.reserve = reserve_bits * _LN2          # in nats
         self.progress = progress
         self.max_nodes = max_nodes                  # refuse to store more nodes than this (IndexBudgetError)
+        self.max_forwards: int | None = None        # refuse to forward more prefixes than this (ForwardBudgetError)
         self.forwards = 0                           # prefixes sent to next_logprobs, all passes
         self.reforwards = 0                         # of which: prefixes forwarded a second time
         self.length_truncated = False               # eos support: max_len cut a positive-probability prefix
@@ -231,6 +242,9 @@ class PrefixTree:
                 raise InputError(f"the prefix tree passed depth {MAX_UNBOUNDED_DEPTH} without terminating; "
                                  "pass max_len to cap the length of a terminating model")
             todo = np.flatnonzero(self._pending(depth, budget))
+            # The whole level is checked before its first forward: the budget is never passed, not even by a batch.
+            if self.max_forwards is not None and self.forwards + len(todo) > self.max_forwards:
+                raise ForwardBudgetError(self.max_forwards, self.forwards + len(todo))
             chunks = [todo[start:start + self.batch_size] for start in range(0, len(todo), self.batch_size)]
             # A model serving several batched calls at once (a pool of replicas) gets a window of this level's
             # chunks together; children are still stored chunk by chunk in order, so the tree is the same.
