@@ -167,6 +167,8 @@ def test_stop_strings_cut_at_the_first_occurrence(server):
        cuts=st.lists(st.integers(0, 30), max_size=6))
 # A longer stop that starts before a shorter one found first, and completes in the next piece.
 @example(text="aaaa\na", stops=["\n", "a\na"], cuts=[5])
+# A stop held back for a longer one that never completes: the end of the stream cuts at it, as a stop.
+@example(text="ab", stops=["b", "aba"], cuts=[])
 def test_stop_matcher_equals_cutting_the_whole_text(text, stops, cuts):
     matcher = StopMatcher(stops)
     bounds = [0, *sorted(c for c in cuts if c <= len(text)), len(text)]
@@ -177,10 +179,12 @@ def test_stop_matcher_equals_cutting_the_whole_text(text, stops, cuts):
         if hit:
             break
     if not hit:
-        shown += matcher.flush()
+        rest, hit = matcher.flush()
+        shown += rest
     found = [text.find(s) for s in stops if s in text]
     assert shown == (text[:min(found)] if found else text)
     assert hit == bool(found)
+    assert StopMatcher(stops).cut(text) == (shown, hit)           # a whole text, in one call
 
 
 def test_bad_requests_get_openai_shaped_errors(server):

@@ -67,10 +67,19 @@ class StopMatcher:
         self._held = text[pending:]
         return text[:pending], False
 
-    def flush(self) -> str:
-        """The held-back text, at the end of the stream (cut at a stop string it holds)."""
+    def flush(self) -> tuple[str, bool]:
+        """(the held-back text at the end of the stream, cut at a stop string it holds; whether it held one)."""
         held, self._held = self._held, ""
-        return held[:self._first_stop(held)]
+        first = self._first_stop(held)
+        return (held, False) if first is None else (held[:first], True)
+
+    def cut(self, text: str) -> tuple[str, bool]:
+        """(a whole ``text`` cut at its first stop string; whether it held one): :meth:`add` then :meth:`flush`."""
+        shown, hit = self.add(text)
+        if hit:
+            return shown, True
+        rest, hit = self.flush()
+        return shown + rest, hit
 
     def _first_stop(self, text: str) -> int | None:
         """Where the earliest stop string in ``text`` starts (None: none there)."""

@@ -123,7 +123,7 @@ async def _answer(engine: Engine, request: GenerationRequest, *, echo: bool, pro
             row = echoed.next_logprobs
             token = _one_token(row, request)
             text = decode([token])
-            cut, hit = StopMatcher(request.stop).add(text)
+            cut, hit = StopMatcher(request.stop).cut(text)
             eos = token == engine.eos_token_id
             answer.text += "" if eos else cut
             answer.finish_reason = "stop" if hit or eos else "length"

@@ -363,8 +363,8 @@ class Engine:
             job.score(chunk.tokens, chunk.target_logprobs)
             shown, hit = job.stops.add(job.text.add(chunk.tokens))
             if chunk.finished and not hit:
-                more, hit = job.stops.add(job.text.flush())
-                shown += more if hit else more + job.stops.flush()
+                more, hit = job.stops.cut(job.text.flush())
+                shown += more
             job.shown_chars += len(shown)
             scored = job.release(everything=chunk.finished and not hit)
             if shown or scored:
