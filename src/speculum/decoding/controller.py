@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from numbers import Integral
 from typing import Any, Callable, Hashable
 
+from .costs import CostModel
+
 __all__ = ["GammaController", "GammaPolicy", "situation_key", "best_speedup_if_verification_free"]
 
 
@@ -95,13 +97,16 @@ class GammaController:
     min_catch_up: int = 4            # shortest draft catch-up whose timing is used as a per-token reading cost
     min_gain: float = 1.1            # speculate only if S(γ) beats plain decoding by this factor: the loop's
                                      # own overhead (sampling, verification) is not in the measured costs
+    min_realized_blocks: int = 3     # drafting blocks in a situation before what they delivered can veto it
     # Running state (not constructor arguments).
     _pooled: "AcceptanceCounts" = field(default_factory=lambda: AcceptanceCounts(), init=False, repr=False)
     _by_key: dict = field(default_factory=dict, init=False, repr=False)     # context key -> AcceptanceCounts
-    _target_seconds: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # tokens fed -> s
-    _draft_seconds_per_token: float | None = field(default=None, init=False, repr=False)
-    _catch_up_seconds_per_token: float | None = field(default=None, init=False, repr=False)
+    _realized: dict = field(default_factory=dict, init=False, repr=False)   # key -> [seconds, tokens, blocks]
     _probes: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.costs = CostModel(prior_draft_ratio=self.prior_draft_ratio, prior_verify_slope=self.prior_verify_slope,
+                               decay=self.decay, min_catch_up=self.min_catch_up, timed=self.timed)
 
     # ----------------------------------------------------------------------------------- observations
     def observe_acceptance(self, *, proposed: int, accepted: int, key: Hashable = None) -> None:
@@ -122,37 +127,38 @@ class GammaController:
 
     def observe_target(self, n_tokens: int, seconds: float) -> None:
         """Record one target call that fed ``n_tokens`` tokens and took ``seconds``."""
-        if not self.timed:
-            seconds = 1.0 + self.prior_verify_slope * (n_tokens - 1)
-        self._target_seconds[n_tokens] = self._decayed(self._target_seconds.get(n_tokens), seconds)
+        self.costs.observe_target(n_tokens, seconds)
 
     def observe_draft(self, n_tokens: int, seconds: float) -> None:
         """Record drafting ``n_tokens`` proposals in ``seconds`` (catch-up included: it is a real cost)."""
-        if n_tokens == 0:
-            return
-        if not self.timed:
-            seconds = n_tokens * self.prior_draft_ratio
-        self._draft_seconds_per_token = self._decayed(self._draft_seconds_per_token, seconds / n_tokens)
+        self.costs.observe_draft(n_tokens, seconds)
 
     def observe_catch_up(self, n_tokens: int, seconds: float) -> None:
-        """Record a draft model consuming ``n_tokens`` accepted tokens it had not seen, in ``seconds``.
+        """Record a draft model consuming ``n_tokens`` accepted tokens it had not seen, in ``seconds``
+        (:meth:`CostModel.observe_catch_up`)."""
+        self.costs.observe_catch_up(n_tokens, seconds)
 
-        Catch-ups shorter than ``min_catch_up`` are ignored: their time is mostly one call's fixed cost (about
-        a draft step, already in c), which would overstate the per-token cost of reading a long backlog."""
-        if n_tokens < self.min_catch_up or not self.timed:
+    def observe_delivered(self, seconds: float, tokens: int, key: Hashable = None) -> None:
+        """Record a drafting block in the situation ``key``: drafting and verifying it took ``seconds`` and
+        it emitted ``tokens`` tokens."""
+        if not self.timed:
             return
-        self._catch_up_seconds_per_token = self._decayed(self._catch_up_seconds_per_token, seconds / n_tokens)
+        realized = self._realized.setdefault(key, [0.0, 0.0, 0])
+        realized[0] = self.decay * realized[0] + seconds
+        realized[1] = self.decay * realized[1] + tokens
+        realized[2] += 1
 
-    def _decayed(self, old: float | None, value: float) -> float:
-        """Exponentially decayed average of timings (the first observation stands alone)."""
-        return value if old is None else self.decay * old + (1 - self.decay) * value
+    def delivered_speedup(self, key: Hashable = None) -> float | None:
+        """What drafting in ``key`` has delivered so far, against plain steps: tokens a second in its recent
+        drafting blocks (probes included) times the plain step's seconds (None: too few blocks to tell)."""
+        realized, step = self._realized.get(key), self.costs.step_seconds()
+        if realized is None or realized[2] < self.min_realized_blocks or not step or realized[0] <= 0:
+            return None
+        return realized[1] / realized[0] * step
 
     def catch_up_ratio(self) -> float:
         """Cost of a draft model consuming one accepted token in a batch, in plain decode steps (0: unknown)."""
-        step = self._step_seconds()
-        if self._catch_up_seconds_per_token is None or not step:
-            return 0.0
-        return self._catch_up_seconds_per_token / step
+        return self.costs.catch_up_ratio()
 
     # --------------------------------------------------------------------------------------- estimates
     @property
@@ -169,51 +175,15 @@ class GammaController:
 
     def step_seconds(self) -> float | None:
         """Seconds of one plain target decode step (measured or inferred; None before any timing)."""
-        return self._step_seconds()
-
-    def _step_seconds(self) -> float | None:
-        if 1 in self._target_seconds:
-            return self._target_seconds[1]
-        if not self._target_seconds:
-            return None
-        n, seconds = min(self._target_seconds.items())
-        return seconds / (1.0 + self.prior_verify_slope * (n - 1))
+        return self.costs.step_seconds()
 
     def verify_cost(self, gamma: int, step_seconds: float | None = None) -> float:
-        """v(γ): cost of feeding γ + 1 tokens in one forward, in plain decode steps (measured, interpolated)."""
-        step = self._step_seconds() if step_seconds is None else step_seconds
-        n = gamma + 1
-        if step is None or step <= 0:
-            return 1.0 + self.prior_verify_slope * gamma
-        table = self._target_seconds
-        if n in table:
-            return table[n] / step
-        below = [k for k in table if k < n]
-        above = [k for k in table if k > n]
-        if below and above:
-            lo, hi = max(below), min(above)
-            seconds = table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
-        elif below:
-            # Extrapolate linearly along the chord from the smallest to the largest multi-token size. The
-            # single-token step is left out: on CPUs the curve jumps from 1 to 2 tokens, then flattens in
-            # steps, so that slope, or one between two neighbouring sizes, would mislead.
-            lo = max(below)
-            slope = self.prior_verify_slope * step
-            multi = [k for k in below if k >= 2]
-            if len(multi) >= 2:
-                smallest = min(multi)
-                slope = max((table[lo] - table[smallest]) / (lo - smallest), 0.0)
-            seconds = table[lo] + slope * (n - lo)
-        else:
-            seconds = step * (1.0 + self.prior_verify_slope * gamma)
-        return max(seconds / step, 1e-3)
+        """v(γ): cost of feeding γ + 1 tokens in one forward, in plain decode steps (:class:`CostModel`)."""
+        return self.costs.verify_cost(gamma, step_seconds)
 
     def draft_ratio(self) -> float:
         """c: draft cost per proposed token relative to one plain target step."""
-        step = self._step_seconds()
-        if self._draft_seconds_per_token is None or not step:
-            return self.prior_draft_ratio
-        return self._draft_seconds_per_token / step
+        return self.costs.draft_ratio()
 
     def position_acceptance(self, j: int, key: Hashable = None) -> float:
         """a_j: P(proposal j of a block is accepted | all before it were), 0-based, shrunk towards α."""
@@ -248,9 +218,10 @@ class GammaController:
         plain steps a draft model must re-read everything it missed, so probing a draft that is dear to
         run (a bf16 twin on a CPU without bf16 matrix instructions) would cost a share of every token.
         """
-        if not self._target_seconds:
+        sizes = self.costs.sizes()
+        if not sizes:
             return 0                   # calibrate: time one plain step first
-        if max(self._target_seconds) == 1 and self._could_pay(key):
+        if max(sizes) == 1 and self._could_pay(key):
             return self._probe_gamma()  # then time one verification (if a proposal comes)
         if key is not None and key not in self._by_key and self.probe_new_keys:
             # First sight of a situation: try it. Its statistics would otherwise start from the pooled
@@ -265,6 +236,11 @@ class GammaController:
         best = max(range(1, self.max_gamma + 1),
                    key=lambda g: self.expected_speedup(g, key, overhead)) if self.max_gamma else 0
         if best and self.expected_speedup(best, key, overhead) < self.min_gain:
+            best = 0
+        delivered = self.delivered_speedup(key)
+        if best and delivered is not None and delivered < 1.0:
+            # The model's estimate is checked against what drafting here has delivered, timed whole: costs
+            # outside the target's forward, or timings that misled the estimates, show up there.
             best = 0
         if best == 0:
             stats.plain_steps += 1
@@ -323,7 +299,7 @@ class GammaController:
         for most of a target step but reads a prompt several times slower than the float32 target, so it
         never pays back.
         """
-        step = self._step_seconds()
+        step = self.costs.step_seconds()
         if not step or not self.timed:
             return True
         best = best_speedup_if_verification_free(
@@ -379,6 +355,7 @@ class GammaPolicy:
     def __init__(self, gamma: int | str, *, draft_kind: str, greedy: bool = False, seeded: bool = False) -> None:
         self.greedy = greedy
         self.controller: GammaController | None = None
+        self._draft_seconds = 0.0            # the current block's drafting, until its verification
         self._fixed = 0 if gamma == "auto" or draft_kind == "none" else int(gamma)
         if gamma == "auto" and draft_kind != "none":
             self.controller = GammaController(timed=not (seeded and not greedy),
@@ -424,6 +401,7 @@ class GammaPolicy:
         """A drafter proposed ``proposed`` tokens in ``seconds`` (one-off set-up costs excluded)."""
         if self.controller is not None:
             self.controller.observe_draft(proposed, seconds)
+            self._draft_seconds = seconds
 
     def observe_catch_up(self, n_tokens: int, seconds: float) -> None:
         """A draft model read ``n_tokens`` context tokens it had missed in ``seconds``."""
@@ -437,7 +415,10 @@ class GammaPolicy:
         if self.controller is not None:
             if seconds is not None:
                 self.controller.observe_target(fed, seconds)
+                if proposed:
+                    self.controller.observe_delivered(self._draft_seconds + seconds, accepted + 1, key)
             self.controller.observe_acceptance(proposed=proposed, accepted=accepted, key=key)
+            self._draft_seconds = 0.0
 
     def remembered(self) -> "AcceptanceCounts | None":
         """What a later generation with the same draft may start from (None: nothing to keep)."""
