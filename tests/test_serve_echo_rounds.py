@@ -14,7 +14,7 @@ pytest.importorskip("fastapi")
 
 from speculum.models import MarkovModel  # noqa: E402
 from speculum.serving import Engine, GenerationRequest  # noqa: E402
-from speculum.serving.scoring import DEFAULT_CHUNK, PromptScorer  # noqa: E402
+from speculum.serving.scoring import DEFAULT_CHUNK, PromptScorer, likeliest, likeliest_rows  # noqa: E402
 
 from test_serve import decode  # noqa: E402
 from test_serve_echo import same  # noqa: E402
@@ -136,8 +136,8 @@ def test_scoring_never_runs_between_two_steps_for_longer_than_the_step_before():
         spent["generate"] += took
         return took
 
-    def timed_round():
-        took = score_round()
+    def timed_round(*budget):
+        took = score_round(*budget)
         spent["score"] += took
         spent["rounds"] += 1
         spent["longest"] = max(spent["longest"], took)
@@ -156,3 +156,93 @@ def test_scoring_never_runs_between_two_steps_for_longer_than_the_step_before():
         worker.join(10)
     assert spent["rounds"] > 0 and scored <= generated + spent["longest"]
     del scoring
+
+
+def reference_scores(model, prompt: list[int], top: int):
+    """A prompt's scores the plain way: one session, every row from one forward of the whole prompt, each
+    position's alternatives by :func:`likeliest` row by row."""
+    session = model.start(prompt[:1])
+    rows = np.vstack([np.asarray(session.next_logprobs())[None], *(
+        [np.asarray(session.extend(prompt[1:]))] if len(prompt) > 1 else [])])
+    logprobs = (None, *(float(rows[i - 1][prompt[i]]) for i in range(1, len(prompt))))
+    tops = ((),) + tuple(tuple((int(t), float(rows[i - 1][t])) for t in likeliest(rows[i - 1], top))
+                         for i in range(1, len(prompt)))
+    return tuple(prompt), logprobs, tops, rows[-1]
+
+
+def equals_reference(scores, reference) -> bool:
+    tokens, logprobs, tops, last = reference
+    return (scores.tokens == tokens and scores.logprobs == logprobs and scores.top == tops
+            and np.array_equal(scores.next_logprobs, last))
+
+
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_likeliest_rows_equals_likeliest_row_by_row_ties_and_impossible_tokens_included(k):
+    rng = np.random.default_rng(k)
+    rows = rng.standard_normal((12, 300))
+    rows[1] = np.round(rows[1] * 2)                       # ties everywhere, at the boundary too
+    rows[2, 5:] = -np.inf                                 # fewer possible tokens than k
+    rows[3, k:] = -np.inf                                 # exactly k
+    rows[4] = 0.0                                         # all tied
+    rows[5, :k + 3] = rows[5].max() + 1.0                 # k + 3 tied for first place
+    for row, ids in zip(rows, likeliest_rows(rows, k)):
+        assert list(ids) == list(likeliest(row, k))
+
+
+def test_a_row_canonical_model_resumes_at_the_shared_length_and_answers_as_the_reference(tiny_llama):
+    """On a row-canonical model a prompt resumes where it parts from a resident one (not at a chunk cut),
+    rounds are sized by a budget, prompts in one state share what they have in common: every answer is
+    bitwise the reference's (one forward of the whole prompt, each row's alternatives found alone)."""
+    if not tiny_llama.capabilities.canonical_rows:
+        pytest.skip("this model's forward is not row-canonical here")
+    rng = np.random.default_rng(7)
+    context = rng.integers(3, tiny_llama.vocab_size, 45).tolist()
+    prompts = [context + rng.integers(3, tiny_llama.vocab_size, int(n)).tolist() for n in (1, 4, 9, 4)]
+    prompts += [context[:20], context[:45] + prompts[1][45:47]]
+    scorer = PromptScorer(tiny_llama, chunk=16)
+    first = scorer.score(prompts[0], top=5)
+    assert equals_reference(first, reference_scores(tiny_llama, prompts[0], 5))
+    again = scorer.score(prompts[1], top=5)
+    assert again.forwarded == len(prompts[1]) - len(context) + 1           # from the shared length on
+    for budget in (1, 7, 200):
+        works = [scorer.start(prompt, top=3) for prompt in prompts]
+        while scorer.busy:
+            scorer.advance(budget)
+        for prompt, work in zip(prompts, works):
+            assert equals_reference(scorer.scores(work), reference_scores(tiny_llama, prompt, 3))
+
+
+def test_prompts_in_one_state_feed_what_they_share_once(tiny_llama):
+    if not tiny_llama.capabilities.canonical_rows:
+        pytest.skip("this model's forward is not row-canonical here")
+    rng = np.random.default_rng(8)
+    context = rng.integers(3, tiny_llama.vocab_size, 40).tolist()
+    prompts = [context + [int(t)] for t in rng.integers(3, tiny_llama.vocab_size, 4)]
+    scorer = PromptScorer(tiny_llama, chunk=16, max_tokens=0)
+    for prompt in prompts:
+        scorer.start(prompt)
+    scorer.advance(1000)
+    assert scorer.forwarded_tokens == len(context)            # the context once, up to where they part
+    while scorer.busy:
+        scorer.advance(1000)
+    assert scorer.forwarded_tokens == len(context) + len(prompts)
+
+
+def test_rounds_are_sized_by_the_time_they_have():
+    """A round feeds what fits its time at the last round's rate: IDLE_ROUND_SECONDS with nothing else
+    running, the generations' last step (the credit) while they run, never fewer than MIN_ROUND_TOKENS."""
+    from speculum.serving.engine import IDLE_ROUND_SECONDS, MIN_ROUND_TOKENS
+
+    engine = Engine(slow_chain(), decode=decode, background=False)
+    try:
+        assert engine._round_budget() is None                # no round timed yet: a chunk a prompt
+        engine._score_rate = 0.0005
+        assert engine._round_budget() == int(IDLE_ROUND_SECONDS / 0.0005)
+        engine._running = {0: None}
+        engine._score_credit = 0.02
+        assert engine._round_budget() == 40
+        engine._score_credit = 0.0
+        assert engine._round_budget() == MIN_ROUND_TOKENS
+    finally:
+        engine._running = {}
+        engine.close()

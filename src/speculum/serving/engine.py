@@ -48,6 +48,10 @@ class EngineClosed(RuntimeError):
 
 _WAKE = object()        # wakes a worker waiting for jobs; not a job
 MAX_SCORE_BATCH = 16    # score jobs scored together (a round's chunks share one forward)
+# A scoring round's length while no generation runs: what a request arriving meanwhile waits at most for
+# the worker. Long enough that a round's fixed costs (a read of every weight) stay small.
+IDLE_ROUND_SECONDS = 0.1
+MIN_ROUND_TOKENS = 8    # the fewest tokens a time-sized round feeds (however short the time it has)
 
 
 class Engine:
@@ -122,6 +126,7 @@ class Engine:
         # Worker seconds scoring may still take before the next generation step, while generations run:
         # scoring gets at most the time the generations get, so it can at most double their latency.
         self._score_credit = 0.0
+        self._score_rate: float | None = None   # seconds a scored token took in the last round (sizes rounds)
         self._worker: threading.Thread | None = None
         if background:
             self._worker = threading.Thread(target=self.run, name="speculum-engine", daemon=True)
@@ -335,7 +340,7 @@ class Engine:
             # Unused time does not pile up: scoring never runs for long between two generation steps.
             self._score_credit = min(self._score_credit + took, took)
         if self._scoring and (not self._running or self._score_credit >= 0):
-            took = self._score_round()
+            took = self._score_round(self._round_budget())
             self._score_credit = self._score_credit - took if self._running else 0.0
 
     def _generate(self) -> float:
@@ -389,17 +394,29 @@ class Engine:
             return
         self._scoring.append(job)
 
-    def _score_round(self) -> float:
-        """One round of the scorer (:meth:`PromptScorer.advance`: a chunk of each prompt being scored,
-        in one packed forward where the target packs); a cancelled job is dropped first. Returns its
-        seconds."""
+    def _round_budget(self) -> int | None:
+        """Tokens the next scoring round feeds (a row-canonical target; others feed a chunk a prompt): as
+        many as fit the time it has at the last round's seconds a token, :data:`IDLE_ROUND_SECONDS` at
+        most, while generations run their last step's time at most (the credit); None before a first
+        round has been timed."""
+        if self._score_rate is None:
+            return None
+        seconds = min(IDLE_ROUND_SECONDS, self._score_credit) if self._running else IDLE_ROUND_SECONDS
+        return max(MIN_ROUND_TOKENS, int(seconds / self._score_rate))
+
+    def _score_round(self, budget: int | None = None) -> float:
+        """One round of the scorer (:meth:`PromptScorer.advance`: the next tokens of each prompt being
+        scored, ``budget`` in all on a row-canonical target, in one packed forward where the target packs);
+        a cancelled job is dropped first. Returns its seconds."""
         started = time.perf_counter()
         self._worked = True
         for job in [job for job in self._scoring if job.cancelled]:
             self.scorer.drop(job.work)
             self._scoring.remove(job)
             self._end(job, cancelled=True)
-        finished, failed = self.scorer.advance() if self._scoring else ([], [])
+        fed = self.scorer.forwarded_tokens
+        finished, failed = self.scorer.advance(budget) if self._scoring else ([], [])
+        fed = self.scorer.forwarded_tokens - fed
         ended = {id(work): (work, None) for work in finished} | {id(work): (work, exc) for work, exc in failed}
         metrics = self.metrics
         for job in [job for job in self._scoring if id(job.work) in ended]:
@@ -418,6 +435,8 @@ class Engine:
         metrics.scoring_forwards = self.scorer.forwards
         took = time.perf_counter() - started
         metrics.busy_seconds += took
+        if fed:
+            self._score_rate = took / fed
         return took
 
     def _account(self, chunk: Any) -> None:

@@ -37,15 +37,18 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
 
 from ..models.base import capabilities_of, check_token_ids
 from ..validation import InputError, check_int
 
-__all__ = ["PromptScorer", "PromptScores", "ScoreJob", "likeliest", "DEFAULT_CHUNK", "DEFAULT_CACHE_TOKENS", "MAX_TOP"]
+__all__ = ["PromptScorer", "PromptScores", "ScoreJob", "likeliest", "likeliest_rows", "DEFAULT_CHUNK",
+           "DEFAULT_CACHE_TOKENS", "MAX_TOP", "ROUND_TOKENS"]
 
 DEFAULT_CHUNK = 32
 DEFAULT_CACHE_TOKENS = 8192
 MAX_TOP = 20            # alternatives kept per position (OpenAI's cap on logprobs)
+ROUND_TOKENS = 512      # tokens a round of score() / score_many() feeds on a row-canonical target
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,25 @@ def likeliest(row: np.ndarray, k: int) -> np.ndarray:
         candidates = np.arange(len(row))
     order = candidates[np.lexsort((candidates, -row[candidates]))][:k]
     return order[row[order] > -np.inf]
+
+
+def likeliest_rows(rows: np.ndarray, k: int) -> list[np.ndarray]:
+    """:func:`likeliest` of each row of ``rows (n, width)`` float64, bitwise the same ids, found together.
+
+    Why: one partition of a 49,152-wide row in NumPy costs more than the row's share of the forward's head;
+    ``torch.topk`` over every row at once does not. Its ``k + 1`` largest values are exact: where the
+    ``k``-th is above the next and finite, the set is unique and only its order (value, then id) is
+    settled here; a row with a tie at the boundary or fewer than ``k`` possible tokens takes
+    :func:`likeliest` itself."""
+    n, width = rows.shape
+    if n == 0 or k <= 0 or k >= width:
+        return [likeliest(row, k) for row in rows]
+    values, ids = torch.topk(torch.from_numpy(rows), k + 1, dim=1)              # largest first, ties anyhow
+    clear = ((values[:, k - 1] > values[:, k]) & (values[:, k - 1] > -np.inf)).tolist()
+    by_id = torch.argsort(ids[:, :k], dim=1)
+    ids, values = ids[:, :k].gather(1, by_id), values[:, :k].gather(1, by_id)
+    ids = ids.gather(1, torch.sort(values, dim=1, descending=True, stable=True).indices).numpy()
+    return [ids[i] if clear[i] else likeliest(rows[i], k) for i in range(n)]
 
 
 class _Resident:
@@ -123,8 +145,9 @@ class PromptScorer:
     ``slots`` resident prompts holding at most ``max_tokens`` tokens in all.
 
     Two ways to use it: :meth:`score` / :meth:`score_many` score to the end in one call; :meth:`start`,
-    :meth:`advance` and :meth:`drop` score in rounds of at most ``chunk`` tokens per prompt (an engine
-    interleaves them with other work, and stops a prompt nobody waits for between two rounds).
+    :meth:`advance` and :meth:`drop` score in rounds of ``chunk`` tokens per prompt, or of a ``budget`` on a
+    row-canonical target (an engine interleaves them with other work, sizes them by time, and stops a
+    prompt nobody waits for between two rounds).
 
     Guarantee: exact and reuse-invariant — every log-prob is the target's teacher-forced one, computed
     in the canonical chunking, so a prompt's scores are bitwise those it gets scored alone, whatever was
@@ -139,6 +162,8 @@ class PromptScorer:
         self.slots = check_int(slots, "slots", minimum=1)
         # Packed rounds need forwards whose rows do not depend on the batch, and sessions that fork.
         self.packs = capabilities_of(target).invariant_extend
+        # Rows that do not depend on how the tokens were fed: reuse and rounds need no fixed cuts.
+        self.canonical = self.packs and capabilities_of(target).canonical_rows
         self._residents: OrderedDict[int, _Resident] = OrderedDict()    # least recently used first
         self._active: list[_Work] = []                                   # started, not finished nor dropped
         self._next_key = 0
@@ -175,7 +200,7 @@ class PromptScorer:
         with self._lock:
             self._active += works
             while not all(work.finished for work in works):
-                _, failed = self.advance()
+                _, failed = self.advance(ROUND_TOKENS * len(works) if self.canonical else None)
                 if failed:
                     for work in works:
                         self.drop(work)
@@ -196,11 +221,15 @@ class PromptScorer:
             if work in self._active:
                 self._active.remove(work)
 
-    def advance(self) -> tuple[list[_Work], list[tuple[_Work, BaseException]]]:
+    def advance(self, budget: int | None = None) -> tuple[list[_Work], list[tuple[_Work, BaseException]]]:
         """One round: every started prompt (one at a time, in order, for a target that does not pack)
-        fed its next chunk, in one packed forward where the target packs. Returns the prompts it finished
+        fed its next chunk, in one packed forward where the target packs. On a row-canonical target a
+        ``budget`` instead feeds each prompt up to ``budget / prompts`` tokens (at least one), stopping
+        where prompts in the same state part (what they share is fed once). Returns the prompts it finished
         and those it failed with the error: a failing packed round starts its prompts again, each in
         forwards of its own from then on, so that a prompt the model fails on fails alone."""
+        if budget is not None:
+            check_int(budget, "budget", minimum=1)
         with self._lock:
             alone = next((work for work in self._active if work.alone), None)
             group = [alone] if alone is not None else self._active if self.packs else self._active[:1]
@@ -211,7 +240,7 @@ class PromptScorer:
                     self._resume(work)
             try:
                 if group:
-                    self._round(group)
+                    self._round(group, budget)
             except Exception as exc:  # noqa: BLE001  (the prompt's own failure goes to its client)
                 if len(group) == 1:
                     failed.append((group[0], exc))
@@ -233,8 +262,31 @@ class PromptScorer:
 
     # ------------------------------------------------------------------------------------------ internals
     def _cut(self, shared: int) -> int:
-        """The last chunk cut at or before position ``shared - 1`` (0: nothing reusable)."""
+        """Where a prompt sharing ``shared`` tokens with a resident one resumes: the last chunk cut at or
+        before position ``shared - 1`` (0: nothing reusable); on a row-canonical target ``shared - 1`` itself
+        (the row after the shared tokens, which the resident does not keep whole, is computed again)."""
+        if self.canonical:
+            return max(0, shared - 1)
         return max(0, (shared - 1) // self.chunk * self.chunk)
+
+    def _ends(self, active: list[_Work], budget: int | None) -> list[int]:
+        """Where each of ``active`` stops this round: its next chunk cut; on a row-canonical target with a
+        ``budget``, its share of it, cut back to where it parts from prompts in the same state (whose
+        common tokens a round then feeds once)."""
+        if budget is None or not self.canonical:
+            return [min(len(work.ids), (work.done // self.chunk + 1) * self.chunk) for work in active]
+        share = max(1, budget // len(active))
+        ends = [min(len(work.ids), work.done + share) for work in active]
+        states: dict[tuple[int, ...], list[int]] = {}
+        for i, work in enumerate(active):
+            states.setdefault((work.done, *work.ids[:work.done]), []).append(i)
+        for members in states.values():
+            for i in members:
+                for j in members:
+                    common = _common(active[i].ids, active[j].ids) if i != j else 0
+                    if common > active[i].done:
+                        ends[i] = min(ends[i], common)
+        return ends
 
     def _resume(self, work: _Work) -> None:
         """Start ``work`` at the longest cut it shares with a resident prompt (on a fork of its session when
@@ -259,22 +311,21 @@ class PromptScorer:
         work.logprobs = resident.logprobs[: best_cut + 1]
         work.top_ids, work.top_values = resident.top_ids[: best_cut + 1], resident.top_values[: best_cut + 1]
 
-    def _round(self, active: list[_Work]) -> None:
-        """Feed each of ``active`` its next chunk: one forward of every distinct next chunk (works whose
-        prompts agree up to its end share it and its session)."""
+    def _round(self, active: list[_Work], budget: int | None) -> None:
+        """Feed each of ``active`` its next tokens (:meth:`_ends`): one forward of every distinct segment
+        (works at the same point whose prompts agree up to its end share it and its session)."""
         rounds: dict[tuple[int, ...], list[_Work]] = {}
-        for work in active:
-            end = min(len(work.ids), (work.done // self.chunk + 1) * self.chunk)
-            rounds.setdefault(tuple(work.ids[:end]), []).append(work)
+        for work, end in zip(active, self._ends(active, budget)):
+            rounds.setdefault((work.done, *work.ids[:end]), []).append(work)
         taken: set[int] = set()
         feeds = []
         for key, members in rounds.items():
             lead = members[0]
             session = lead.session
             if session is not None and id(session) in taken:
-                session = session.fork()         # another chunk continues the same prefix this round
+                session = session.fork()         # another segment continues the same prefix this round
             taken.add(id(session))
-            feeds.append((members, session, lead.done, len(key)))
+            feeds.append((members, session, lead.done, len(key) - 1))
         for (members, _, done, end), (session, rows) in zip(feeds, self._forward(feeds)):
             self._advance(members, session, rows, done, end)
         for work in active:
@@ -311,24 +362,18 @@ class PromptScorer:
     def _advance(self, members: list[_Work], session: Any, rows: np.ndarray, done: int, end: int) -> None:
         """Note the positions ``done..end - 1`` the round computed for ``members`` (the same tokens there)."""
         lead = members[0]
-        logprobs, top_ids, top_values = [], [], []
-        for j in range(end - done - 1):
-            self._note(rows[j], lead.ids[done + j + 1], logprobs, top_ids, top_values)
+        logprobs, top_ids, top_values = _notes(rows[:end - done - 1], lead.ids[done + 1:end])
         lead.forwarded += end - done
         self.forwarded_tokens += end - done
         for work in members:
             if work.pending is not None:            # the law of token `done`, from the work's previous round
-                self._note(work.pending, work.ids[done], work.logprobs, work.top_ids, work.top_values)
+                noted = _notes(work.pending[None], work.ids[done:done + 1])
+                work.logprobs, work.top_ids, work.top_values = (work.logprobs + noted[0], work.top_ids + noted[1],
+                                                                work.top_values + noted[2])
             # A copy: the round's rows (up to chunk x vocab floats per prompt) need not outlive it.
             work.session, work.done, work.pending = session, end, np.array(rows[end - done - 1])
             work.logprobs = work.logprobs + logprobs
             work.top_ids, work.top_values = work.top_ids + top_ids, work.top_values + top_values
-
-    def _note(self, row: np.ndarray, token: int, logprobs: list, top_ids: list, top_values: list) -> None:
-        top = likeliest(row, MAX_TOP)
-        logprobs.append(float(row[token]))
-        top_ids.append(top)
-        top_values.append(row[top])
 
     def _keep(self, work: _Work) -> None:
         self.reused_tokens += len(work.ids) - work.forwarded
@@ -400,6 +445,16 @@ def _checked(tokens: Sequence[int], top: int, vocab_size: int, name: str) -> _Wo
     if top > MAX_TOP:
         raise InputError(f"top must be at most {MAX_TOP}, got {top}")
     return _Work(ids, top)
+
+
+def _notes(rows: np.ndarray, tokens: Sequence[int]) -> tuple[list, list, list]:
+    """Per row of ``rows (n, vocab)``: the log-prob of its token in ``tokens``, and the ``MAX_TOP``
+    likeliest ids with their log-probs (the values of the same row, bitwise)."""
+    if not len(tokens):
+        return [], [], []
+    tops = likeliest_rows(rows, MAX_TOP)
+    values = rows[np.arange(len(tokens)), np.asarray(tokens)].tolist()
+    return values, tops, [row[top] for row, top in zip(rows, tops)]
 
 
 def _common(first: Sequence[int], second: Sequence[int]) -> int:
