@@ -497,3 +497,27 @@ def test_importing_the_backend_leaves_openmp_settings_alone():
              "print(sorted(k for k in os.environ if k.startswith(('OMP_', 'GOMP_'))))")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_model_runs_as_many_threads_as_the_process_has_cpus(tmp_path):
+    """Pinned to one CPU (taskset, a container's cpuset), a loaded model runs one thread, not one per CPU of
+    the machine: a second thread would spin at every barrier for a thread that cannot run. A user's
+    OMP_NUM_THREADS is kept."""
+    import os
+    import subprocess
+    import sys
+
+    path = save_tiny_model(tmp_path / "tiny")
+    probe = ("import os, sys, torch\n"
+             "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+             "from speculum.models.hf import HFModel\n"
+             f"HFModel.from_pretrained({str(path)!r})\n"
+             "print(torch.get_num_threads())\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    pinned = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert pinned.returncode == 0, pinned.stderr
+    assert pinned.stdout.split()[-1] == "1"
+    asked = subprocess.run([sys.executable, "-c", probe], env={**env, "OMP_NUM_THREADS": "3"}, capture_output=True,
+                           text=True, timeout=120)
+    assert asked.returncode == 0, asked.stderr
+    assert asked.stdout.split()[-1] == "3"

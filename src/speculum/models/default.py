@@ -30,6 +30,7 @@ from unittest import mock
 
 from ..validation import InputError
 from .checkpoints import load_cached, write_cache
+from .cpu import default_threads
 from .llamacpp import load_llamacpp_model
 from .paths import DEFAULT_MODEL, EMBEDDED_MODELS, cache_dir, canonical_name, embedded_gguf_path
 
@@ -265,7 +266,7 @@ def _load_gguf(gguf: Path, key: str, *, dtype: str, prepack: bool, quiet: bool, 
     from .hf import HFModel  # imports torch, the [llm] extra
     from .hf.precision import prepare_module  # the [llm] extra
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(default_threads())
     bars = hf_logging.is_progress_bar_enabled()
     if quiet:
         hf_logging.disable_progress_bar()

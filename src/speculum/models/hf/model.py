@@ -39,6 +39,7 @@ import torch
 
 from ...validation import InputError
 from ..allocator import trim_heap
+from ..cpu import default_threads
 from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_blocks, check_token_ids,
                     common_prefix_length)
 from ..vocabulary import hf_token_bytes
@@ -178,7 +179,7 @@ class HFModel(BaseModel):
             raise FileNotFoundError(f"no Hugging Face model directory at {str(path)!r} (config.json missing)")
         from transformers.utils import logging as hf_logging  # heavy: loaded with the first model
 
-        torch.set_num_threads(threads or os.cpu_count() or 1)
+        torch.set_num_threads(threads or default_threads())
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a local load takes about a second: no per-tensor bar
         # transformers reports a broken directory (bad JSON, missing or truncated weights, an unknown
