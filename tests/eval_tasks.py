@@ -5,7 +5,10 @@ Not a test module: imported by test_eval.py and benchmarks/eval.py.
 
 * ``arith_mc``: multiple choice, "What is a + b?" with four numeric answers (``shots`` examples first,
   always the same ones: ``fewshot_config: sampler: first_n``, so every item shares its few-shot context);
-* ``arith_ll``: ``loglikelihood`` of the right answer after the question.
+* ``arith_ll``: ``loglikelihood`` of the right answer after the question;
+* ``next_mc``: multiple choice with a short context, "What comes after Tuesday?" over days, months,
+  letters and number words, four answers from the same sequence (``shots`` first-n examples);
+* ``paragraphs_ppl``: ``loglikelihood_rolling`` (perplexity) of given paragraphs of text.
 """
 from __future__ import annotations
 
@@ -13,7 +16,16 @@ import json
 import random
 from pathlib import Path
 
-__all__ = ["write_arithmetic_tasks", "write_letter_tasks"]
+__all__ = ["write_arithmetic_tasks", "write_letter_tasks", "write_next_tasks", "write_rolling_task"]
+
+_SEQUENCES = {
+    "the days of the week": "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split(),
+    "the months": ("January February March April May June July August September October November "
+                   "December").split(),
+    "the alphabet": list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"),
+    "counting": ("one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+                 "sixteen seventeen eighteen nineteen twenty").split(),
+}
 
 
 def _arithmetic(n: int, seed: int) -> list[dict]:
@@ -77,4 +89,47 @@ def write_letter_tasks(folder: Path, alphabet: str, *, items: int = 12, seed: in
            "task: toy_ll\ndataset_path: json\n" + files + "test_split: test\noutput_type: loglikelihood\n"
            'doc_to_text: "{{context}}"\ndoc_to_target: "{{answer}}"\n' + plain
            + "metric_list:\n  - metric: perplexity\n  - metric: acc\n")
+    return folder
+
+
+def _next_items(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    items = []
+    for _ in range(n):
+        kind = rng.choice(sorted(_SEQUENCES))
+        sequence = _SEQUENCES[kind]
+        at = rng.randrange(len(sequence) - 1)
+        right = sequence[at + 1]
+        choices = [right, *rng.sample([w for w in sequence if w != right], 3)]
+        rng.shuffle(choices)
+        items.append({"question": f"In {kind}, what comes after {sequence[at]}?", "choices": choices,
+                      "gold": choices.index(right)})
+    return items
+
+
+def write_next_tasks(folder: Path, *, items: int = 56, shots: int = 3, seed: int = 0) -> Path:
+    """``next_mc`` in ``folder`` (created): ``items`` short questions with four answers each, after the
+    same ``shots`` examples (drawn from their own split)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    pool = _next_items(items + shots, seed)
+    _write(folder, "next_fewshot", pool[items:], "")
+    fewshot = str((folder / "next_fewshot.jsonl").resolve())
+    shots_block = (f"num_fewshot: {shots}\nfewshot_split: train\nfewshot_config:\n  sampler: first_n\n"
+                   if shots else "")
+    _write(folder, "next_mc", pool[:items],
+           "task: next_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: DATA\n"
+           f"    train: {fewshot}\n" + "test_split: test\noutput_type: multiple_choice\n"
+           'doc_to_text: "Q: {{question}}\\nA:"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{gold}}"\n'
+           + shots_block + "metric_list:\n  - metric: acc\n")
+    return folder
+
+
+def write_rolling_task(folder: Path, paragraphs: list[str]) -> Path:
+    """``paragraphs_ppl`` in ``folder`` (created): the rolling log-likelihood of each of ``paragraphs``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _write(folder, "paragraphs_ppl", [{"text": text} for text in paragraphs],
+           "task: paragraphs_ppl\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: DATA\n"
+           "test_split: test\noutput_type: loglikelihood_rolling\n"
+           'doc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+           "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")
     return folder
