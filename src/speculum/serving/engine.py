@@ -50,7 +50,7 @@ _WAKE = object()        # wakes a worker waiting for jobs; not a job
 MAX_SCORE_BATCH = 16    # score jobs scored together (a round's chunks share one forward)
 # A scoring round's length while no generation runs: what a request arriving meanwhile waits at most for
 # the worker. Long enough that a round's fixed costs (a read of every weight) stay small.
-IDLE_ROUND_SECONDS = 0.1
+IDLE_ROUND_SECONDS = 0.06
 MIN_ROUND_TOKENS = 8    # the fewest tokens a time-sized round feeds (however short the time it has)
 
 
