@@ -1,6 +1,7 @@
 """Speculative decoding on SmolLM2-135M-Instruct (float32, PyTorch): speculum vs transformers, side by side.
 
-For each task (open-ended chat, summarising a passage, rewriting code) and greedy decoding of a fixed
+For each task (open-ended chat, summarising a passage, rewriting code, extracting action items from
+meeting notes, converting CSV to JSON) and greedy decoding of a fixed
 number of new tokens, measures tokens/s of
 
 * our plain decoding and transformers' plain ``generate``;
@@ -56,11 +57,25 @@ CODE = '''def load_scores(path):
     f.close()
     return scores'''
 
+NOTES = """Weekly sync, 3 March. Present: Priya, Tom, Alex, Mei.
+Priya said the release candidate is blocked on the payment bug; Tom will fix it by Wednesday.
+Alex will update the onboarding guide and send it to Mei for review before Friday.
+Mei reported that the staging server is out of disk space; Priya will ask IT for a larger volume.
+Tom asked for a decision on the logging library; the team agreed to keep the current one until May.
+Next meeting: 10 March."""
+CSV = """name,city,age,role
+Alice Moreau,Lyon,34,engineer
+Bilal Khan,Leeds,29,designer
+Chen Wei,Taipei,41,manager
+Dana Levi,Haifa,25,analyst"""
+
 TASKS = {
     "chat": "What are some good ways to spend a rainy weekend at home? Give me a few ideas.",
     "summarise": f"Summarise the following passage.\n\n{PASSAGE}",
     "rewrite": f"Rewrite this Python function to use a with statement and collections.defaultdict, "
                f"keeping everything else the same.\n\n{CODE}",
+    "extract": f"List every action item in these meeting notes as 'Owner: task (deadline)'.\n\n{NOTES}",
+    "csv": f"Convert this CSV to a JSON list of objects, one per row, keeping every field.\n\n{CSV}",
 }
 DRAFTS = ("lookup", "ngram", "int8", "bf16", "layers:8")
 # Fixed γ per draft, chosen from the measured costs (benchmarks/RESULTS.md): cheap proposers can afford long
