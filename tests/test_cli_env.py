@@ -45,6 +45,7 @@ def test_the_text_report_names_every_kernel_and_dtype(capsys):
 
 
 def test_without_amx_the_tiles_reason_shows_and_bfloat16_is_not_advised_for_them(capsys, monkeypatch):
+    monkeypatch.delenv("SPECULUM_KERNELS", raising=False)       # the CPU's reason, not the switch's
     monkeypatch.setattr(tiles, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     tiles._loaded.cache_clear()
     try:
@@ -68,6 +69,7 @@ def fresh_kernels():
 
 
 def test_a_compiler_failure_shows_its_reason_after_the_colon(capsys, monkeypatch, tmp_path, fresh_kernels):
+    monkeypatch.delenv("SPECULUM_KERNELS", raising=False)       # the compiler's reason, not the switch's
     monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
     text = report(capsys)

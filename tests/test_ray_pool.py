@@ -234,8 +234,9 @@ def test_a_worker_on_other_kernels_is_named_in_one_line():
     assert "grouped" in kernel_mismatch([{**PATHS, "grouped": None}], PATHS)
 
 
-def test_a_pool_whose_workers_turn_the_kernels_off_alone_is_refused(cluster):
+def test_a_pool_whose_workers_turn_the_kernels_off_alone_is_refused(cluster, monkeypatch):
     pytest.importorskip("torch")
+    monkeypatch.delenv("SPECULUM_KERNELS", raising=False)       # on here, off there
 
     def kernels_off_there():
         os.environ["SPECULUM_KERNELS"] = "off"

@@ -72,6 +72,7 @@ def test_a_bfloat16_product_runs_on_the_tiles_and_refuses_a_wrong_width():
 
 
 def test_without_tiles_the_reason_is_given_and_bfloat16_stays_on_onednn(monkeypatch):
+    monkeypatch.delenv("SPECULUM_KERNELS", raising=False)       # the CPU's reason, not the switch's
     monkeypatch.setattr(tiles, "cpu_flags", lambda: {"avx2", "fma"})
     tiles._loaded.cache_clear()
     try:
