@@ -52,13 +52,25 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=48, help="new tokens a run")
     parser.add_argument("--task", default="chat", choices=list(TASKS))
     parser.add_argument("--seed", type=int, default=0, help="seed of the run order within each round")
+    parser.add_argument("--one-thread", action="store_true", help="also time speculum on one thread")
     args = parser.parse_args(argv)
 
     target = speculum.load_model("smollm2-135m")
     reference = speculum.load_model("smollm2-135m", prepack=False)
     prompt = target.encode(TASKS[args.task])
+    threads = torch.get_num_threads()
+
+    def on_one_thread():
+        torch.set_num_threads(1)
+        try:
+            return ours(target, prompt, args.tokens)
+        finally:
+            torch.set_num_threads(threads)
+
     runners = {"speculum": lambda: ours(target, prompt, args.tokens),
                "transformers": lambda: transformers_generate(reference, prompt, args.tokens)}
+    if args.one_thread and threads > 1:
+        runners["speculum 1 thread"] = on_one_thread
     for run in runners.values():
         run()                                           # one-off initialisation out of the timings
     print(f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
@@ -70,7 +82,7 @@ def main(argv=None) -> int:
         for load in ("quiet", "loaded"):
             jobs = busy_jobs(args.jobs) if load == "loaded" else []
             try:
-                time.sleep(0.5 if jobs else 0.0)        # let the jobs take their cores
+                time.sleep(1.0)                         # let the jobs take their cores, or their exit settle
                 names = list(runners)
                 order.shuffle(names)
                 for name in names:
@@ -78,12 +90,12 @@ def main(argv=None) -> int:
                     ms.setdefault((name, load), []).append(1000 * run.seconds / len(run.tokens))
             finally:
                 stop(jobs)
-    print(f"{'decoder':<14}{'quiet ms/token':>16}{'loaded ms/token':>17}{'slowdown':>10}")
+    print(f"{'decoder':<20}{'quiet ms/token':>16}{'loaded ms/token':>17}{'slowdown':>10}")
     slowdown = {}
     for name in runners:
         quiet, loaded = (statistics.median(ms[name, load]) for load in ("quiet", "loaded"))
         slowdown[name] = loaded / quiet
-        print(f"{name:<14}{quiet:>16.1f}{loaded:>17.1f}{slowdown[name]:>9.2f}x")
+        print(f"{name:<20}{quiet:>16.1f}{loaded:>17.1f}{slowdown[name]:>9.2f}x")
     ratio = slowdown["speculum"] / slowdown["transformers"]
     print(f"speculum's slowdown / transformers': {ratio:.2f} (goal <= 1.00)")
     return 0

@@ -53,6 +53,7 @@ from .prepack import prepack_linears
 from .row_invariant import RowInvariantForward
 from .trie import trie_forward
 from .session import HFSession
+from .threads import governed_threads
 
 __all__ = ["HFModel", "HFSession", "parse_dtype"]
 
@@ -133,6 +134,8 @@ class HFModel(BaseModel):
         self.bos_token_id = _first_id(getattr(tokenizer, "bos_token_id", None), self.config.bos_token_id)
         # Prefix caches shared by the rows of a batched call (the prompt, a common first token), by tokens.
         self._shared_caches: dict[tuple[int, ...], OwnCache] = {}
+        # Forwards on the cores other processes leave free, where the rows ignore the thread count.
+        self._threads = governed_threads(torch.get_num_threads(), self._probe_rows) if self._fused else None
         layers, kv_heads, head_dim = _kv_geometry(self.config)
         # The sessions' KV store for packed forwards (it holds no memory until a session moves in).
         # Its keys and values in the forward's activation dtype: float32 in the fused forward, whatever the weights.
@@ -281,6 +284,7 @@ class HFModel(BaseModel):
         self._into_store(sessions, max(len(feed.session.tokens) + len(feed.tokens) for feed in feeds))
         reads = [feed.session.unfed_tokens()[:feed.prompt_limit] if p else feed.session.feed(feed.tokens)
                  for feed, p in zip(feeds, part)]
+        self.govern_threads()
         with torch.inference_mode():        # the head runs on the rows of the sessions' own tokens only
             logits = self._fused.forward_packed(reads, [session.cache for session in sessions],
                                                 keep=[len(feed.tokens) for feed in feeds])
@@ -301,6 +305,7 @@ class HFModel(BaseModel):
         if not all(reads):
             raise InputError("every session needs a token to read (its unfed prompt or tokens of its own)")
         caches = [feed.session.cache for feed in feeds]
+        self.govern_threads()
         with torch.inference_mode():
             if self._rows_forward is not None:
                 logits = self._rows_forward(reads, caches)
@@ -467,11 +472,26 @@ class HFModel(BaseModel):
         transformers' own, which reads only a cache with a ``transformers_cache`` (never a store slot: only
         the fused forward moves sessions into the store)."""
         if self._fused is not None:
+            self.govern_threads()
             return self._fused(input_ids, cache, keep)
         return self.module(input_ids=input_ids, cache=cache.transformers_cache, use_cache=True,
                            logits_to_keep=keep).logits
 
+    def govern_threads(self) -> int | None:
+        """Before a forward: PyTorch's thread count set to the cores other processes leave free (None: the
+        count is fixed for this model; see :mod:`~speculum.models.hf.threads`)."""
+        return None if self._threads is None else self._threads.adjust()
+
     # ------------------------------------------------------------------------------------ internals
+    @torch.inference_mode()
+    def _probe_rows(self) -> torch.Tensor:
+        """A prompt's rows, then a block's and a step's on top of it (each product at several row counts):
+        what the thread probe compares."""
+        cache = self.new_cache()
+        ids = torch.arange(40).remainder(self.vocab_size)
+        return torch.cat([self._fused(ids[None, :33], cache)[0], self._fused(ids[None, 33:38], cache)[0],
+                          self._fused(ids[None, 38:39], cache)[0]])
+
     def _cache_for(self, tokens: Sequence[int]) -> OwnCache:
         """A batch-1 cache holding ``tokens`` (do not mutate it), kept for the next calls that share it.
 
