@@ -1,7 +1,8 @@
 """The PyTorch backend's log-prob formula (speculum.models.hf.logprobs).
 
-Invariants: ``log_mass`` is bitwise ``torch.logsumexp`` of the float64 rows, whatever the row count, the
-values' range and the ``-inf`` entries; ``entries_at_least`` returns exactly the entries and the order of
+Invariants: ``log_mass`` is ``torch.logsumexp`` of the float64 rows to float64 rounding, whatever the row
+count, the values' range and the ``-inf`` entries, and each row's value is bitwise the same alone, in any
+batch and at any thread count; ``entries_at_least`` returns exactly the entries and the order of
 ``torch.nonzero(logits >= floors[:, None])`` for any width (a multiple of its block or not) and any floors.
 """
 from __future__ import annotations
@@ -33,10 +34,30 @@ def logit_rows(draw, max_rows: int = 70, max_width: int = 200):
 
 @given(logit_rows())
 @settings(max_examples=150, deadline=None)
-def test_log_mass_is_bitwise_torch_logsumexp_in_float64(logits):
+def test_log_mass_is_logsumexp_in_float64_and_each_row_the_same_alone(logits):
     expected = torch.logsumexp(logits.double(), dim=-1)
-    assert torch.equal(log_mass(logits), expected)
-    assert torch.equal(log_mass(logits.double()), expected)
+    got = log_mass(logits)
+    assert torch.allclose(got, expected, rtol=1e-14, atol=0)
+    assert torch.equal(log_mass(logits.double()), got)                  # float32 rows widen exactly
+    for row in {0, len(logits) // 2, len(logits) - 1}:
+        assert torch.equal(log_mass(logits[row:row + 1]), got[row:row + 1])
+
+
+def test_a_vocabulary_wide_row_is_the_same_alone_in_a_batch_and_at_any_thread_count():
+    """A lone row's reduction is where PyTorch splits the work across its threads: the mass must not
+    notice (ROW-CANONICAL)."""
+    logits = torch.randn(9, 49_155, generator=torch.Generator().manual_seed(0)) * 5
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(torch.cat([log_mass(logits), *(log_mass(logits[i:i + 1]) for i in range(9)),
+                                      log_mass(logits[2:7])]))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(result, results[0]) for result in results)
+    assert torch.equal(results[0][9:18], results[0][:9]) and torch.equal(results[0][18:], results[0][2:7])
 
 
 def test_log_mass_names_nan_and_infinite_logits_and_takes_no_rows():

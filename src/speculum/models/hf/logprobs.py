@@ -10,6 +10,8 @@ Example:
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -17,10 +19,6 @@ from ...validation import InputError
 
 __all__ = ["entries_at_least", "finite_counts", "log_mass", "logprob_rows"]
 
-# Rows whose float64 soft-max temporaries exist at once: a verification or enumeration forward returns
-# hundreds of 49,152-wide rows, and a float64 copy plus its exponentials for all of them at once is a
-# peak of several hundred MB (kept by the allocator afterwards). Each row's value is the same either way.
-_ROWS_AT_ONCE = 32
 _BLOCK = 64         # entries_at_least: columns per block maximum
 
 
@@ -28,22 +26,24 @@ def log_mass(logits: torch.Tensor) -> torch.Tensor:
     """``(n,)`` float64 log-sum-exp of ``(n, vocab)`` logits; ``InputError`` for NaN / +inf, at the origin.
 
     float64 because float32 rows' mass drifts by ~1e-5, which downstream normalisation checks rightly
-    reject."""
-    mass = torch.empty(logits.shape[0], dtype=torch.float64)                     # (n,); NaN / inf propagate
-    shifted = torch.empty(min(len(mass), _ROWS_AT_ONCE), logits.shape[-1], dtype=torch.float64)  # reused
-    for start in range(0, len(mass), _ROWS_AT_ONCE):
-        part = logits[start:start + _ROWS_AT_ONCE]
-        rows, out = shifted[:part.shape[0]], mass[start:start + part.shape[0]]
-        # torch.logsumexp's own steps, in place in one float64 buffer: the same numbers, without its
-        # full-size temporaries (fresh memory costs page faults at every call).
-        rows.copy_(part)
-        top = rows.amax(dim=-1, keepdim=True)                                     # (k, 1)
-        top.masked_fill_(top.abs() == float("inf"), 0.0)
-        torch.sum(rows.sub_(top).exp_(), dim=-1, out=out)
-        out.log_().add_(top.squeeze(-1))
-    if not bool(torch.isfinite(mass).all()):
+    reject. ROW-CANONICAL: each row's sum is computed alone, by one thread, in NumPy's fixed pairwise order,
+    so a row's value is bitwise the same in any batch and at any thread count (PyTorch splits a lone row's
+    reduction across its threads, and so rounds it otherwise than the same row among others)."""
+    source = logits.detach()
+    if source.dtype not in (torch.float32, torch.float64):
+        source = source.float()                                                  # exact widening
+    rows = source.numpy()
+    mass = np.empty(rows.shape[0], dtype=np.float64)                              # (n,); NaN / inf propagate
+    shifted = np.empty(rows.shape[-1], dtype=np.float64)                          # one row's, reused
+    tops = rows.max(axis=-1).astype(np.float64) if rows.shape[0] else mass        # exact in any order
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for i, top in enumerate(tops.tolist()):
+            top = 0.0 if top in (math.inf, -math.inf) else top
+            np.subtract(rows[i], top, out=shifted, dtype=np.float64)              # the row widened exactly
+            mass[i] = np.log(np.exp(shifted, out=shifted).sum()) + top
+    if not np.isfinite(mass).all():
         raise InputError("the model produced NaN or infinite logits")
-    return mass
+    return torch.from_numpy(mass)
 
 
 def logprob_rows(logits: torch.Tensor) -> np.ndarray:
