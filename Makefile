@@ -40,8 +40,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/speculum demo
 
+# Two workers (pytest-xdist): the suite is mostly single-threaded, and CI has two cores.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n 2
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q
