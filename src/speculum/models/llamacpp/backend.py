@@ -50,6 +50,7 @@ import numpy as np
 
 from ...validation import InputError, check_int, check_optional_int
 from ..base import BaseModel, Capabilities, check_prompt, check_token_ids, common_prefix_length
+from ..cpu import usable_cpus
 from ..paths import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path
 from .build_check import check_native_build
 from .tokenizer import LlamaCppTokenizer
@@ -171,7 +172,7 @@ class LlamaCppModel(BaseModel):
     Args:
         model_path: a ``.gguf`` file.
         n_ctx: context length in tokens (``max_context``); sequences longer than it raise ``ValueError``.
-        n_threads: CPU threads; default ``os.cpu_count()``.
+        n_threads: CPU threads; default one per CPU this process may use (``usable_cpus``).
         n_batch: most tokens per ``llama_decode`` call (longer inputs are split).
 
     Only one sequence is resident in the llama context at a time; see the module docstring for how
@@ -201,7 +202,7 @@ class LlamaCppModel(BaseModel):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model_path: no GGUF file at {path!r}")
         n_ctx, n_batch = check_int(n_ctx, "n_ctx", minimum=1), check_int(n_batch, "n_batch", minimum=1)
-        threads = check_optional_int(n_threads, "n_threads", minimum=1) or os.cpu_count() or 1
+        threads = check_optional_int(n_threads, "n_threads", minimum=1) or usable_cpus()
         n_batch = min(n_batch, n_ctx)
         # A crashing native build would kill the process with no message: probe it once (build_check).
         check_native_build(path, llama_cpp.llama_print_system_info().decode(errors="replace"))
