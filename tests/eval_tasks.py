@@ -48,16 +48,22 @@ def _write(folder: Path, name: str, items: list[dict], yaml: str) -> None:
     (folder / f"{name}.yaml").write_text(yaml.replace("DATA", str(data.resolve())), encoding="utf-8")
 
 
+def _fewshot(folder: Path, name: str, examples: list[dict], shots: int) -> tuple[str, str]:
+    """Write ``examples`` as ``<name>_fewshot`` (the train split); returns the YAML of the data files (the
+    test split left as ``DATA``) and of the few-shot settings (empty for zero shots)."""
+    _write(folder, f"{name}_fewshot", examples, "")
+    fewshot = str((folder / f"{name}_fewshot.jsonl").resolve())
+    shots_block = (f"num_fewshot: {shots}\nfewshot_split: train\nfewshot_config:\n  sampler: first_n\n"
+                   if shots else "")
+    return f"dataset_kwargs:\n  data_files:\n    test: DATA\n    train: {fewshot}\n", shots_block
+
+
 def write_arithmetic_tasks(folder: Path, *, items: int = 20, shots: int = 0, seed: int = 0) -> Path:
     """``arith_mc`` and ``arith_ll`` in ``folder`` (created), ``items`` questions each plus ``shots`` few-shot
     examples (drawn from their own split)."""
     folder.mkdir(parents=True, exist_ok=True)
     pool = _arithmetic(items + shots, seed)
-    _write(folder, "arith_fewshot", pool[items:], "")
-    fewshot = str((folder / "arith_fewshot.jsonl").resolve())
-    shots_block = (f"num_fewshot: {shots}\nfewshot_split: train\nfewshot_config:\n  sampler: first_n\n"
-                   if shots else "")
-    files = f"dataset_kwargs:\n  data_files:\n    test: DATA\n    train: {fewshot}\n"
+    files, shots_block = _fewshot(folder, "arith", pool[items:], shots)
     _write(folder, "arith_mc", pool[:items],
            "task: arith_mc\ndataset_path: json\n" + files + "test_split: test\noutput_type: multiple_choice\n"
            'doc_to_text: "Question: {{question}}\\nAnswer:"\ndoc_to_choice: "{{choices}}"\n'
@@ -112,13 +118,9 @@ def write_next_tasks(folder: Path, *, items: int = 56, shots: int = 3, seed: int
     same ``shots`` examples (drawn from their own split)."""
     folder.mkdir(parents=True, exist_ok=True)
     pool = _next_items(items + shots, seed)
-    _write(folder, "next_fewshot", pool[items:], "")
-    fewshot = str((folder / "next_fewshot.jsonl").resolve())
-    shots_block = (f"num_fewshot: {shots}\nfewshot_split: train\nfewshot_config:\n  sampler: first_n\n"
-                   if shots else "")
+    files, shots_block = _fewshot(folder, "next", pool[items:], shots)
     _write(folder, "next_mc", pool[:items],
-           "task: next_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: DATA\n"
-           f"    train: {fewshot}\n" + "test_split: test\noutput_type: multiple_choice\n"
+           "task: next_mc\ndataset_path: json\n" + files + "test_split: test\noutput_type: multiple_choice\n"
            'doc_to_text: "Q: {{question}}\\nA:"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{gold}}"\n'
            + shots_block + "metric_list:\n  - metric: acc\n")
     return folder
