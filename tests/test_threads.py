@@ -92,3 +92,11 @@ def test_a_count_the_user_sets_becomes_the_most(monkeypatch, restore_threads):
     torch.set_num_threads(1)                             # the user's choice
     machine.run(1.0, own_cores=1, other_cores=0)
     assert governor.adjust() == 1 and governor.most == 1
+
+
+def test_the_thread_probe_stays_within_a_short_context(tmp_path, restore_threads):
+    for context in (2, 8):
+        model = HFModel.from_pretrained(save_tiny_model(tmp_path / f"c{context}", layers=2, max_context=context),
+                                        threads=2)
+        assert model.govern_threads() in (None, 1, 2)
+        assert len(model.start([1]).extend([2] * (context - 1))) == context - 1

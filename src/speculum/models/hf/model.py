@@ -488,9 +488,11 @@ class HFModel(BaseModel):
         """A prompt's rows, then a block's and a step's on top of it (each product at several row counts):
         what the thread probe compares."""
         cache = self.new_cache()
-        ids = torch.arange(40).remainder(self.vocab_size)
-        return torch.cat([self._fused(ids[None, :33], cache)[0], self._fused(ids[None, 33:38], cache)[0],
-                          self._fused(ids[None, 38:39], cache)[0]])
+        total = min(39, self.max_context or 39)               # within the model's context
+        ids = torch.arange(total).remainder(self.vocab_size)
+        cuts = [0, max(total - 6, 1), max(total - 1, 1), total]
+        return torch.cat([self._fused(ids[None, start:end], cache)[0]
+                          for start, end in zip(cuts, cuts[1:]) if end > start])
 
     def _cache_for(self, tokens: Sequence[int]) -> OwnCache:
         """A batch-1 cache holding ``tokens`` (do not mutate it), kept for the next calls that share it.
