@@ -9,12 +9,15 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("fastapi")
 
 from speculum.models import MarkovModel  # noqa: E402
 from speculum.serving import Engine, GenerationRequest  # noqa: E402
-from speculum.serving.scoring import DEFAULT_CHUNK, PromptScorer, likeliest, likeliest_rows  # noqa: E402
+from speculum.serving.rounds import RoundCosts  # noqa: E402
+from speculum.serving.scoring import DEFAULT_CHUNK, PromptScorer, _shares, likeliest, likeliest_rows  # noqa: E402
 
 from test_serve import decode  # noqa: E402
 from test_serve_echo import same  # noqa: E402
@@ -204,10 +207,10 @@ def test_a_row_canonical_model_resumes_at_the_shared_length_and_answers_as_the_r
     assert equals_reference(first, reference_scores(tiny_llama, prompts[0], 5))
     again = scorer.score(prompts[1], top=5)
     assert again.forwarded == len(prompts[1]) - len(context) + 1           # from the shared length on
-    for budget in (1, 7, 200):
+    for budget, round_cost in ((1, 0), (7, 0), (200, 0), (7, 30), (200, 1000)):
         works = [scorer.start(prompt, top=3) for prompt in prompts]
         while scorer.busy:
-            scorer.advance(budget)
+            scorer.advance(budget, round_cost=round_cost)
         for prompt, work in zip(prompts, works):
             assert equals_reference(scorer.scores(work), reference_scores(tiny_llama, prompt, 3))
 
@@ -228,21 +231,83 @@ def test_prompts_in_one_state_feed_what_they_share_once(tiny_llama):
     assert scorer.forwarded_tokens == len(context) + len(prompts)
 
 
+def test_a_short_common_part_is_fed_again_rather_than_cost_a_round(tiny_llama):
+    """Where what prompts in one state share saves fewer tokens than a round costs, each feeds it itself:
+    one round instead of two, and the same answers."""
+    if not tiny_llama.capabilities.canonical_rows:
+        pytest.skip("this model's forward is not row-canonical here")
+    rng = np.random.default_rng(9)
+    context = rng.integers(3, tiny_llama.vocab_size, 3).tolist()
+    prompts = [context + rng.integers(3, tiny_llama.vocab_size, 5).tolist() for _ in range(4)]
+    for round_cost, rounds, fed in ((0, 2, 3 + 4 * 5), (40, 1, 4 * 8)):
+        scorer = PromptScorer(tiny_llama, chunk=16, max_tokens=0)
+        works = [scorer.start(prompt, top=2) for prompt in prompts]
+        count = 0
+        while scorer.busy:
+            scorer.advance(1000, round_cost=round_cost)
+            count += 1
+        assert (count, scorer.forwarded_tokens) == (rounds, fed)
+        for prompt, work in zip(prompts, works):
+            assert equals_reference(scorer.scores(work), reference_scores(tiny_llama, prompt, 2))
+
+
+@given(needs=st.lists(st.integers(1, 60), min_size=1, max_size=12), budget=st.integers(1, 300))
+def test_shares_fill_the_budget_fairly(needs, budget):
+    """Each prompt gets at least one token and at most what it needs; the budget is spent where prompts
+    need it (no more than one token each beyond it); a prompt cut short got no less than any other."""
+    shares = _shares(needs, budget)
+    assert all(1 <= share <= need for share, need in zip(shares, needs))
+    assert sum(shares) <= max(budget, len(needs))
+    short = [share for share, need in zip(shares, needs) if share < need]
+    if short:
+        assert sum(shares) >= min(budget, sum(needs)) - len(needs)
+        assert min(short) == max(shares)
+
+
 def test_rounds_are_sized_by_the_time_they_have():
-    """A round feeds what fits its time at the last round's rate: IDLE_ROUND_SECONDS with nothing else
-    running, the generations' last step (the credit) while they run, never fewer than MIN_ROUND_TOKENS."""
-    from speculum.serving.engine import IDLE_ROUND_SECONDS, MIN_ROUND_TOKENS
+    """A round feeds what fits its time on the last rounds' costs: IDLE_ROUND_SECONDS with nothing else
+    running (and MIN_SHARE_TOKENS a prompt), the generations' last step (the credit) while they run, never
+    fewer than MIN_ROUND_TOKENS."""
+    from speculum.serving.engine import IDLE_ROUND_SECONDS, MIN_ROUND_TOKENS, MIN_SHARE_TOKENS
 
     engine = Engine(slow_chain(), decode=decode, background=False)
     try:
         assert engine._round_budget() is None                # no round timed yet: a chunk a prompt
-        engine._score_rate = 0.0005
+        engine._round_costs.add(100, 0.05)                   # one size seen: 0.5 ms a token, no fixed part
         assert engine._round_budget() == int(IDLE_ROUND_SECONDS / 0.0005)
+        engine._scoring = [None] * 10                        # ten prompts, nothing generating: a share each
+        assert engine._round_budget() == 10 * MIN_SHARE_TOKENS > int(IDLE_ROUND_SECONDS / 0.0005)
         engine._running = {0: None}
         engine._score_credit = 0.02
         assert engine._round_budget() == 40
         engine._score_credit = 0.0
         assert engine._round_budget() == MIN_ROUND_TOKENS
     finally:
-        engine._running = {}
+        engine._running, engine._scoring = {}, []
         engine.close()
+
+
+@given(fixed=st.floats(0.0, 0.05), per_token=st.floats(1e-5, 1e-2), sizes=st.lists(st.integers(1, 500), min_size=2,
+                                                                                      max_size=16, unique=True))
+def test_round_costs_separate_the_fixed_part(fixed, per_token, sizes):
+    """Rounds timed on an exact line give back its two parts, and a round of the size they choose fits
+    the time it is given: a short round's fixed part never makes the next round shorter."""
+    costs = RoundCosts()
+    for tokens in sizes:
+        costs.add(tokens, fixed + per_token * tokens)
+    got_fixed, got_per_token = costs.line()
+    assert got_per_token == pytest.approx(per_token, rel=1e-6, abs=1e-12)
+    assert got_fixed == pytest.approx(fixed, rel=1e-6, abs=1e-9)
+    within = costs.tokens_within(0.1)
+    assert fixed + per_token * within <= 0.1 + 1e-9
+    assert within == 0 or fixed + per_token * (within + 2) > 0.1
+
+
+def test_round_costs_escape_the_smallest_round():
+    """Rounds all of one small size, each mostly fixed cost, still ask for a larger next round."""
+    costs = RoundCosts()
+    for _ in range(5):
+        costs.add(8, 0.025)
+    assert costs.tokens_within(0.06) > 8
+    costs.add(costs.tokens_within(0.06), 0.025 + 19 * 0.0001)
+    assert costs.tokens_within(0.06) > 100          # the line now shows the round is mostly its fixed part

@@ -31,6 +31,7 @@ from ..validation import InputError, check_int
 from .jobs import Delta, GenerationRequest, Job, Reservation, TokenLogprob
 from .metrics import EngineMetrics
 from .scoring import DEFAULT_CACHE_TOKENS, MAX_TOP, PromptScorer, ScoreJob
+from .rounds import RoundCosts
 
 __all__ = ["Engine", "EngineBusy", "EngineClosed", "GenerationRequest", "Delta", "Job", "EngineMetrics",
            "TokenLogprob", "Reservation"]
@@ -52,6 +53,10 @@ MAX_SCORE_BATCH = 16    # score jobs scored together (a round's chunks share one
 # the worker. Long enough that a round's fixed costs (a read of every weight) stay small.
 IDLE_ROUND_SECONDS = 0.06
 MIN_ROUND_TOKENS = 8    # the fewest tokens a time-sized round feeds (however short the time it has)
+# With no generation waiting, the fewest tokens a round feeds each prompt being scored: a round's cost
+# grows with its prompts as well as its tokens (each prompt attends on its own), so rounds of a few tokens
+# a prompt pay that again and again for short prompts that one round would finish.
+MIN_SHARE_TOKENS = 16
 
 
 class Engine:
@@ -126,7 +131,7 @@ class Engine:
         # Worker seconds scoring may still take before the next generation step, while generations run:
         # scoring gets at most the time the generations get, so it can at most double their latency.
         self._score_credit = 0.0
-        self._score_rate: float | None = None   # seconds a scored token took in the last round (sizes rounds)
+        self._round_costs = RoundCosts()         # seconds of the last scoring rounds (sizes the next ones)
         self._worker: threading.Thread | None = None
         if background:
             self._worker = threading.Thread(target=self.run, name="speculum-engine", daemon=True)
@@ -396,13 +401,15 @@ class Engine:
 
     def _round_budget(self) -> int | None:
         """Tokens the next scoring round feeds (a row-canonical target; others feed a chunk a prompt): as
-        many as fit the time it has at the last round's seconds a token, :data:`IDLE_ROUND_SECONDS` at
-        most, while generations run their last step's time at most (the credit); None before a first
-        round has been timed."""
-        if self._score_rate is None:
-            return None
+        many as fit the time it has on the last rounds' costs (:class:`RoundCosts`),
+        :data:`IDLE_ROUND_SECONDS` at most, while generations run their last step's time at most (the
+        credit), and with no generation running at least :data:`MIN_SHARE_TOKENS` a prompt being scored;
+        None before a first round has been timed."""
         seconds = min(IDLE_ROUND_SECONDS, self._score_credit) if self._running else IDLE_ROUND_SECONDS
-        return max(MIN_ROUND_TOKENS, int(seconds / self._score_rate))
+        tokens = self._round_costs.tokens_within(seconds)
+        if tokens is None:
+            return None
+        return max(MIN_ROUND_TOKENS, tokens, 0 if self._running else MIN_SHARE_TOKENS * len(self._scoring))
 
     def _score_round(self, budget: int | None = None) -> float:
         """One round of the scorer (:meth:`PromptScorer.advance`: the next tokens of each prompt being
@@ -414,9 +421,10 @@ class Engine:
             self.scorer.drop(job.work)
             self._scoring.remove(job)
             self._end(job, cancelled=True)
-        fed = self.scorer.forwarded_tokens
-        finished, failed = self.scorer.advance(budget) if self._scoring else ([], [])
-        fed = self.scorer.forwarded_tokens - fed
+        fed, forwarding = self.scorer.forwarded_tokens, self.scorer.forward_seconds
+        finished, failed = (self.scorer.advance(budget, round_cost=self._round_costs.fixed_tokens())
+                            if self._scoring else ([], []))
+        fed, forwarding = self.scorer.forwarded_tokens - fed, self.scorer.forward_seconds - forwarding
         ended = {id(work): (work, None) for work in finished} | {id(work): (work, exc) for work, exc in failed}
         metrics = self.metrics
         for job in [job for job in self._scoring if id(job.work) in ended]:
@@ -435,8 +443,9 @@ class Engine:
         metrics.scoring_forwards = self.scorer.forwards
         took = time.perf_counter() - started
         metrics.busy_seconds += took
-        if fed:
-            self._score_rate = took / fed
+        # The forwards alone: a round's bookkeeping grows with the prompts it finishes, not the tokens it
+        # feeds, and would make the next rounds look dearer a token than they are.
+        self._round_costs.add(fed, forwarding)
         return took
 
     def _account(self, chunk: Any) -> None:

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -164,6 +165,9 @@ class PromptScorer:
         self.packs = capabilities_of(target).invariant_extend
         # Rows that do not depend on how the tokens were fed: reuse and rounds need no fixed cuts.
         self.canonical = self.packs and capabilities_of(target).canonical_rows
+        prepare = getattr(target, "prepare_packing", None)
+        if self.packs and prepare is not None:
+            prepare()                       # the packing check, before the first prompt rather than during it
         self._residents: OrderedDict[int, _Resident] = OrderedDict()    # least recently used first
         self._active: list[_Work] = []                                   # started, not finished nor dropped
         self._next_key = 0
@@ -171,6 +175,7 @@ class PromptScorer:
         self.forwarded_tokens = 0        # tokens fed to the target, in all
         self.reused_tokens = 0           # positions answered from a resident or a shared forward, in all
         self.forwards = 0                # forwards (packed rounds count once)
+        self.forward_seconds = 0.0       # seconds spent in the target's forwards, in all
 
     @property
     def resident_tokens(self) -> int:
@@ -221,15 +226,19 @@ class PromptScorer:
             if work in self._active:
                 self._active.remove(work)
 
-    def advance(self, budget: int | None = None) -> tuple[list[_Work], list[tuple[_Work, BaseException]]]:
+    def advance(self, budget: int | None = None, *, round_cost: int = 0
+                ) -> tuple[list[_Work], list[tuple[_Work, BaseException]]]:
         """One round: every started prompt (one at a time, in order, for a target that does not pack)
         fed its next chunk, in one packed forward where the target packs. On a row-canonical target a
-        ``budget`` instead feeds each prompt up to ``budget / prompts`` tokens (at least one), stopping
-        where prompts in the same state part (what they share is fed once). Returns the prompts it finished
-        and those it failed with the error: a failing packed round starts its prompts again, each in
-        forwards of its own from then on, so that a prompt the model fails on fails alone."""
+        ``budget`` instead feeds the prompts ``budget`` tokens in all (an equal share each, a prompt
+        needing less leaving the rest to the others; at least one each), stopping where prompts in the same
+        state part when what they share then saves more tokens than ``round_cost`` (a round's fixed cost,
+        in tokens: stopping costs one more round). Returns the prompts it finished and those it failed with
+        the error: a failing packed round starts its prompts again, each in forwards of its own from then
+        on, so that a prompt the model fails on fails alone."""
         if budget is not None:
             check_int(budget, "budget", minimum=1)
+        check_int(round_cost, "round_cost", minimum=0)
         with self._lock:
             alone = next((work for work in self._active if work.alone), None)
             group = [alone] if alone is not None else self._active if self.packs else self._active[:1]
@@ -240,7 +249,7 @@ class PromptScorer:
                     self._resume(work)
             try:
                 if group:
-                    self._round(group, budget)
+                    self._round(group, budget, round_cost)
             except Exception as exc:  # noqa: BLE001  (the prompt's own failure goes to its client)
                 if len(group) == 1:
                     failed.append((group[0], exc))
@@ -269,25 +278,29 @@ class PromptScorer:
             return max(0, shared - 1)
         return max(0, (shared - 1) // self.chunk * self.chunk)
 
-    def _ends(self, active: list[_Work], budget: int | None) -> list[int]:
+    def _ends(self, active: list[_Work], budget: int | None, round_cost: int = 0) -> list[int]:
         """Where each of ``active`` stops this round: its next chunk cut; on a row-canonical target with a
-        ``budget``, its share of it, cut back to where it parts from prompts in the same state (whose
-        common tokens a round then feeds once)."""
+        ``budget``, its share of it (:func:`_shares`), cut back to where it parts from prompts in the same
+        state when feeding their common tokens once saves more than ``round_cost`` tokens."""
         if budget is None or not self.canonical:
             return [min(len(work.ids), (work.done // self.chunk + 1) * self.chunk) for work in active]
-        share = max(1, budget // len(active))
-        ends = [min(len(work.ids), work.done + share) for work in active]
+        ends = [work.done + share for work, share in zip(active, _shares([len(w.ids) - w.done for w in active],
+                                                                          budget))]
         states: dict[tuple[int, ...], list[int]] = {}
         for i, work in enumerate(active):
             states.setdefault((work.done, *work.ids[:work.done]), []).append(i)
         for members in states.values():
             for i in members:
-                for j in members:
-                    common = _common(active[i].ids, active[j].ids) if i != j else 0
-                    if common > active[i].done:
+                done = active[i].done
+                partners = [_common(active[i].ids, active[j].ids) for j in members if j != i]
+                # The first parting whose common tokens, fed once for every member still along, save more
+                # than the round that stopping there costs (with no cost: the first parting, each token once).
+                for common in sorted({c for c in partners if c > done}):
+                    sharing = sum(1 for c in partners if c >= common)
+                    if sharing * (min(common, ends[i]) - done) > round_cost:
                         ends[i] = min(ends[i], common)
+                        break
         return ends
-
     def _resume(self, work: _Work) -> None:
         """Start ``work`` at the longest cut it shares with a resident prompt (on a fork of its session when
         sessions fork, else on the session itself, taken out of the cache and rolled back)."""
@@ -311,11 +324,11 @@ class PromptScorer:
         work.logprobs = resident.logprobs[: best_cut + 1]
         work.top_ids, work.top_values = resident.top_ids[: best_cut + 1], resident.top_values[: best_cut + 1]
 
-    def _round(self, active: list[_Work], budget: int | None) -> None:
+    def _round(self, active: list[_Work], budget: int | None, round_cost: int = 0) -> None:
         """Feed each of ``active`` its next tokens (:meth:`_ends`): one forward of every distinct segment
         (works at the same point whose prompts agree up to its end share it and its session)."""
         rounds: dict[tuple[int, ...], list[_Work]] = {}
-        for work, end in zip(active, self._ends(active, budget)):
+        for work, end in zip(active, self._ends(active, budget, round_cost)):
             rounds.setdefault((work.done, *work.ids[:end]), []).append(work)
         taken: set[int] = set()
         feeds = []
@@ -335,6 +348,13 @@ class PromptScorer:
     def _forward(self, feeds: list) -> list[tuple[Any, np.ndarray]]:
         """``(session, rows)`` per ``(members, session, done, end)``: rows j = the law of token done + j + 1
         of the members' prompt, the session extended to ``end``; one packed forward when the target packs."""
+        started = time.perf_counter()
+        try:
+            return self._forward_timed(feeds)
+        finally:
+            self.forward_seconds += time.perf_counter() - started
+
+    def _forward_timed(self, feeds: list) -> list[tuple[Any, np.ndarray]]:
         self.forwards += 1 if self.packs else len(feeds)
         if self.packs:
             sessions, reads = [], []
@@ -455,6 +475,25 @@ def _notes(rows: np.ndarray, tokens: Sequence[int]) -> tuple[list, list, list]:
     tops = likeliest_rows(rows, MAX_TOP)
     values = rows[np.arange(len(tokens)), np.asarray(tokens)].tolist()
     return values, tops, [row[top] for row, top in zip(rows, tops)]
+
+
+def _shares(needs: Sequence[int], budget: int) -> list[int]:
+    """Tokens each prompt is fed from ``budget``: an equal share each, at most what it ``needs``, what one
+    needs less going to the others (water-filling); at least one each."""
+    shares = [0] * len(needs)
+    left, open_ = budget, sorted(range(len(needs)), key=lambda i: needs[i])
+    while open_:
+        share = max(1, left // len(open_))
+        i = open_[0]
+        if needs[i] <= share:               # the smallest need fits a share: it takes it all
+            shares[i] = needs[i]
+            left -= needs[i]
+            open_.pop(0)
+            continue
+        for i in open_:
+            shares[i] = min(needs[i], share)
+        break
+    return shares
 
 
 def _common(first: Sequence[int], second: Sequence[int]) -> int:

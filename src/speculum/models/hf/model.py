@@ -291,6 +291,12 @@ class HFModel(BaseModel):
         return [feed.session.record_prompt_fed(len(read)) if p else feed.session.record_forward(feed.tokens, rows)
                 for feed, read, rows, p in zip(feeds, reads, logits, part)]
 
+    def prepare_packing(self) -> bool:
+        """Run the check that packed forwards keep each sequence's rows (:mod:`~speculum.models.hf.row_invariant`)
+        now rather than at the first :meth:`extend_rows` (a server calls it before its first request); True
+        where sequences are packed into shared forwards."""
+        return self._rows_forward is not None and self._rows_forward.packs
+
     def extend_rows(self, sessions: Sequence[HFSession], token_lists: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Each session extended by its unfed prompt tokens, then its tokens, with ``(read, vocab)`` log-prob
         rows for every token read (``Capabilities.invariant_extend``), packed into shared forwards where the

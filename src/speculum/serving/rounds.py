@@ -1,0 +1,72 @@
+"""How many tokens a scoring round can feed in the time it has.
+
+Why: a forward's time is a fixed part (every weight read once, per-prompt bookkeeping) plus a part per
+token fed. Sizing the next round from the last round's seconds *per token* charges the fixed part to
+each token: a short round then looks expensive, the next round is made shorter still, and scoring
+settles at the smallest round, paying the fixed part over and over (a round of 8 prompts fed one token
+each). A line fitted to the last rounds keeps the two parts apart.
+
+Exactness: none involved; this only decides where rounds are cut, and a row-canonical scorer gives
+bitwise the same log-probs wherever its rounds are cut.
+
+Example:
+    >>> costs = RoundCosts()
+    >>> costs.add(8, 0.020); costs.add(40, 0.036)
+    >>> costs.tokens_within(0.06)
+    88
+    >>> costs.fixed_tokens()       # a round costs as much as feeding 32 tokens
+    32
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+__all__ = ["RoundCosts"]
+
+
+class RoundCosts:
+    """Seconds a round takes for the tokens it feeds: ``fixed + per_token * tokens``, least squares over
+    the last ``keep`` rounds (the fixed part at least 0, the per-token part positive)."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self._rounds: deque[tuple[int, float]] = deque(maxlen=keep)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """Note a round that fed ``tokens`` (at least one) in ``seconds``."""
+        if tokens > 0 and seconds >= 0:
+            self._rounds.append((tokens, seconds))
+
+    def line(self) -> tuple[float, float] | None:
+        """``(fixed seconds, seconds per token)`` or None before any round. With rounds of one size only,
+        the size tells nothing of the fixed part: it is taken as 0 (each token charged its share)."""
+        if not self._rounds:
+            return None
+        tokens = np.array([t for t, _ in self._rounds], dtype=np.float64)
+        seconds = np.array([s for _, s in self._rounds], dtype=np.float64)
+        if np.ptp(tokens) > 0:
+            per_token, fixed = np.polyfit(tokens, seconds, 1)
+            if per_token > 0 and fixed >= 0:
+                return float(fixed), float(per_token)
+            if per_token > 0:               # a negative intercept: the rounds are all per-token cost
+                return 0.0, float(np.sum(seconds) / np.sum(tokens))
+        # One size (or no visible slope): the cheapest round's rate, which overestimates the per-token part
+        # least.
+        return 0.0, float(np.min(seconds / tokens))
+
+    def fixed_tokens(self) -> int:
+        """A round's fixed part in tokens (what one more round costs, 0 before any round)."""
+        line = self.line()
+        return 0 if line is None or line[1] <= 0 else round(line[0] / line[1])
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """Tokens a round can feed in ``seconds`` (0 where the fixed part alone takes longer); None before
+        any round has been noted."""
+        line = self.line()
+        if line is None:
+            return None
+        fixed, per_token = line
+        if per_token <= 0:
+            return None
+        return max(0, int((seconds - fixed) / per_token))
