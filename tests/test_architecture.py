@@ -29,6 +29,26 @@ def test_the_checker_finds_a_circle_and_a_back_edge():
     assert imports.local_imports([("speculum.cli.x", 5, "torch", True, "import torch  # the llm extra")]) == []
 
 
+def test_the_checker_sees_imports_by_string(tmp_path):
+    """A literal ``import_module("speculum...")`` and a lazy ``_LAZY`` table entry are edges: a circle
+    closed by one is found, and a lazy entry up the floors is a back-edge unless LAZY_ALLOWED names it."""
+    root = tmp_path / "speculum"
+    (root / "models").mkdir(parents=True)
+    (root / "drafts").mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "models" / "__init__.py").write_text('_LAZY = {"Thing": "speculum.drafts.thing"}\n')
+    (root / "models" / "a.py").write_text("from . import b\n")
+    (root / "models" / "b.py").write_text(
+        "import importlib\n\n\ndef late():\n    # reached on first use\n"
+        "    return importlib.import_module('speculum.models.a')\n")
+    (root / "drafts" / "__init__.py").write_text("")
+    (root / "drafts" / "thing.py").write_text("")
+    report = imports.check(root)
+    assert report["circles"] == [["speculum.models.a", "speculum.models.b"]]
+    assert report["back_edges"] == ["speculum.models:1 imports speculum.drafts.thing"]
+    assert report["unexplained_local_imports"] == []
+
+
 # Third-party private names the backends must use: torch's int8 and oneDNN kernels have no public spelling.
 THIRD_PARTY_PRIVATE = {"_weight_int8pack_mm", "_packed_params", "_reorder_linear_weight", "_linear_pointwise"}
 

@@ -139,19 +139,6 @@ def test_docstring_examples_run(module):
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_the_deprecated_batch_module_warns_and_names_the_same_objects():
-    import importlib
-    import sys
-
-    from speculum.decoding import scheduler
-
-    sys.modules.pop("speculum.decoding.batch", None)
-    with pytest.warns(DeprecationWarning, match="speculum.decoding.scheduler"):
-        batch = importlib.import_module("speculum.decoding.batch")
-    assert (batch.Scheduler, batch.PackedCost, batch.generate_batch) == \
-        (scheduler.Scheduler, scheduler.PackedCost, scheduler.generate_batch)
-
-
 def test_a_target_with_one_shared_state_runs_one_generation_at_a_time():
     """llama.cpp's backend declares independent_sessions=False: the engine and generate_batch then run
     one generation at a time (never interleaving sessions that would re-evaluate each other)."""

@@ -90,16 +90,6 @@ def test_models_never_imports_the_drafts_floor_and_still_names_the_proposers():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_the_deprecated_select_module_warns_and_names_the_same_objects():
-    from speculum.drafts import registry
-
-    sys.modules.pop("speculum.models.select", None)
-    with pytest.warns(DeprecationWarning, match="speculum.drafts"):
-        select = importlib.import_module("speculum.models.select")
-    assert (select.make_draft, select.check_draft_spec, select.DRAFT_REGISTRY) == \
-        (registry.make_draft, registry.check_draft_spec, registry.DRAFT_REGISTRY)
-
-
 @pytest.mark.parametrize("module", ["speculum.drafts", "speculum.drafts.registry", "speculum.drafts.proposers",
                                     "speculum.drafts.ngram_fit"])
 def test_docstring_examples_run(module):

@@ -4,8 +4,7 @@ Invariants: a slot of the store and a cache of its own, fed the same appends and
 attention views and hold the same keys and values, bit for bit, whatever the other slots do and however
 often the store grows; moving a cache into the store and adopting a cache's first layers keep what it
 holds; slots come back when caches go, and the store's memory with the last one. No module of the
-backend reaches into another object's private members, and the deprecated module paths import, with a
-warning.
+backend reaches into another object's private members.
 """
 from __future__ import annotations
 
@@ -13,8 +12,6 @@ import ast
 import doctest
 import gc
 import importlib
-import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -288,18 +285,3 @@ def test_the_private_reach_check_catches_what_it_is_for(tmp_path):
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0
-
-
-@pytest.mark.parametrize("alias_path, home, names", [
-    ("speculum.models.hf_session", "speculum.models.hf", ["HFSession"]),
-    ("speculum.models.fused_llama", "speculum.models.hf.fused_llama", ["FusedLlama", "unsupported_reason"]),
-    ("speculum.models.kv_arena", "speculum.models.hf.kv_arena", ["KVArena"]),
-    ("speculum.models.kv_arena", "speculum.models.hf.kv_cache", ["SlotCache"]),
-    ("speculum.models.prepack", "speculum.models.hf.prepack", ["prepack_linears", "unpacked_copy"]),
-])
-def test_the_deprecated_module_paths_warn_and_name_the_same_objects(alias_path, home, names):
-    sys.modules.pop(alias_path, None)
-    with pytest.warns(DeprecationWarning, match=re.escape(home)):
-        alias = importlib.import_module(alias_path)
-    target = importlib.import_module(home)
-    assert all(getattr(alias, name) is getattr(target, name) for name in names)

@@ -321,12 +321,3 @@ def test_smollm2_capitals_match_teacher_forcing():
     assert result.forwards == len(internal_nodes(result.tokens))
     assert result.forwards < sum(len(tokens) for tokens in result.tokens)
     assert result.best() == " Paris"
-
-
-def test_choices_score_is_a_deprecated_shim_for_score_choices():
-    choices = Choices(["7777", "778"], vocabulary=VOCAB)
-    with pytest.warns(DeprecationWarning, match="score_choices"):
-        shim = choices.score(model(1), prompt=PROMPT, tokenize=by_character)
-    direct = score_choices(model(1), choices, prompt=PROMPT, tokenize=by_character)
-    np.testing.assert_array_equal(shim.log_probs, direct.log_probs)
-    assert shim.tokens == direct.tokens

@@ -18,7 +18,7 @@ import os
 # first call, so it is set on import; a value the user set is kept.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 _LAZY = {
     "generate": "speculum.decoding",

@@ -1,6 +1,11 @@
 """The import graph of ``speculum``: circles between modules, imports that run back up the floors, and imports
 made inside functions.
 
+Imports by string count as imports: ``importlib.import_module("speculum....")`` with a literal name (an
+f-string counts by its literal head), and each entry of a package's lazy ``_LAZY`` name table (resolved
+on first attribute access). A lazy entry that runs up the floors is allowed only where :data:`LAZY_ALLOWED`
+names it, with its reason; allowed entries are left out of the circle search too.
+
 The floors, bottom to top: ``validation`` < ``models`` < ``drafts`` / ``distributed`` < ``decoding`` /
 ``enumeration`` < ``serving`` < ``cli``. A module may import from its own floor and the floors below; an import of a higher
 floor is a back-edge. Circles count imports inside functions too (they only
@@ -20,12 +25,47 @@ import ast
 import sys
 from pathlib import Path
 
-__all__ = ["FLOORS", "import_graph", "circles", "back_edges", "local_imports", "check"]
+__all__ = ["FLOORS", "LAZY_ALLOWED", "import_graph", "circles", "back_edges", "local_imports", "check"]
 
 # Higher number = higher floor. Top-level modules not listed (e.g. ``speculum/__init__``) are unconstrained.
 FLOORS = {"validation": 0, "_devtools": 0, "models": 1, "drafts": 2, "distributed": 2, "decoding": 3,
           "enumeration": 3, "serving": 4, "cli": 5, "__main__": 6}
 PACKAGE = "speculum"
+
+# (importing module, imported module) -> why a lazy table may name a higher floor.
+LAZY_ALLOWED = {
+    ("speculum.models", "speculum.drafts.proposers"):
+        "compatibility API: PromptLookup and NGramProposer were first named in speculum.models",
+}
+
+
+def _string_imports(name: str, is_package: bool, tree: ast.AST) -> list[tuple[ast.AST, str, bool]]:
+    """``(node, module, lazy)`` for every import by string in ``tree``: ``import_module`` calls with a literal
+    (or f-string head) name inside the package, and the entries of a module-level ``_LAZY`` dict."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and node.args and isinstance(node.func, (ast.Attribute, ast.Name))
+                and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"):
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                text = first.value
+            elif isinstance(first, ast.JoinedStr) and first.values and isinstance(first.values[0], ast.Constant):
+                text = str(first.values[0].value).rstrip(".")
+            else:
+                continue
+            if text.startswith("."):
+                text = package + text
+            if text.startswith(PACKAGE):
+                found.append((node, text, False))
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and any(
+                isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets):
+            for value in node.value.values:
+                if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    text = package + value.value if value.value.startswith(".") else value.value
+                    if text.startswith(PACKAGE):
+                        found.append((value, text, True))
+    return found
 
 
 def _module_name(root: Path, path: Path) -> str:
@@ -79,11 +119,22 @@ def import_graph(root: Path) -> tuple[dict[str, set[str]], list[tuple[str, int, 
             if id(node) in typing_only:
                 continue
             for target in targets:
-                while target and target not in files:        # a name imported from a module: the module
-                    target = target.rpartition(".")[0]
-                if target and target != name and not name.startswith(target + "."):
-                    edges[name].add(target)
+                _add_edge(edges, files, name, target)
+        for node, target, lazy in _string_imports(name, is_package, tree):
+            context = "\n".join(lines[max(0, node.lineno - 2): node.end_lineno])
+            # A lazy table entry runs on attribute access (never at import): explained by the table itself.
+            imports.append((name, node.lineno, target, id(node) in in_function and not lazy,
+                            context + ("  # lazy table" if lazy else "")))
+            if not (lazy and (name, target) in LAZY_ALLOWED):
+                _add_edge(edges, files, name, target)
     return edges, imports
+
+
+def _add_edge(edges: dict[str, set[str]], files: dict, name: str, target: str) -> None:
+    while target and target not in files:        # a name imported from a module: the module
+        target = target.rpartition(".")[0]
+    if target and target != name and not name.startswith(target + "."):
+        edges[name].add(target)
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -128,8 +179,8 @@ def _floor(module: str) -> int | None:
 def back_edges(imports: list[tuple[str, int, str, bool, str]]) -> list[str]:
     """Imports (at module level or inside a function) of a higher floor than the importer's."""
     out = []
-    for module, line, target, _, _ in imports:
-        if not target.startswith(PACKAGE + "."):
+    for module, line, target, _, context in imports:
+        if not target.startswith(PACKAGE + ".") or (context.endswith("# lazy table") and (module, target) in LAZY_ALLOWED):
             continue
         mine, theirs = _floor(module), _floor(target)
         if mine is not None and theirs is not None and theirs > mine:

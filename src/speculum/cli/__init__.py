@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"speculum {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:
+        # Each command's module registers its own options (a module per command, named in _COMMANDS).
         importlib.import_module(f"speculum.cli.{name}").register(sub)
     return parser
 

@@ -14,9 +14,7 @@ Example:
 """
 from __future__ import annotations
 
-import importlib
 import re
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -151,14 +149,6 @@ class Choices(_Constraint):
             raise InputError(f"choice {dup!r} appears more than once")
         object.__setattr__(self, "strings", strings)
         object.__setattr__(self, "vocabulary", _check_vocabulary(self.vocabulary))
-
-    def score(self, model: Any, **options: Any):
-        """Deprecated: call ``score_choices(model, choices, **options)`` (:mod:`speculum.enumeration.labels`);
-        a label set is a value, scored by the algorithms above it. Kept for one release."""
-        warnings.warn("Choices.score is deprecated: use speculum.enumeration.score_choices(model, choices)",
-                      DeprecationWarning, stacklevel=2)
-        # The labels module sits above this one: reached on first use, so constraints never import it.
-        return importlib.import_module("speculum.enumeration.labels").score_choices(model, self, **options)
 
     def char_budget(self) -> int:
         # The automaton of a label set is the trie of its labels: never more states than characters, plus one.
