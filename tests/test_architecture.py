@@ -7,9 +7,10 @@ unexplained lazy import or cross-module private access, naming it.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
-from speculum._devtools import imports
+from speculum._devtools import architecture, imports
 
 SRC = Path(imports.__file__).resolve().parents[1]
 
@@ -47,6 +48,30 @@ def test_the_checker_sees_imports_by_string(tmp_path):
     assert report["circles"] == [["speculum.models.a", "speculum.models.b"]]
     assert report["back_edges"] == ["speculum.models:1 imports speculum.drafts.thing"]
     assert report["unexplained_local_imports"] == []
+
+
+def test_the_documented_floors_are_the_ones_the_code_draws():
+    """docs/architecture.md's diagram is the one drawn from the imports: every arrow is an import."""
+    doc = (SRC.parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    drawn = architecture.drawn_arrows(doc)
+    assert drawn and drawn <= architecture.package_edges(SRC)
+    assert "```mermaid\n" + architecture.diagram(SRC) + "\n```" in doc, \
+        "regenerate the diagram: python -m speculum._devtools.architecture"
+
+
+def test_the_capability_table_lists_every_capability():
+    from dataclasses import fields
+
+    from speculum.models.base import Capabilities
+
+    doc = (SRC.parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `(\w+)`", doc[doc.index("## Declared capabilities"):], flags=re.M))
+    assert {field.name for field in fields(Capabilities)} <= listed
+
+
+def test_the_reduction_keeps_only_arrows_no_path_implies():
+    edges = {("a", "b"), ("b", "c"), ("a", "c"), ("c", "d")}
+    assert architecture.reduced(edges) == {("a", "b"), ("b", "c"), ("c", "d")}
 
 
 # Third-party private names the backends must use: torch's int8 and oneDNN kernels have no public spelling.
