@@ -30,7 +30,7 @@ from ..validation import InputError, check_int, check_number, check_optional_int
 from .histogram import DEFAULT_WIDTH_BITS
 from .seek import (DEFAULT_BATCH_SIZE, DEFAULT_BEAM_FORWARDS, DEFAULT_MAX_BAND, DEFAULT_MAX_NODES,
                    DEFAULT_RESERVE_BITS, BandTooLargeError, ForwardBudgetError, IndexBudgetError, SeekIndex)
-from .constraint import compile_for
+from .formats.constraint import compile_for
 from .strings import DEFAULT_MAX_TOKENIZATIONS, StringIndex
 from .stream import DEFAULT_STREAM_ITEMS, DEFAULT_STREAM_WINDOW, StreamProgress, ranked_stream
 from .support import Support, SupportAttributes

@@ -37,7 +37,7 @@ import numpy as np
 from ..models.base import as_model, check_logits, check_prompt, check_token_id, check_token_ids
 from ..models.vocabulary import token_bytes
 from ..validation import InputError, check_int
-from .constraint import Choices
+from .formats.constraint import Choices
 from .exact import AutoregressiveEnumerable
 from .strings import StringIndex
 

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..validation import InputError, check_int, check_logprob, check_number, check_optional_int
-from .automaton import AutomatonBudgetError
+from .formats.automaton import AutomatonBudgetError
 from .beam import beam_logprobs
 from .histogram import DEFAULT_WIDTH_BITS, BucketIndex
 from .support import Support, SupportAttributes
