@@ -147,7 +147,7 @@ def test_rescored_index_refuses_a_target_index_with_another_support():
 def test_beam_finds_real_sequences_no_better_than_the_true_top(seed, eos):
     """The beam's i-th best is the exact log-prob of a real, distinct support sequence, so it is at most
     the true i-th best: a budget at it certainly certifies i sequences."""
-    from speculum.enumeration.beam import beam_logprobs
+    from speculum.enumeration.index.beam import beam_logprobs
 
     model = MarkovModel.random(4, seed=seed, eos_token_id=3)
     truth = [lp for _, lp in support(model, max_len=4, eos=eos, prompt=[0])]

@@ -30,7 +30,7 @@ from .envelope import DEFAULT_RESOLUTION, AREnvelopeIndex
 from .estimate import rank_from_sample
 from .exact import AutoregressiveEnumerable
 from .sampling import DEFAULT_SAMPLES, check_strata, sample_format
-from .support import Support
+from .index.support import Support
 
 __all__ = ["RankReport", "estimate_rank", "estimate_ranks", "DEFAULT_EXACT_RANK_LIMIT", "DEFAULT_MAX_FORWARDS",
            "DEFAULT_AUTO_FORWARDS", "METHODS"]

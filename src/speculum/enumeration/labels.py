@@ -39,7 +39,7 @@ from ..models.vocabulary import token_bytes
 from ..validation import InputError, check_int
 from .formats.constraint import Choices
 from .exact import AutoregressiveEnumerable
-from .strings import StringIndex
+from .index.strings import StringIndex
 
 __all__ = ["ChoiceScores", "ScoringProgress", "score_choices"]
 

@@ -28,7 +28,7 @@ prefix branch from its row, so hundreds of draws share a forward (and the prompt
 levels of keys and values (``Capabilities.prefix_levels``: the PyTorch backend) forwards each prefix as
 one token on its parent's cache, the draws walked in groups as large as a level may be; any other model
 answers batched ``next_logprobs`` calls of whole prefixes. In string mode each sampled string's laws are
-summed over every tokenization of it (:meth:`~speculum.enumeration.strings.StringIndex.tokenizations`):
+summed over every tokenization of it (:meth:`~speculum.enumeration.index.strings.StringIndex.tokenizations`):
 ``Q(s) = sum_{x -> s} q(x)`` and ``P(s) = sum_{x -> s} p(x)``, exact, the tokenizations not drawn
 forwarded once each.
 

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ..models.base import check_token_id, check_token_ids
-from ..validation import InputError, check_optional_int
+from ...models.base import check_token_id, check_token_ids
+from ...validation import InputError, check_optional_int
 
 if TYPE_CHECKING:
-    from .formats.automaton import TokenAutomaton
+    from ..formats.automaton import TokenAutomaton
 
 __all__ = ["Support", "SupportAttributes"]
 
