@@ -11,7 +11,7 @@ import pytest
 
 from speculum.enumeration import AREnvelopeIndex, AutoregressiveEnumerable, RescoredIndex, Support
 from speculum.enumeration import envelope as envelope_module
-from speculum.enumeration.exact import IndexBudgetError
+from speculum.enumeration.enumerable import IndexBudgetError
 from speculum.models import MarkovModel
 
 from test_enumeration_exact import support
@@ -189,7 +189,7 @@ def test_a_forward_budget_is_never_passed_and_changes_nothing_under_it(options):
     the limit; the exact need answers as an unlimited index, with the same forwards; lifting the limit
     afterwards finishes the same query exactly."""
     from counting import CountingModel
-    from speculum.enumeration.exact import ForwardBudgetError
+    from speculum.enumeration.enumerable import ForwardBudgetError
 
     def model():
         return CountingModel(MarkovModel.random(6, seed=3, eos_token_id=5))

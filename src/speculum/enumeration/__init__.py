@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "AutoregressiveEnumerable": ".exact",
-    "SeekIndex": ".exact",
+    "AutoregressiveEnumerable": ".enumerable",
+    "SeekIndex": ".index.seek_index",
     "AREnvelopeIndex": ".envelope",
     "RescoredIndex": ".rescored",
     "estimate_rank": ".exposure",

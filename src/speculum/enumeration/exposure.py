@@ -28,7 +28,7 @@ from ..models.base import as_model, check_prompt, check_token_ids
 from ..validation import InputError, check_int, check_number
 from .envelope import DEFAULT_RESOLUTION, AREnvelopeIndex
 from .estimate import rank_from_sample
-from .exact import AutoregressiveEnumerable
+from .enumerable import AutoregressiveEnumerable
 from .sampling import DEFAULT_SAMPLES, check_strata, sample_format
 from .index.support import Support
 

@@ -38,7 +38,7 @@ from ..models.base import as_model, check_logits, check_prompt, check_token_id, 
 from ..models.vocabulary import token_bytes
 from ..validation import InputError, check_int
 from .formats.constraint import Choices
-from .exact import AutoregressiveEnumerable
+from .enumerable import AutoregressiveEnumerable
 from .index.strings import StringIndex
 
 __all__ = ["ChoiceScores", "ScoringProgress", "score_choices"]

@@ -56,7 +56,7 @@ import numpy as np
 from ..models.base import as_model, check_prompt
 from ..validation import InputError, check_int, check_number
 from .formats.constraint import compile_for
-from .exact import AutoregressiveEnumerable
+from .enumerable import AutoregressiveEnumerable
 from .format_walk import FormatWalk, laws_at, mixture_logprob, path_logprobs, step_partitions
 from .siblings import SiblingRecorder, Siblings
 
