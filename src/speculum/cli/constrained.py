@@ -29,7 +29,7 @@ from speculum.enumeration import AutoregressiveEnumerable, Choices, Regex, estim
 from speculum.enumeration.formats.automaton import AutomatonBudgetError
 from speculum.enumeration.formats.charfsm import compile_chars
 from speculum.enumeration.enumerable import ForwardBudgetError, IndexBudgetError
-from speculum.enumeration.exposure import DEFAULT_MAX_FORWARDS
+from speculum.enumeration.estimation.exposure import DEFAULT_MAX_FORWARDS
 from speculum.enumeration.rescored import DEFAULT_RERANK_WINDOW
 from speculum.validation import InputError
 

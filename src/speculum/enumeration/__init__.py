@@ -13,10 +13,10 @@ import importlib
 _LAZY = {
     "AutoregressiveEnumerable": ".enumerable",
     "SeekIndex": ".index.seek_index",
-    "AREnvelopeIndex": ".envelope",
+    "AREnvelopeIndex": ".estimation.envelope",
     "RescoredIndex": ".rescored",
-    "estimate_rank": ".exposure",
-    "RankReport": ".exposure",
+    "estimate_rank": ".estimation.exposure",
+    "RankReport": ".estimation.exposure",
     "Support": ".index.support",
     "EnumerationIndex": ".index.protocols",
     "Regex": ".formats.constraint",
@@ -26,12 +26,12 @@ _LAZY = {
     "StringIndex": ".index.strings",
     "score_choices": ".labels",
     "ChoiceScores": ".labels",
-    "estimate_ranks": ".exposure",
+    "estimate_ranks": ".estimation.exposure",
     "ScoringIndex": ".index.protocols",
-    "sample_format": ".sampling",
-    "FormatSample": ".sampling",
-    "rank_from_sample": ".estimate",
-    "RankEstimate": ".estimate",
+    "sample_format": ".estimation.sampling",
+    "FormatSample": ".estimation.sampling",
+    "rank_from_sample": ".estimation.estimate",
+    "RankEstimate": ".estimation.estimate",
 }
 
 __all__ = list(_LAZY)

@@ -7,7 +7,7 @@ language (``Regex(r" \\d{4}-\\d{4}")``: |space| is its number of strings). Uncon
 exact (the exact index) when it is shallow enough to count, and otherwise estimated by the sampled envelope
 with a bracket. Constrained, ``method="auto"`` gives the exact rank while the index it needs fits a small
 forward budget, and beyond that an importance-sampled estimate with a 95% interval
-(:mod:`speculum.enumeration.estimate`) beside a certified bracket: the stored members above it, plus at
+(:mod:`.estimate`) beside a certified bracket: the stored members above it, plus at
 most (unexplored mass) / p(canary) unseen ones. The report says which (``method``).
 
 Example:
@@ -24,13 +24,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..models.base import as_model, check_prompt, check_token_ids
-from ..validation import InputError, check_int, check_number
+from ...models.base import as_model, check_prompt, check_token_ids
+from ...validation import InputError, check_int, check_number
 from .envelope import DEFAULT_RESOLUTION, AREnvelopeIndex
 from .estimate import rank_from_sample
-from .enumerable import AutoregressiveEnumerable
+from ..enumerable import AutoregressiveEnumerable
 from .sampling import DEFAULT_SAMPLES, check_strata, sample_format
-from .index.support import Support
+from ..index.support import Support
 
 __all__ = ["RankReport", "estimate_rank", "estimate_ranks", "DEFAULT_EXACT_RANK_LIMIT", "DEFAULT_MAX_FORWARDS",
            "DEFAULT_AUTO_FORWARDS", "METHODS"]
@@ -174,10 +174,10 @@ def estimate_ranks(model: Any, items: Sequence[Any], *, constraint: Any, prompt:
 
     The draws are made once, on the first item that needs them (``seed``: an int or a
     ``numpy.random.Generator``; ``strata``, ``uniform_share``: see
-    :func:`~speculum.enumeration.sampling.sample_format`), or taken from
-    ``sample`` (a :class:`~speculum.enumeration.sampling.FormatSample` of the same format, prompt and mode):
+    :func:`~.sampling.sample_format`), or taken from
+    ``sample`` (a :class:`~.sampling.FormatSample` of the same format, prompt and mode):
     each further item costs the scoring of its own tokens. ``progress`` receives the sampler's
-    :class:`~speculum.enumeration.sampling.SampleProgress` events.
+    :class:`~.sampling.SampleProgress` events.
 
     ``target_bits``: grow the set (more draws of the same strata, merged: ``FormatSample.merged``) until
     every sampled item's 95% exposure interval is at most ``target_bits`` wide on each side, or the set
