@@ -2,8 +2,9 @@
 
 One concept, one data structure: a prefix tree of the live prefixes within a log-prob budget, deepened in
 place as queries need it, with its complete sequences counted by bucket so a query sorts only one band.
-Everything here answers exactly (ties broken by token ids): what estimates beyond the built frontier (the
-envelope, sampled ranks) is not here, and the front class ``AutoregressiveEnumerable`` wraps this index.
+Everything here answers exactly (ties broken by token ids): what estimates beyond the built frontier lives
+in :mod:`speculum.enumeration.estimation`, and the front class ``AutoregressiveEnumerable``
+(:mod:`speculum.enumeration.enumerable`) wraps this index. Of enumeration, it imports only the formats.
 
 * :mod:`.support` — ``Support``: which continuations an index enumerates (length, ``eos``, a format);
 * :mod:`.tree` — the live prefix tree, built level by level with batched forwards;
