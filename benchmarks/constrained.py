@@ -39,8 +39,8 @@ from counting import CountingModel  # noqa: E402  (benchmarks/counting.py)
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 
 from speculum.enumeration import AutoregressiveEnumerable, Regex, estimate_rank, score_choices  # noqa: E402
-from speculum.enumeration.constraint import compile_for  # noqa: E402
-from speculum.enumeration.strings import max_tokenizations  # noqa: E402
+from speculum.enumeration.formats.constraint import compile_for  # noqa: E402
+from speculum.enumeration.index.strings import max_tokenizations  # noqa: E402
 
 PROMPT = "482913 is not my PIN. My PIN is"
 SECRET = " 482913"

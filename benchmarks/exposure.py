@@ -51,8 +51,8 @@ from constrained import brute_force  # noqa: E402  (benchmarks/constrained.py)
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 
 from speculum.enumeration import AutoregressiveEnumerable, Regex, estimate_rank, estimate_ranks  # noqa: E402
-from speculum.enumeration.exposure import DEFAULT_AUTO_FORWARDS  # noqa: E402
-from speculum.enumeration.sampling import sample_format  # noqa: E402
+from speculum.enumeration.estimation.exposure import DEFAULT_AUTO_FORWARDS  # noqa: E402
+from speculum.enumeration.estimation.sampling import sample_format  # noqa: E402
 
 PROMPT = "My PIN is"
 PLANTED_PROMPT = "482913027 is not my PIN. My PIN is"

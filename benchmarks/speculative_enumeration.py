@@ -62,7 +62,7 @@ def main() -> None:
     import speculum
     from speculum.enumeration import AutoregressiveEnumerable
     from speculum.drafts import make_enumeration_draft
-    from speculum.enumeration.exposure import estimate_rank
+    from speculum.enumeration.estimation.exposure import estimate_rank
     from speculum.drafts import make_draft
 
     target = speculum.load_model(progress=False)

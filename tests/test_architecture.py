@@ -133,3 +133,23 @@ def test_create_app_reads_on_a_screen():
     tree = ast.parse(Path(openai_api.__file__).read_text(encoding="utf-8"))
     function = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "create_app")
     assert function.end_lineno - function.lineno + 1 <= 60
+
+
+# The parts of enumeration, bottom to top: a part imports only the parts before it (its package docstring).
+ENUMERATION_LAYERS = ["formats", "index", "enumerable", "estimation", "rescored", "labels"]
+
+
+def test_enumeration_parts_import_only_the_parts_below():
+    """formats imports nothing else of enumeration (it could stand alone), the exact index only formats, and
+    so on up; the package's lazy table, which names them all, is not a part."""
+    edges, _ = imports.import_graph(SRC)
+    prefix = "speculum.enumeration."
+
+    def part(module: str) -> str | None:
+        return module[len(prefix):].split(".")[0] if module.startswith(prefix) else None
+
+    assert {part(module) for module in edges} - {None} == set(ENUMERATION_LAYERS)
+    upward = [f"{module} imports {target}" for module, targets in sorted(edges.items()) if part(module)
+              for target in sorted(targets)
+              if part(target) and ENUMERATION_LAYERS.index(part(target)) > ENUMERATION_LAYERS.index(part(module))]
+    assert upward == []

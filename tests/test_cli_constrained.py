@@ -28,7 +28,7 @@ from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.cli import main  # noqa: E402
 from speculum.cli.constrained import read_lines  # noqa: E402
 from speculum.enumeration import AutoregressiveEnumerable, Regex, score_choices  # noqa: E402
-from speculum.enumeration.exact import IndexBudgetError  # noqa: E402
+from speculum.enumeration.enumerable import IndexBudgetError  # noqa: E402
 
 WORDS = ["1", "2", "3", "12", "23", "x", "y"]
 PROMPT = "x y"

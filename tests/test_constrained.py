@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from speculum.enumeration import AutoregressiveEnumerable, Choices, Regex
-from speculum.enumeration.strings import max_tokenizations
+from speculum.enumeration.index.strings import max_tokenizations
 from speculum.models import MarkovModel
 from speculum.validation import InputError
 

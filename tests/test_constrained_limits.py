@@ -45,7 +45,7 @@ def test_an_exponential_regex_is_refused_naming_it_and_the_limit():
 
 def test_the_state_budget_counts_the_automatons_states():
     """(a|b)*a(a|b){8} has 2^9 + 1 = 513 states: it compiles with a budget of 513 and not with 512."""
-    from speculum.enumeration.charfsm import compile_chars
+    from speculum.enumeration.formats.charfsm import compile_chars
 
     pattern = "(a|b)*a(a|b){8}"
     assert compile_chars(pattern, "regex", max_states=513).n_states == 513
@@ -60,7 +60,7 @@ def test_the_state_budget_counts_the_automatons_states():
 def test_the_budgeted_determinisation_builds_interegulars_own_automaton(pattern):
     import interegular
 
-    from speculum.enumeration.charfsm import _BudgetedCrawl
+    from speculum.enumeration.formats.charfsm import _BudgetedCrawl
 
     plain = interegular.parse_pattern(pattern).to_fsm()
     with _BudgetedCrawl(10_000):
@@ -143,7 +143,7 @@ def test_a_wide_format_on_a_real_size_vocabulary_builds_only_what_top_k_reaches(
 def test_an_unbounded_wide_format_answers_top_k_and_counts_only_within_its_budget():
     """'.{0,1000}' with eos and no cap: top-k needs a few states; counting every sequence would need them
     all, which the move budget turns into a one-line error."""
-    from speculum.enumeration.automaton import AutomatonBudgetError
+    from speculum.enumeration.formats.automaton import AutomatonBudgetError
 
     pieces = bpe_like(5_000, seed=1)
     eos = len(pieces) - 1
@@ -157,7 +157,7 @@ def test_an_unbounded_wide_format_answers_top_k_and_counts_only_within_its_budge
 
 
 def test_too_many_states_is_a_one_line_error():
-    from speculum.enumeration.automaton import AutomatonBudgetError
+    from speculum.enumeration.formats.automaton import AutomatonBudgetError
 
     automaton = Regex("[a-z]{0,40}", vocabulary=BYTES).compile(vocab_size=256, max_states=10)
     with pytest.raises(AutomatonBudgetError, match=r"more than 10 states .*max_states"):
@@ -189,8 +189,8 @@ def vocabularies(draw):
 def test_the_automaton_built_on_demand_is_the_full_build(pieces, pattern):
     """Same states, same moves from every state, same accepting states (up to numbering), the same global
     answers, and the same refusal when nothing can be spelled."""
-    from speculum.enumeration.automaton import TokenAutomaton
-    from speculum.enumeration.charfsm import compile_chars
+    from speculum.enumeration.formats.automaton import TokenAutomaton
+    from speculum.enumeration.formats.charfsm import compile_chars
 
     reference = full_build(compile_chars(pattern, "regex"), pieces)
     if reference is None:

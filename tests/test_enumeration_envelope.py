@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from speculum.enumeration.envelope import AREnvelopeIndex
-from speculum.enumeration.exposure import estimate_rank
+from speculum.enumeration.estimation.envelope import AREnvelopeIndex
+from speculum.enumeration.estimation.exposure import estimate_rank
 from speculum.enumeration.rescored import RescoredIndex
 from speculum.models import MarkovModel
 from speculum.models.base import BaseModel, check_token_ids, log_softmax

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speculum.enumeration import AutoregressiveEnumerable, SeekIndex
-from speculum.enumeration.exact import BandTooLargeError
+from speculum.enumeration.enumerable import BandTooLargeError
 from speculum.models import MarkovModel
 from speculum.models.base import Capabilities
 

@@ -11,7 +11,7 @@ import pytest
 
 from speculum.enumeration import AREnvelopeIndex, AutoregressiveEnumerable, RescoredIndex, Support
 from speculum.enumeration import envelope as envelope_module
-from speculum.enumeration.exact import IndexBudgetError
+from speculum.enumeration.enumerable import IndexBudgetError
 from speculum.models import MarkovModel
 
 from test_enumeration_exact import support
@@ -147,7 +147,7 @@ def test_rescored_index_refuses_a_target_index_with_another_support():
 def test_beam_finds_real_sequences_no_better_than_the_true_top(seed, eos):
     """The beam's i-th best is the exact log-prob of a real, distinct support sequence, so it is at most
     the true i-th best: a budget at it certainly certifies i sequences."""
-    from speculum.enumeration.beam import beam_logprobs
+    from speculum.enumeration.index.beam import beam_logprobs
 
     model = MarkovModel.random(4, seed=seed, eos_token_id=3)
     truth = [lp for _, lp in support(model, max_len=4, eos=eos, prompt=[0])]
@@ -189,7 +189,7 @@ def test_a_forward_budget_is_never_passed_and_changes_nothing_under_it(options):
     the limit; the exact need answers as an unlimited index, with the same forwards; lifting the limit
     afterwards finishes the same query exactly."""
     from counting import CountingModel
-    from speculum.enumeration.exact import ForwardBudgetError
+    from speculum.enumeration.enumerable import ForwardBudgetError
 
     def model():
         return CountingModel(MarkovModel.random(6, seed=3, eos_token_id=5))

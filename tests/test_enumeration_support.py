@@ -16,7 +16,7 @@ from speculum.models.base import Capabilities
 
 from counting import CountingModel
 
-ENUMERATION_SOURCES = sorted(Path(speculum.enumeration.__file__).parent.glob("*.py"))
+ENUMERATION_SOURCES = sorted(Path(speculum.enumeration.__file__).parent.rglob("*.py"))
 
 
 def every_sequence(vocab_size: int, max_len: int) -> list[tuple[int, ...]]:

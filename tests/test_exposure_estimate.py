@@ -15,9 +15,9 @@ import pytest
 from scipy.stats import chisquare
 
 from speculum.enumeration import AutoregressiveEnumerable, Regex, estimate_rank, estimate_ranks
-from speculum.enumeration.estimate import rank_from_sample
-from speculum.enumeration.format_walk import FormatWalk, path_logprobs
-from speculum.enumeration.sampling import FormatSample, sample_format
+from speculum.enumeration.estimation.estimate import rank_from_sample
+from speculum.enumeration.estimation.format_walk import FormatWalk, path_logprobs
+from speculum.enumeration.estimation.sampling import FormatSample, sample_format
 from speculum.models import MarkovModel
 from speculum.validation import InputError
 
@@ -226,7 +226,7 @@ def test_a_draw_of_the_item_is_never_counted_before_it(tokens_case, strings_case
 def test_the_certified_bracket_leaves_the_item_out_by_identity(tokens_case):
     """A stored item whose scored log-prob is off its stored one by float rounding: its own leaf is not
     counted above it, so the certified bracket still holds its rank."""
-    from speculum.enumeration.exposure import _rank_bracket
+    from speculum.enumeration.estimation.exposure import _rank_bracket
 
     model, _, truth = tokens_case
     index = AutoregressiveEnumerable(model, prompt=PROMPT, constraint=Regex(FORMAT, vocabulary=VOCAB))
@@ -395,7 +395,7 @@ def test_exact_method_keeps_the_exact_or_bracket_answer(tokens_case):
 
 
 def test_many_canaries_share_one_set_of_draws(tokens_case, monkeypatch):
-    import speculum.enumeration.exposure as exposure
+    import speculum.enumeration.estimation.exposure as exposure
 
     model, index, truth = tokens_case
     calls = []
@@ -486,8 +486,9 @@ def test_sampled_ranks_on_smollm2_cover_the_exact_ones():
     assert covered >= 0.85 * 120 and np.median(errors) < 0.1
 
 
-@pytest.mark.parametrize("module", ["speculum.enumeration.sampling", "speculum.enumeration.estimate",
-                                    "speculum.enumeration.exposure"])
+@pytest.mark.parametrize("module", ["speculum.enumeration.estimation.sampling",
+                                    "speculum.enumeration.estimation.estimate",
+                                    "speculum.enumeration.estimation.exposure"])
 def test_the_docstring_examples_run(module):
     import doctest
     import importlib

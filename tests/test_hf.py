@@ -134,7 +134,7 @@ def test_sampling_on_levels_equals_sampling_on_whole_prefixes(tiny, monkeypatch)
     import dataclasses
 
     from speculum.enumeration import Regex
-    from speculum.enumeration.sampling import sample_format
+    from speculum.enumeration.estimation.sampling import sample_format
 
     constraint = Regex(r"(cat|dog|sat|ran){4}")
     kept = sample_format(tiny, constraint, prompt=[1, 4], samples=120, seed=3, batch_size=8)

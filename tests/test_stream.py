@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from speculum.enumeration import AutoregressiveEnumerable, Regex
-from speculum.enumeration.stream import DEFAULT_STREAM_WINDOW, StreamProgress
+from speculum.enumeration.index.stream import DEFAULT_STREAM_WINDOW, StreamProgress
 from speculum.models import MarkovModel, TinyTransformer
 from speculum.models.base import Capabilities
 from speculum.validation import InputError

@@ -33,8 +33,8 @@ from speculum.cli.counts import count_json, count_text
 from speculum.cli.generate import add_cache_argument, add_dtype_argument
 from speculum.cli.progress import index_bar
 from speculum.enumeration import AutoregressiveEnumerable, Regex, StringIndex, estimate_ranks
-from speculum.enumeration.exposure import DEFAULT_AUTO_FORWARDS, DEFAULT_MAX_FORWARDS, METHODS
-from speculum.enumeration.sampling import DEFAULT_SAMPLES
+from speculum.enumeration.estimation.exposure import DEFAULT_AUTO_FORWARDS, DEFAULT_MAX_FORWARDS, METHODS
+from speculum.enumeration.estimation.sampling import DEFAULT_SAMPLES
 from speculum.validation import InputError
 
 __all__ = ["register", "run_audit", "split_template", "sample_bar"]
@@ -194,7 +194,7 @@ def _check_plot(path: str) -> None:
 # --------------------------------------------------------------------------------------------- bars
 def sample_bar(**tqdm_kwargs: Any) -> Callable[[Any], None]:
     """A ``progress`` callback drawing a tqdm bar of the prefixes the sampler forwards
-    (:class:`speculum.enumeration.sampling.SampleProgress` events)."""
+    (:class:`speculum.enumeration.estimation.sampling.SampleProgress` events)."""
 
     bar = tqdm(unit="prefix", desc="sampling the format", **tqdm_kwargs)
     last = [0]

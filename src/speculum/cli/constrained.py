@@ -26,10 +26,10 @@ from speculum.cli.checks import CLIError, check_at_least, utf8_text, warn
 from speculum.cli.counts import count_bits, count_json, count_text
 from speculum.cli.progress import choices_bar, index_bar
 from speculum.enumeration import AutoregressiveEnumerable, Choices, Regex, estimate_ranks, score_choices
-from speculum.enumeration.automaton import AutomatonBudgetError
-from speculum.enumeration.charfsm import compile_chars
-from speculum.enumeration.exact import ForwardBudgetError, IndexBudgetError
-from speculum.enumeration.exposure import DEFAULT_MAX_FORWARDS
+from speculum.enumeration.formats.automaton import AutomatonBudgetError
+from speculum.enumeration.formats.charfsm import compile_chars
+from speculum.enumeration.enumerable import ForwardBudgetError, IndexBudgetError
+from speculum.enumeration.estimation.exposure import DEFAULT_MAX_FORWARDS
 from speculum.enumeration.rescored import DEFAULT_RERANK_WINDOW
 from speculum.validation import InputError
 

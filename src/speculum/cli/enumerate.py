@@ -27,8 +27,8 @@ from speculum.cli.progress import index_bar
 from speculum.distributed.ray_pool import ClusterUnreachableError, ModelSpec, RayPool, check_address, ray_install_hint
 from speculum.drafts import ENUMERATION_DRAFTS, is_embedded_model, make_enumeration_draft
 from speculum.enumeration import AutoregressiveEnumerable, RescoredIndex
-from speculum.enumeration.exact import DEFAULT_MAX_NODES, ForwardBudgetError
-from speculum.enumeration.exposure import estimate_rank
+from speculum.enumeration.enumerable import DEFAULT_MAX_NODES, ForwardBudgetError
+from speculum.enumeration.estimation.exposure import estimate_rank
 from speculum.enumeration.rescored import DEFAULT_RERANK_WINDOW
 from speculum.validation import InputError
 

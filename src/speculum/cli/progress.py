@@ -32,7 +32,7 @@ def conversion_bar() -> Callable[[Any], None]:
 
 def index_bar(**tqdm_kwargs: Any) -> Callable[[Any], None]:
     """An enumeration ``progress`` callback drawing a tqdm bar of forwarded prefixes
-    (:class:`speculum.enumeration.exact.BuildProgress` events); ``tqdm_kwargs`` go to ``tqdm``."""
+    (:class:`speculum.enumeration.enumerable.BuildProgress` events); ``tqdm_kwargs`` go to ``tqdm``."""
     bar = tqdm(unit="prefix", desc="enumeration index", **tqdm_kwargs)
 
     def update(event: Any) -> None:

@@ -37,9 +37,9 @@ import numpy as np
 from ..models.base import as_model, check_logits, check_prompt, check_token_id, check_token_ids
 from ..models.vocabulary import token_bytes
 from ..validation import InputError, check_int
-from .constraint import Choices
-from .exact import AutoregressiveEnumerable
-from .strings import StringIndex
+from .formats.constraint import Choices
+from .enumerable import AutoregressiveEnumerable
+from .index.strings import StringIndex
 
 __all__ = ["ChoiceScores", "ScoringProgress", "score_choices"]
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..models.base import as_model
 from ..validation import InputError, check_int, check_number
-from .index import EnumerationIndex, ScoringIndex
+from .index.protocols import EnumerationIndex, ScoringIndex
 
 __all__ = ["RescoredIndex", "certify_slice", "DEFAULT_MAX_WINDOW"]
 

@@ -387,7 +387,7 @@ class HFModel(BaseModel):
         float32 logits with a safety margin), with the value ``next_logprobs`` would return for it (the same
         float64 formula, exact up to the model's float precision), and each row's number of tokens of
         finite log-prob. No ``(batch, vocab)`` float64 array is built, which is what makes enumeration's
-        level expansion cheap (``speculum.enumeration.tree`` uses this hook when a model has it).
+        level expansion cheap (``speculum.enumeration.index.tree`` uses this hook when a model has it).
 
         Example:
             >>> row, token, lp, finite = model.next_logprobs_above([prompt], [-5.0])   # doctest: +SKIP

@@ -34,8 +34,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..validation import InputError, check_int, check_logprob
-from .seek import SeekIndex
+from ...validation import InputError, check_int, check_logprob
+from .seek_index import SeekIndex
 from .support import SupportAttributes
 
 __all__ = ["StringIndex", "max_tokenizations", "DEFAULT_MAX_TOKENIZATIONS"]

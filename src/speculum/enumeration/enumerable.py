@@ -5,11 +5,12 @@ continuation, or only those ending in ``eos``): the k best, the i-th best, a seq
 at least so probable, the k-th best's log-prob, and the mass above a threshold. All of them agree exactly
 with brute-force sorting by exact log-probability, ties broken lexicographically by token ids.
 
-How (see ``tree.py`` and ``histogram.py``): a prefix tree of the live prefixes within a log-prob budget is
-built breadth first with batched forwards; its complete sequences are grouped by a fine bucket of their
-exact information, with cumulative counts. A query bisects the counts to the one bucket (the *band*) that
-holds its answer and sorts only that band by the exact key. When a query needs sequences below the budget
-the tree is extended in place (never rebuilt), and queries inside the built budget run no forward at all.
+How (see ``index/tree.py`` and ``index/histogram.py``): a prefix tree of the live prefixes within a
+log-prob budget is built breadth first with batched forwards; its complete sequences are grouped by a fine
+bucket of their exact information, with cumulative counts. A query bisects the counts to the one bucket
+(the *band*) that holds its answer and sorts only that band by the exact key. When a query needs sequences
+below the budget the tree is extended in place (never rebuilt), and queries inside the built budget run no
+forward at all.
 
 Example:
     >>> from speculum.models import MarkovModel
@@ -27,14 +28,15 @@ import numpy as np
 
 from ..models.base import as_model, check_prompt
 from ..validation import InputError, check_int, check_number, check_optional_int
-from .histogram import DEFAULT_WIDTH_BITS
-from .seek import (DEFAULT_BATCH_SIZE, DEFAULT_BEAM_FORWARDS, DEFAULT_MAX_BAND, DEFAULT_MAX_NODES,
-                   DEFAULT_RESERVE_BITS, BandTooLargeError, ForwardBudgetError, IndexBudgetError, SeekIndex)
-from .constraint import compile_for
-from .strings import DEFAULT_MAX_TOKENIZATIONS, StringIndex
-from .stream import DEFAULT_STREAM_ITEMS, DEFAULT_STREAM_WINDOW, StreamProgress, ranked_stream
-from .support import Support, SupportAttributes
-from .tree import BuildProgress
+from .index.histogram import DEFAULT_WIDTH_BITS
+from .index.seek_index import (DEFAULT_BATCH_SIZE, DEFAULT_BEAM_FORWARDS, DEFAULT_MAX_BAND, DEFAULT_MAX_NODES,
+                               DEFAULT_RESERVE_BITS, BandTooLargeError, ForwardBudgetError, IndexBudgetError,
+                               SeekIndex)
+from .formats.constraint import compile_for
+from .index.strings import DEFAULT_MAX_TOKENIZATIONS, StringIndex
+from .index.stream import DEFAULT_STREAM_ITEMS, DEFAULT_STREAM_WINDOW, StreamProgress, ranked_stream
+from .index.support import Support, SupportAttributes
+from .index.tree import BuildProgress
 
 __all__ = ["AutoregressiveEnumerable", "SeekIndex", "BandTooLargeError", "IndexBudgetError", "ForwardBudgetError",
            "BuildProgress",
@@ -159,7 +161,7 @@ class AutoregressiveEnumerable(SupportAttributes):
     @property
     def queries(self):
         """What answers the queries: the :class:`SeekIndex` over token sequences, or in string mode the
-        :class:`~speculum.enumeration.strings.StringIndex` over it."""
+        :class:`~speculum.enumeration.index.strings.StringIndex` over it."""
         return self._queries
 
     def top_k(self, k: int) -> list[tuple[tuple[int, ...], float]]:
@@ -178,7 +180,7 @@ class AutoregressiveEnumerable(SupportAttributes):
 
         Guarantee: the items and log-probs of ``unrank(start)``, ``unrank(start + 1)``, ... in that order
         (bitwise, for a model whose rows do not depend on which prefixes share a batch; see
-        :mod:`speculum.enumeration.stream`). Memory: about ``1.5 * max_items`` items as arrays plus the
+        :mod:`speculum.enumeration.index.stream`). Memory: about ``1.5 * max_items`` items as arrays plus the
         depth-first stack of one pass; the index is neither built nor used. Cost in forwards: passes that
         each re-walk every prefix above their floor, about one pass per ``max_items`` items streamed; the
         items before ``start`` are walked, only not yielded. A support that is infinite (``eos`` without

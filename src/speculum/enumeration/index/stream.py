@@ -21,7 +21,7 @@ differently only when their log-probs are that close.
 
 Example:
     >>> from speculum.models import MarkovModel
-    >>> from speculum.enumeration.support import Support
+    >>> from speculum.enumeration.index.support import Support
     >>> stream = ranked_stream(MarkovModel.random(4, seed=0), support=Support(max_len=3), max_items=5)
     >>> len(list(stream))
     64
@@ -34,8 +34,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..models.base import capabilities_of, map_calls
-from ..validation import InputError, check_int, check_optional_int
+from ...models.base import capabilities_of, map_calls
+from ...validation import InputError, check_int, check_optional_int
 from .support import Support
 from .tree import MAX_UNBOUNDED_DEPTH, loose_step_floor, checked_dense_rows, checked_sparse_rows
 

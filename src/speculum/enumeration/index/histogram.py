@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from ..validation import check_number
+from ...validation import check_number
 
 __all__ = ["DEFAULT_WIDTH_BITS", "bucket_of", "BucketIndex"]
 

@@ -9,7 +9,7 @@ budget that certainly suffices.
 
 Example:
     >>> from speculum.models import MarkovModel
-    >>> from speculum.enumeration.support import Support
+    >>> from speculum.enumeration.index.support import Support
     >>> index = SeekIndex(MarkovModel.random(4, seed=0), support=Support(max_len=2), prompt=[0])
     >>> [seq for seq, _ in index.top_k(2)] == [index.unrank(0)[0], index.unrank(1)[0]]
     True
@@ -21,8 +21,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..validation import InputError, check_int, check_logprob, check_number, check_optional_int
-from .automaton import AutomatonBudgetError
+from ...validation import InputError, check_int, check_logprob, check_number, check_optional_int
+from ..formats.automaton import AutomatonBudgetError
 from .beam import beam_logprobs
 from .histogram import DEFAULT_WIDTH_BITS, BucketIndex
 from .support import Support, SupportAttributes

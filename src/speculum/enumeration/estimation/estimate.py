@@ -2,7 +2,7 @@
 
 The rank of ``c`` is the number of members before it: ``R(c) = sum_x 1[x before c]`` (``x`` before ``c``
 when ``p(x) > p(c)``, or tied and smaller: token ids lexicographically, strings by their UTF-8 bytes).
-With draws ``x_1 .. x_n`` of a :class:`~speculum.enumeration.sampling.FormatSample`, whose law ``q`` is
+With draws ``x_1 .. x_n`` of a :class:`~.sampling.FormatSample`, whose law ``q`` is
 known exactly, ``R(c) = E_q[1[x before c] / q(x)]`` (Dell'Amico & Filippone, CCS 2015, "Monte Carlo
 strength evaluation"; with a law restricted to the format divide by ``q``, never by ``p``), so
 
@@ -23,7 +23,7 @@ infinite without one): ``q_model(x) >= p(x) > p(c)`` for every ``x`` before ``c`
 q_model(before c) / p(c) < 3 / (n_model p(c))`` at 95%. The lower end never goes below the distinct members
 seen before ``c`` (a sure bound).
 
-**The last step conditioned.** A draw whose set kept its siblings (:mod:`speculum.enumeration.siblings`:
+**The last step conditioned.** A draw whose set kept its siblings (:mod:`.siblings`:
 token mode, a final last step) contributes its term averaged over its own stratum's last-step law,
 ``sum_t q_k(t | y) 1[y t before c] / q(y t)``: unbiased, never noisier, and still independent across the
 draws of a stratum, so the variance formula above holds for these terms. Measured
@@ -34,7 +34,7 @@ set's coverage is nearly all or nothing and is no measure of the interval).
 Example:
     >>> from speculum.models import MarkovModel
     >>> from speculum.enumeration import Regex
-    >>> from speculum.enumeration.sampling import sample_format
+    >>> from speculum.enumeration.estimation.sampling import sample_format
     >>> model = MarkovModel.random(3, seed=0)
     >>> sample = sample_format(model, Regex("[ab]{6}", vocabulary=["a", "b", "c"]), prompt=[2], seed=0)
     >>> item = (0, 1, 0, 1, 0, 1)
@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from ..validation import InputError, check_number
+from ...validation import InputError, check_number
 from .format_walk import mixture_logprob
 
 __all__ = ["RankEstimate", "rank_from_sample", "Z_95"]
@@ -76,7 +76,7 @@ class RankEstimate:
 
 def rank_from_sample(sample: Any, item: Any, log_prob: float, *, z: float = Z_95) -> RankEstimate:
     """The rank of ``item`` (a member of the sample's format, of exact ``log_prob``) estimated from the draws
-    of ``sample`` (a :class:`~speculum.enumeration.sampling.FormatSample`), with a ``z``-sided normal interval
+    of ``sample`` (a :class:`~.sampling.FormatSample`), with a ``z``-sided normal interval
     on its log (``Z_95``: 95%). ESTIMATED: unbiased, interval approximate (see the module doc)."""
     log_prob = check_number(log_prob, "log_prob", finite=False)
     z = check_number(z, "z", above=0.0)

@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..models.base import capabilities_of, map_calls
-from ..validation import InputError
+from ...models.base import capabilities_of, map_calls
+from ...validation import InputError
 from .support import Support
 
 __all__ = ["BuildProgress", "Level", "PrefixTree", "IndexBudgetError", "ForwardBudgetError", "DEFAULT_MAX_NODES"]

@@ -2,7 +2,7 @@
 
 A :class:`Support` is either every sequence of exactly ``max_len`` tokens (``eos`` None), or every sequence
 that ends in ``eos`` and contains it only there, of at most ``max_len`` tokens (``max_len`` None: of any
-length). With a ``constraint`` (a :class:`~speculum.enumeration.automaton.TokenAutomaton`) only the token
+length). With a ``constraint`` (a :class:`~speculum.enumeration.formats.automaton.TokenAutomaton`) only the token
 sequences whose text is a member of its language count: complete when the automaton accepts (then
 followed by ``eos`` when one is given), ``max_len`` being only a cap on the number of tokens. The prefix tree asks it which prefixes grow and which sequences are complete, the indexes ask it
 whether a sequence belongs and how many sequences exist, and rescoring compares two of them with ``==``.
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ..models.base import check_token_id, check_token_ids
-from ..validation import InputError, check_optional_int
+from ...models.base import check_token_id, check_token_ids
+from ...validation import InputError, check_optional_int
 
 if TYPE_CHECKING:
-    from .automaton import TokenAutomaton
+    from ..formats.automaton import TokenAutomaton
 
 __all__ = ["Support", "SupportAttributes"]
 

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..validation import InputError
+from ...validation import InputError
 from .charfsm import MAX_CHAR_STATES, CharAutomaton, compile_chars, topological
 from .liveness import Liveness
 from .spelling import VocabularySpelling

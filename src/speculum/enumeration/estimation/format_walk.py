@@ -3,7 +3,7 @@ laws, and the exact laws of given members.
 
 A token is *viable* after a prefix when a member can still be completed through it (within ``max_len``
 tokens). A stratum of tilt ``beta`` takes a viable token ``t`` with probability ``p(t | prefix) ** beta /
-Z_beta(prefix)`` (:mod:`speculum.enumeration.sampling`); a row giving the viable tokens no mass at all is
+Z_beta(prefix)`` (:mod:`.sampling`); a row giving the viable tokens no mass at all is
 *dead* and every stratum takes them uniformly there. Step log-probs are clipped at 0, as the prefix tree
 clips them, so that a member's log-prob is the index's. Guarantee: EXACT laws (up to float rounding of the
 model's rows).
@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..models.base import capabilities_of
-from ..validation import InputError
+from ...models.base import capabilities_of
+from ...validation import InputError
 
 __all__ = ["FormatWalk", "step_partitions", "laws_at", "mixture_logprob", "path_logprobs"]
 

@@ -32,10 +32,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..models.base import as_model, check_prompt
-from ..validation import InputError, check_int, check_logprob, check_number
-from .exact import AutoregressiveEnumerable, SeekIndex
-from .support import Support, SupportAttributes
+from ...models.base import as_model, check_prompt
+from ...validation import InputError, check_int, check_logprob, check_number
+from ..enumerable import AutoregressiveEnumerable, SeekIndex
+from ..index.support import Support, SupportAttributes
 
 __all__ = ["AREnvelopeIndex", "EnvelopeEntry", "DEFAULT_RESOLUTION", "DEFAULT_EXACT_LIMIT"]
 

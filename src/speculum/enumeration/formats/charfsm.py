@@ -28,7 +28,7 @@ import interegular.fsm as interegular_fsm
 import numpy as np
 from interegular.fsm import FSM, OblivionError, anything_else
 
-from ..validation import InputError
+from ...validation import InputError
 
 __all__ = ["CharAutomaton", "compile_chars", "MAX_CHAR_STATES"]
 

@@ -1,6 +1,6 @@
 """Members of a format drawn from a known law, each with the model's probability and the law's.
 
-The sampled rank estimate (:mod:`speculum.enumeration.estimate`) needs draws ``x`` from a proposal law
+The sampled rank estimate (:mod:`.estimate`) needs draws ``x`` from a proposal law
 ``q`` over the format's members together with ``q(x)`` and the model's own ``p(x)``. Several laws share the
 draws, in fixed numbers (stratified, so that their mixture is the balance law of multiple importance
 sampling: Veach & Guibas 1995; Owen & Zhou 2000, "Safe and effective importance sampling"). Each is the
@@ -28,7 +28,7 @@ prefix branch from its row, so hundreds of draws share a forward (and the prompt
 levels of keys and values (``Capabilities.prefix_levels``: the PyTorch backend) forwards each prefix as
 one token on its parent's cache, the draws walked in groups as large as a level may be; any other model
 answers batched ``next_logprobs`` calls of whole prefixes. In string mode each sampled string's laws are
-summed over every tokenization of it (:meth:`~speculum.enumeration.strings.StringIndex.tokenizations`):
+summed over every tokenization of it (:meth:`~speculum.enumeration.index.strings.StringIndex.tokenizations`):
 ``Q(s) = sum_{x -> s} q(x)`` and ``P(s) = sum_{x -> s} p(x)``, exact, the tokenizations not drawn
 forwarded once each.
 
@@ -53,10 +53,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..models.base import as_model, check_prompt
-from ..validation import InputError, check_int, check_number
-from .constraint import compile_for
-from .exact import AutoregressiveEnumerable
+from ...models.base import as_model, check_prompt
+from ...validation import InputError, check_int, check_number
+from ..formats.constraint import compile_for
+from ..enumerable import AutoregressiveEnumerable
 from .format_walk import FormatWalk, laws_at, mixture_logprob, path_logprobs, step_partitions
 from .siblings import SiblingRecorder, Siblings
 
@@ -91,7 +91,7 @@ class FormatSample:
     of the mixture law the draws came from. ``tilts``: each stratum's exponent, largest first.
     ``stratum_logprob``: ``(n, strata)``, each stratum's own law at every draw. ``stratum``: the index in
     ``tilts`` of the stratum each draw came from. ``forwards``: prefixes forwarded to draw the set.
-    ``siblings``: each draw's members one last token away (:mod:`speculum.enumeration.siblings`; token
+    ``siblings``: each draw's members one last token away (:mod:`.siblings`; token
     mode, final steps), or None.
     """
 

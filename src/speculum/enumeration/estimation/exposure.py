@@ -7,7 +7,7 @@ language (``Regex(r" \\d{4}-\\d{4}")``: |space| is its number of strings). Uncon
 exact (the exact index) when it is shallow enough to count, and otherwise estimated by the sampled envelope
 with a bracket. Constrained, ``method="auto"`` gives the exact rank while the index it needs fits a small
 forward budget, and beyond that an importance-sampled estimate with a 95% interval
-(:mod:`speculum.enumeration.estimate`) beside a certified bracket: the stored members above it, plus at
+(:mod:`.estimate`) beside a certified bracket: the stored members above it, plus at
 most (unexplored mass) / p(canary) unseen ones. The report says which (``method``).
 
 Example:
@@ -24,13 +24,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..models.base import as_model, check_prompt, check_token_ids
-from ..validation import InputError, check_int, check_number
+from ...models.base import as_model, check_prompt, check_token_ids
+from ...validation import InputError, check_int, check_number
 from .envelope import DEFAULT_RESOLUTION, AREnvelopeIndex
 from .estimate import rank_from_sample
-from .exact import AutoregressiveEnumerable
+from ..enumerable import AutoregressiveEnumerable
 from .sampling import DEFAULT_SAMPLES, check_strata, sample_format
-from .support import Support
+from ..index.support import Support
 
 __all__ = ["RankReport", "estimate_rank", "estimate_ranks", "DEFAULT_EXACT_RANK_LIMIT", "DEFAULT_MAX_FORWARDS",
            "DEFAULT_AUTO_FORWARDS", "METHODS"]
@@ -174,10 +174,10 @@ def estimate_ranks(model: Any, items: Sequence[Any], *, constraint: Any, prompt:
 
     The draws are made once, on the first item that needs them (``seed``: an int or a
     ``numpy.random.Generator``; ``strata``, ``uniform_share``: see
-    :func:`~speculum.enumeration.sampling.sample_format`), or taken from
-    ``sample`` (a :class:`~speculum.enumeration.sampling.FormatSample` of the same format, prompt and mode):
+    :func:`~.sampling.sample_format`), or taken from
+    ``sample`` (a :class:`~.sampling.FormatSample` of the same format, prompt and mode):
     each further item costs the scoring of its own tokens. ``progress`` receives the sampler's
-    :class:`~speculum.enumeration.sampling.SampleProgress` events.
+    :class:`~.sampling.SampleProgress` events.
 
     ``target_bits``: grow the set (more draws of the same strata, merged: ``FormatSample.merged``) until
     every sampled item's 95% exposure interval is at most ``target_bits`` wide on each side, or the set
@@ -199,18 +199,8 @@ def estimate_ranks(model: Any, items: Sequence[Any], *, constraint: Any, prompt:
         ('sampled', True, 4096)
     """
 
-    method = _check_method(method)
-    if method == "exact" and (samples is not None or sample is not None):
-        raise InputError("samples and sample go with method='auto' or 'sampled' (method='exact' never samples)")
-    if method == "auto" and max_forwards is not None and samples is None and sample is None:
-        method = "exact"
-    default_budget = DEFAULT_MAX_FORWARDS if method == "exact" else DEFAULT_AUTO_FORWARDS
-    max_forwards = check_int(default_budget if max_forwards is None else max_forwards, "max_forwards", minimum=0)
-    samples = check_int(DEFAULT_SAMPLES if samples is None else samples, "samples", minimum=2)
-    strata = check_strata(strata, uniform_share)
-    if target_bits is not None:
-        target_bits = check_number(target_bits, "target_bits", above=0.0)
-    max_samples = check_int(8 * samples if max_samples is None else max_samples, "max_samples", minimum=samples)
+    method, max_forwards, samples, strata, target_bits, max_samples = _checked_options(
+        method, max_forwards, samples, sample, strata, uniform_share, target_bits, max_samples)
     if index is None:
         index = AutoregressiveEnumerable(model, prompt=prompt, constraint=constraint, strings=strings, eos=eos,
                                          max_len=max_len, **index_options)
@@ -232,11 +222,44 @@ def estimate_ranks(model: Any, items: Sequence[Any], *, constraint: Any, prompt:
                          draws=draws)
 
     reports = [rank(item) for item in items]
+    if target_bits is not None:
+        reports = _grow_draws(reports, items, rank, drawn, target_bits=target_bits, max_samples=max_samples,
+                              model=model, constraint=constraint, seed=seed, strings=strings, index=index,
+                              progress=progress)
+    return reports
+
+
+def _checked_options(method: Any, max_forwards: Any, samples: Any, sample: Any, strata: Any, uniform_share: Any,
+                     target_bits: Any, max_samples: Any) -> tuple:
+    """:func:`estimate_ranks`'s options checked, with their defaults: ``(method, max_forwards, samples,
+    strata, target_bits, max_samples)``."""
+    method = _check_method(method)
+    if method == "exact" and (samples is not None or sample is not None):
+        raise InputError("samples and sample go with method='auto' or 'sampled' (method='exact' never samples)")
+    if method == "auto" and max_forwards is not None and samples is None and sample is None:
+        method = "exact"
+    default_budget = DEFAULT_MAX_FORWARDS if method == "exact" else DEFAULT_AUTO_FORWARDS
+    max_forwards = check_int(default_budget if max_forwards is None else max_forwards, "max_forwards", minimum=0)
+    samples = check_int(DEFAULT_SAMPLES if samples is None else samples, "samples", minimum=2)
+    strata = check_strata(strata, uniform_share)
+    if target_bits is not None:
+        target_bits = check_number(target_bits, "target_bits", above=0.0)
+    max_samples = check_int(8 * samples if max_samples is None else max_samples, "max_samples", minimum=samples)
+    return method, max_forwards, samples, strata, target_bits, max_samples
+
+
+def _grow_draws(reports: list[RankReport], items: Sequence[Any], rank: Callable[[Any], RankReport],
+                drawn: list, *, target_bits: float, max_samples: int, model: Any, constraint: Any,
+                seed: int | np.random.Generator, strings: bool, index: Any,
+                progress: Callable[[Any], None] | None) -> list[RankReport]:
+    """:func:`estimate_ranks`'s growth rounds (``target_bits``): more draws merged into the shared set
+    ``drawn[0]`` and the sampled items ranked again, until every sampled item's interval is narrow enough or
+    the set holds ``max_samples`` draws."""
     rounds = 0
-    while target_bits is not None:
+    while True:
         wide = [i for i, r in enumerate(reports) if r.method == "sampled" and _half_width(r) > target_bits]
         if not wide or len(drawn[0]) >= max_samples:
-            break
+            return reports
         have = len(drawn[0])
         wanted = max(math.ceil(have * 1.1 * (_half_width(reports[i]) / target_bits) ** 2) for i in wide)
         rounds += 1
@@ -246,7 +269,6 @@ def estimate_ranks(model: Any, items: Sequence[Any], *, constraint: Any, prompt:
         drawn[0] = drawn[0].merged(sample_format(model, constraint, samples=more, seed=_round_seed(seed, rounds),
                                                  strings=strings, strata=same, index=index, progress=progress))
         reports = [rank(item) if r.method == "sampled" else r for item, r in zip(items, reports)]
-    return reports
 
 
 def _half_width(report: RankReport) -> float:

@@ -1,7 +1,7 @@
 """Constraints: a format (``Regex``) or a label set (``Choices``) compiled to a token-level automaton.
 
 An enumeration index with a constraint ranges only over the token sequences whose decoded text is a member
-of the constraint's language. ``compile`` turns it into a :class:`~speculum.enumeration.automaton.TokenAutomaton`
+of the constraint's language. ``compile`` turns it into a :class:`~.automaton.TokenAutomaton`
 (the tokens allowed next from each state); the prefix tree expands only allowed tokens, so prefixes off the
 format cost no forward at all. Token bytes come from the model's tokenizer (byte-level BPE included) or from
 ``vocabulary=[token text by id]`` on the constraint.
@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from ..models.vocabulary import token_bytes
-from ..validation import InputError, check_int
+from ...models.vocabulary import token_bytes
+from ...validation import InputError, check_int
 from .automaton import MAX_TOKEN_MOVES, MAX_TOKEN_STATES, TokenAutomaton
 from .charfsm import MAX_CHAR_STATES, compile_chars
 
@@ -44,7 +44,7 @@ class _Constraint:
                 max_states: int = MAX_TOKEN_STATES, max_moves: int = MAX_TOKEN_MOVES) -> "TokenAutomaton":
         """The token automaton of this constraint over ``model``'s vocabulary (or over ``vocabulary`` with
         ``vocab_size`` tokens). ``exclude``: token ids never allowed (the eos an index ends sequences with);
-        ``max_states`` / ``max_moves``: its budget (:class:`~speculum.enumeration.automaton.TokenAutomaton`).
+        ``max_states`` / ``max_moves``: its budget (:class:`~.automaton.TokenAutomaton`).
         Raises ``InputError`` for an invalid pattern, an empty language, or one no token sequence spells."""
         if self.vocabulary is not None:
             size = vocab_size if vocab_size is not None else (model.vocab_size if model is not None else len(self.vocabulary))
@@ -99,7 +99,7 @@ class Regex(_Constraint):
 
     The pattern is checked and its automaton over characters built here, without a model: ``InputError``
     for a syntax error, an unsupported construct, or an automaton of more than ``max_char_states`` states
-    (default :data:`~speculum.enumeration.charfsm.MAX_CHAR_STATES`).
+    (default :data:`~.charfsm.MAX_CHAR_STATES`).
 
     Example: ``Regex(r" \\d{4}-\\d{4}")`` — a space, four digits, a dash, four digits."""
 

@@ -9,7 +9,7 @@ complete characters move the character automaton, and the incomplete one is pend
 character position (49,152 tokens in milliseconds).
 
 Example:
-    >>> from speculum.enumeration.charfsm import compile_chars
+    >>> from speculum.enumeration.formats.charfsm import compile_chars
     >>> spelling = VocabularySpelling([b"1", b"12", b"\\xc3", b"\\xa9", b"x"])
     >>> chars = compile_chars("1[2\\u00e9]", "regex")
     >>> tokens, ends, tails = spelling.after(b"").walk(chars, chars.initial)

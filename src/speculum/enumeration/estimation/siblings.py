@@ -1,6 +1,6 @@
 """A draw's last step, counted over every token it could have taken: the conditional (Rao-Blackwell) term.
 
-The rank estimate (:mod:`speculum.enumeration.estimate`) averages ``1[x before c] / q(x)`` over draws
+The rank estimate (:mod:`.estimate`) averages ``1[x before c] / q(x)`` over draws
 ``x = (y, t)``. When the step after the prefix ``y`` is *final* (every viable token completes a member, as
 the last digit of ``" \\d{9}"`` does), the row that drew ``t`` already holds the exact log-probability of
 every sibling member ``y t'``. Averaging the term over the draw's own step law instead of taking the one
