@@ -65,7 +65,7 @@ def weight_bytes(model) -> int:
     """The weight bytes a decode step reads: a layer multiplied by its GGUF groups counts their bytes."""
     import torch  # with the llm extra
 
-    from speculum.models.hf.grouped import GROUPS
+    from speculum.models.hf.kernels.gguf_groups import GROUPS
 
     module = model.module if hasattr(model, "module") else model.model
     seen, total = set(), 0

@@ -281,7 +281,8 @@ def test_the_private_reach_check_catches_what_it_is_for(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["speculum.models.hf.kv_cache", "speculum.models.hf.kv_arena",
-                                    "speculum.models.hf.logprobs", "speculum.models.hf.prepack"])
+                                    "speculum.models.hf.logprobs", "speculum.models.hf.kernels.onednn",
+                                    "speculum.models.hf.kernels.probe", "speculum.models.hf.kernels.int8_weights"])
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0

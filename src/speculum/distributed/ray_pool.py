@@ -432,11 +432,11 @@ def check_address(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
 
 
 def _product_paths(needed: bool = False) -> dict[str, Any] | None:
-    """This process's product paths (:func:`~speculum.models.hf.products.product_paths`) where its model runs
+    """This process's product paths (:func:`~speculum.models.hf.kernels.products.product_paths`) where its model runs
     on the PyTorch backend (or ``needed``), else None: other backends' numbers do not depend on them."""
-    if not needed and "speculum.models.hf.products" not in sys.modules:
+    if not needed and "speculum.models.hf.kernels.products" not in sys.modules:
         return None
-    from ..models.hf.products import product_paths  # the hf backend (torch): only where a model uses it
+    from ..models.hf.kernels.products import product_paths  # the hf backend (torch): only where a model uses it
 
     return product_paths()
 

@@ -16,7 +16,7 @@ Row-canonical: a row's logits are a function of its sequence's tokens up to it a
 whether the tokens were fed whole, one at a time, in a speculative block, or packed with other sequences
 (:attr:`FusedLlama.canonical_rows`). Attention computes each row in a shape its position alone fixes
 (:mod:`~speculum.models.hf.row_attention`), the products keep every row on one kernel path, checked once
-per shape at build (:mod:`~speculum.models.hf.products`), and the rest is row-wise. So greedy speculative
+per shape at build (:mod:`~speculum.models.hf.kernels.products`), and the rest is row-wise. So greedy speculative
 output is plain greedy output and a server's answer does not depend on what else it runs, as a guarantee
 rather than up to near-ties.
 
@@ -60,8 +60,8 @@ from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache, SlotCache
 from .pages import drop_mapped_pages
 from .precision import cast_module
-from .prepack import onednn_available
-from .products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
+from .kernels.onednn import onednn_available
+from .kernels.products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
 from .row_attention import RowAttention, SlotRows, keys_needed
 
 __all__ = ["FusedLlama", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]
@@ -206,7 +206,7 @@ class FusedLlama:
     @property
     def canonical_rows(self) -> bool:
         """True when every product gives each row bitwise the same whatever rows surround it (probed once
-        per shape at build, :mod:`~speculum.models.hf.products`): with attention computed per row
+        per shape at build, :mod:`~speculum.models.hf.kernels.products`): with attention computed per row
         (:mod:`~speculum.models.hf.row_attention`) and the other operations row-wise, a row's logits are
         then a function of its sequence's tokens up to it alone, however they were fed (ROW-CANONICAL)."""
         return all(product.rows_alone for product, _ in self.products())

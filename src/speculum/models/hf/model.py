@@ -44,12 +44,12 @@ from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_b
                     common_prefix_length)
 from ..vocabulary import hf_token_bytes
 from .fused_llama import FusedLlama, release_block_weights
-from .grouped import GroupedWeight, attach_groups
+from .kernels.gguf_groups import GroupedWeight, attach_groups
 from .kv_arena import KVArena
 from .kv_cache import KVCache, OwnCache
 from .logprobs import entries_at_least, finite_counts, log_mass, logprob_rows
 from .precision import parse_dtype, prepare_module, warn_if_slow
-from .prepack import prepack_linears
+from .kernels.onednn import prepack_linears
 from .row_invariant import RowInvariantForward
 from .trie import trie_forward
 from .session import HFSession
@@ -87,11 +87,11 @@ class HFModel(BaseModel):
         prepack: the CPU fast path for float32 models, same results to float32 rounding, one more copy
             of the weights. Llama-architecture models run the fused forward of
             :mod:`speculum.models.hf.fused_llama`; other models run their float32 ``nn.Linear`` layers
-            through pre-packed oneDNN weights (:mod:`speculum.models.hf.prepack`). False keeps
+            through pre-packed oneDNN weights (:mod:`speculum.models.hf.kernels.onednn`). False keeps
             transformers' forward with PyTorch's default kernels.
         groups: the GGUF weight groups the float32 weights were expanded from
-            (:func:`~speculum.models.hf.grouped.read_groups`): with ``prepack``, the fused forward multiplies
-            by them instead of the expanded weights (:mod:`speculum.models.hf.grouped`).
+            (:func:`~speculum.models.hf.kernels.gguf_groups.read_groups`): with ``prepack``, the fused forward
+            multiplies by them instead of the expanded weights (:mod:`speculum.models.hf.kernels.gguf_groups`).
 
     Attributes: ``vocab_size`` (width of the logits), ``max_context`` (from the config),
     ``eos_token_id``, ``bos_token_id``, ``tokenizer``, ``module``, ``config``, ``dtype``,

@@ -35,7 +35,7 @@ import torch
 
 from .fused_llama import FusedLlama
 from .kv_cache import KVCache, OwnCache
-from .prepack import PROBE_ROWS
+from .kernels.probe import PROBE_ROWS
 
 __all__ = ["RowInvariantForward", "MAX_ROWS"]
 
