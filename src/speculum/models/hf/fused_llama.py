@@ -33,7 +33,7 @@ forward (which rounds the residual stream to bfloat16 after every block), and ro
 The load-time probe checks it against transformers' float32 forward of the same bfloat16 weights, to
 bfloat16 rounding (:data:`_SELF_CHECK_TOLERANCE_BF16`).
 
-It reads and writes any :class:`~speculum.models.hf.kv_cache.KVCache` through its protocol (``length``,
+It reads and writes any :class:`~speculum.models.hf.kv.cache.KVCache` through its protocol (``length``,
 ``append``, ``exclusive``): a cache of its own, which transformers' forward reads too, or a slot of the
 model's KV store. Only what it reproduces exactly is accepted (:func:`unsupported_reason`), and only after
 a load-time probe agrees with transformers' own forward (:meth:`FusedLlama.self_check`); anything else
@@ -56,8 +56,8 @@ import torch
 import torch.nn.functional as F
 
 from ..allocator import trim_heap
-from .kv_arena import KVArena
-from .kv_cache import KVCache, OwnCache, SlotCache
+from .kv.store import KVArena
+from .kv.cache import KVCache, OwnCache, SlotCache
 from .pages import drop_mapped_pages
 from .precision import cast_module
 from .kernels.onednn import onednn_available
@@ -316,7 +316,7 @@ class FusedLlama:
         The per-token work (embedding, norms, projections, MLP, vocabulary head) runs once over every
         token packed into one matrix, without padding; attention runs per sequence
         (:class:`~speculum.models.hf.row_attention.RowAttention`), on a view of its slot when every cache
-        is a slot of one :class:`~speculum.models.hf.kv_arena.KVArena` (new keys written by one indexed
+        is a slot of one :class:`~speculum.models.hf.kv.store.KVArena` (new keys written by one indexed
         write per layer, :meth:`_forward_store`), else on its own cache."""
         lengths = [len(tokens) for tokens in token_lists]
         pasts = [cache.length for cache in caches]

@@ -1,11 +1,11 @@
 """Any local Hugging Face causal language model as a speculum protocol model (PyTorch).
 
 * ``HFModel.from_pretrained(path)`` reads a local model directory (never the hub: ``local_files_only``).
-* ``model.start(prompt)`` returns an ``HFSession`` holding a KV cache (:mod:`~speculum.models.hf.kv_cache`);
+* ``model.start(prompt)`` returns an ``HFSession`` holding a KV cache (:mod:`~speculum.models.hf.kv.cache`);
   ``extend`` runs ONE forward over all new tokens (the verification pass of speculative decoding) and
   ``rollback`` trims the cache, so a rejected draft tail costs nothing to undo.
 * ``extend_sessions(feeds)`` extends many sessions in one packed forward, their caches moved into one KV
-  store (:mod:`~speculum.models.hf.kv_arena`).
+  store (:mod:`~speculum.models.hf.kv.store`).
 * ``next_logprobs(prefixes)`` evaluates many prefixes in a few batched forwards: their longest common
   prefix (usually the prompt) is encoded once and reused across calls, and the distinct suffixes are
   walked as a trie, one batched forward per depth, so a token shared by many prefixes is encoded once.
@@ -45,8 +45,8 @@ from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_b
 from ..vocabulary import hf_token_bytes
 from .fused_llama import FusedLlama, release_block_weights
 from .kernels.gguf_groups import GroupedWeight, attach_groups
-from .kv_arena import KVArena
-from .kv_cache import KVCache, OwnCache
+from .kv.store import KVArena
+from .kv.cache import KVCache, OwnCache
 from .logprobs import entries_at_least, finite_counts, log_mass, logprob_rows
 from .precision import parse_dtype, prepare_module, warn_if_slow
 from .kernels.onednn import prepack_linears
@@ -320,7 +320,7 @@ class HFModel(BaseModel):
         return [feed.session.record_forward(feed.tokens, rows) for feed, rows in zip(feeds, logits)]
 
     def _into_store(self, sessions: Sequence[HFSession], length: int) -> None:
-        """Move the sessions' caches into the model's KV store (:mod:`~speculum.models.hf.kv_arena`), where
+        """Move the sessions' caches into the model's KV store (:mod:`~speculum.models.hf.kv.store`), where
         the packed forward attends once per layer for all of them, while the store stays within
         ``ARENA_BUDGET_BYTES`` with every slot ``length`` tokens long; beyond it they keep caches of their own
         (the packed forward then attends per session)."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from .fused_llama import FusedLlama
-from .kv_cache import KVCache, OwnCache
+from .kv.cache import KVCache, OwnCache
 from .kernels.probe import PROBE_ROWS
 
 __all__ = ["RowInvariantForward", "MAX_ROWS"]
