@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 import speculum  # noqa: E402
 from hf_tiny import save_tiny_model  # noqa: E402
-from speculum.models.hf.fused_llama import FusedLlama  # noqa: E402
+from speculum.models.hf.forward.fused_llama import FusedLlama  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.hf.kernels.onednn import is_prepacked, prepack_linears, unpack_linears, unpacked_copy  # noqa: E402
 from speculum.drafts import make_draft  # noqa: E402

@@ -16,8 +16,8 @@
   position never sees the padding that follows it.
 
 Precision: the forward runs in the model's dtype (float32 by default; a bfloat16 Llama multiplies its
-bfloat16 weights in the fused forward with float32 activations, see ``fused_llama.py``); logits are log-softmaxed in
-float64 by torch and returned as float64 NumPy rows (normalised to ~1e-15). Batched verification uses
+bfloat16 weights in the fused forward with float32 activations, see ``forward/fused_llama.py``); logits are
+log-softmaxed in float64 by torch and returned as float64 NumPy rows (normalised to ~1e-15). Batched verification uses
 different matrix shapes from one-token decoding, so two logits closer than ~1e-6 may swap order between
 the two (floating-point sums depend on their order); in float32 this is rare enough that greedy
 speculative output matches plain greedy decoding in the tests, but it is not a bitwise guarantee, and it
@@ -43,15 +43,15 @@ from ..cpu import default_threads
 from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_blocks, check_token_ids,
                     common_prefix_length)
 from ..vocabulary import hf_token_bytes
-from .fused_llama import FusedLlama, release_block_weights
+from .forward.fused_llama import FusedLlama, release_block_weights
 from .kernels.gguf_groups import GroupedWeight, attach_groups
 from .kv.store import KVArena
 from .kv.cache import KVCache, OwnCache
 from .logprobs import entries_at_least, finite_counts, log_mass, logprob_rows
 from .precision import parse_dtype, prepare_module, warn_if_slow
 from .kernels.onednn import prepack_linears
-from .row_invariant import RowInvariantForward
-from .trie import trie_forward
+from .forward.packed import RowInvariantForward
+from .forward.prefix_levels import trie_forward
 from .session import HFSession
 from .threads import governed_threads
 
@@ -86,7 +86,7 @@ class HFModel(BaseModel):
         name: a label for messages and benchmarks.
         prepack: the CPU fast path for float32 models, same results to float32 rounding, one more copy
             of the weights. Llama-architecture models run the fused forward of
-            :mod:`speculum.models.hf.fused_llama`; other models run their float32 ``nn.Linear`` layers
+            :mod:`speculum.models.hf.forward.fused_llama`; other models run their float32 ``nn.Linear`` layers
             through pre-packed oneDNN weights (:mod:`speculum.models.hf.kernels.onednn`). False keeps
             transformers' forward with PyTorch's default kernels.
         groups: the GGUF weight groups the float32 weights were expanded from
@@ -145,7 +145,7 @@ class HFModel(BaseModel):
 
     @property
     def fused_forward(self) -> bool:
-        """True when forwards run the fused Llama forward (:mod:`speculum.models.hf.fused_llama`)."""
+        """True when forwards run the fused Llama forward (:mod:`speculum.models.hf.forward.fused_llama`)."""
         return self._fused is not None
 
     def release_unfused_weights(self) -> int:
@@ -292,7 +292,7 @@ class HFModel(BaseModel):
                 for feed, read, rows, p in zip(feeds, reads, logits, part)]
 
     def prepare_packing(self) -> bool:
-        """Run the check that packed forwards keep each sequence's rows (:mod:`~speculum.models.hf.row_invariant`)
+        """Run the check that packed forwards keep each sequence's rows (:mod:`~speculum.models.hf.forward.packed`)
         now rather than at the first :meth:`extend_rows` (a server calls it before its first request); True
         where sequences are packed into shared forwards."""
         return self._rows_forward is not None and self._rows_forward.packs
@@ -300,7 +300,7 @@ class HFModel(BaseModel):
     def extend_rows(self, sessions: Sequence[HFSession], token_lists: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Each session extended by its unfed prompt tokens, then its tokens, with ``(read, vocab)`` log-prob
         rows for every token read (``Capabilities.invariant_extend``), packed into shared forwards where the
-        fused forward's kernels allow (:mod:`~speculum.models.hf.row_invariant`), else one forward each.
+        fused forward's kernels allow (:mod:`~speculum.models.hf.forward.packed`), else one forward each.
 
         BATCH-INVARIANT: each session's rows are bitwise those this call gives it alone; relative to the
         model, exact to float32 rounding (the fused forward's)."""
@@ -532,7 +532,7 @@ class HFModel(BaseModel):
     def _walk_prefixes(self, contexts: list[list[int]], emit: Any) -> None:
         """``emit(rows, logits)`` with the raw logits after every context (rows: indices into ``contexts``):
         the common prefix from one kept cache (:meth:`_cache_for`), the rest by a prefix tree
-        (:func:`~speculum.models.hf.trie.trie_forward`) in chunks that bound memory."""
+        (:func:`~speculum.models.hf.forward.prefix_levels.trie_forward`) in chunks that bound memory."""
         if not contexts:
             return
         # Keep at least one token per prefix outside the shared part: it is the input whose logits we need.

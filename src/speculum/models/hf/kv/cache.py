@@ -66,7 +66,7 @@ class KVCache(Protocol):
         """Write ``keys`` / ``values (batch, kv_heads, n, head_dim)`` after the held tokens of ``layer``;
         returns what attention reads for that layer, ``(batch, kv_heads, max(length + n, span), head_dim)``:
         the keys past ``length + n`` (up to ``span``) are finite and otherwise unspecified, for attention
-        that masks them (:mod:`~speculum.models.hf.row_attention`). The length moves once every layer of a
+        that masks them (:mod:`~speculum.models.hf.forward.attention`). The length moves once every layer of a
         forward is written."""
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
