@@ -38,7 +38,7 @@ from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 import speculum  # noqa: E402
 from speculum.cli.demo import PASSAGE  # noqa: E402
 from speculum.enumeration import AutoregressiveEnumerable  # noqa: E402
-from speculum.models.allocator import keep_freed_memory  # noqa: E402
+from speculum.models.memory.allocator import keep_freed_memory  # noqa: E402
 
 TEXTS = [PASSAGE, "The quick brown fox jumps over the lazy dog. " * 4,
          "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",

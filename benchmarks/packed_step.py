@@ -31,7 +31,7 @@ from speculum.cli.demo import PASSAGE  # noqa: E402
 from speculum.decoding.scheduler import Scheduler  # noqa: E402
 from speculum.models import PromptLookup  # noqa: E402
 from speculum.models.hf import model as hf_module  # noqa: E402
-from speculum.models.allocator import keep_freed_memory  # noqa: E402
+from speculum.models.memory.allocator import keep_freed_memory  # noqa: E402
 
 TASKS = ["Summarise the following text in three sentences.", "Rewrite the following text for a ten-year-old.",
          "List the facts stated in the following text, one per line.",

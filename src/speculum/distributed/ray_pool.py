@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..validation import InputError, check_int, check_optional_int
-from ..models.allocator import keep_freed_memory
+from ..models.memory.allocator import keep_freed_memory
 from ..models.base import Capabilities, check_token_ids
 from ..models.default import load_model
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ...validation import InputError
-from ..allocator import trim_heap
+from ..memory.allocator import trim_heap
 from ..cpu import default_threads
 from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_blocks, check_token_ids,
                     common_prefix_length)

@@ -55,10 +55,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...allocator import trim_heap
+from ...memory.allocator import trim_heap
 from ..kv.store import KVArena
 from ..kv.cache import KVCache, OwnCache, SlotCache
-from ..pages import drop_mapped_pages
+from ...memory.pages import drop_mapped_pages
 from ..precision import cast_module
 from ..kernels.onednn import onednn_available
 from ..kernels.products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
@@ -118,7 +118,7 @@ def release_block_weights(module: torch.nn.Module) -> int:
     The fused forward is unchanged. What needs the module's own weights afterwards is refused with a clear
     error (copies of it, such as the twins, and fused forwards built on it later). The embedding, the
     norms and the output head keep their tensors. Weights mapped from the checkpoint file have their pages
-    dropped (:func:`~speculum.models.hf.pages.drop_mapped_pages`), the output head's too: it is held
+    dropped (:func:`~speculum.models.memory.pages.drop_mapped_pages`), the output head's too: it is held
     packed, and what still reads its weight (the embedding, when tied) reads its rows back from the file
     on demand, the very values loaded, with only the rows of tokens in use resident."""
     blocks = list(module.get_decoder().layers)

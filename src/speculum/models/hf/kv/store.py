@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from ...allocator import trim_heap
+from ...memory.allocator import trim_heap
 
 __all__ = ["KVArena"]
 
