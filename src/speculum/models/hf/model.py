@@ -38,20 +38,20 @@ import numpy as np
 import torch
 
 from ...validation import InputError
-from ..memory.allocator import trim_heap
-from ..cpu import default_threads
 from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_blocks, check_token_ids,
                     common_prefix_length)
+from ..cpu import default_threads
+from ..memory.allocator import trim_heap
 from ..vocabulary import hf_token_bytes
 from .forward.fused_llama import FusedLlama, release_block_weights
-from .kernels.gguf_groups import GroupedWeight, attach_groups
-from .kv.store import KVArena
-from .kv.cache import KVCache, OwnCache
-from .logprobs import entries_at_least, finite_counts, log_mass, logprob_rows
-from .precision import parse_dtype, prepare_module, warn_if_slow
-from .kernels.onednn import prepack_linears
 from .forward.packed import RowInvariantForward
 from .forward.prefix_levels import trie_forward
+from .kernels.gguf_groups import GroupedWeight, attach_groups
+from .kernels.onednn import prepack_linears
+from .kv.cache import KVCache, OwnCache
+from .kv.store import KVArena
+from .logprobs import entries_at_least, finite_counts, log_mass, logprob_rows
+from .precision import parse_dtype, prepare_module, warn_if_slow
 from .session import HFSession
 from .threads import governed_threads
 

@@ -9,8 +9,8 @@ import torch
 
 from ...validation import InputError
 from ..base import check_token_ids
-from .kv.store import KVArena
 from .kv.cache import KVCache
+from .kv.store import KVArena
 from .logprobs import logprob_rows
 
 if TYPE_CHECKING:

@@ -56,12 +56,12 @@ import torch
 import torch.nn.functional as F
 
 from ...memory.allocator import trim_heap
-from ..kv.store import KVArena
-from ..kv.cache import KVCache, OwnCache, SlotCache
 from ...memory.pages import drop_mapped_pages
-from ..precision import cast_module
 from ..kernels.onednn import onednn_available
 from ..kernels.products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
+from ..kv.cache import KVCache, OwnCache, SlotCache
+from ..kv.store import KVArena
+from ..precision import cast_module
 from .attention import RowAttention, SlotRows, keys_needed
 
 __all__ = ["FusedLlama", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]

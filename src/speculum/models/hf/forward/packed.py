@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from .fused_llama import FusedLlama
-from ..kv.cache import KVCache, OwnCache
 from ..kernels.probe import PROBE_ROWS
+from ..kv.cache import KVCache, OwnCache
+from .fused_llama import FusedLlama
 
 __all__ = ["RowInvariantForward", "MAX_ROWS"]
 
