@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     # Model drafts are built once and shared by every task (their sessions carry no state between runs).
     model_drafts = {spec: make_draft(spec, target) for spec in args.drafts if spec not in ("lookup", "ngram")}
     # transformers runs the model as users load it: PyTorch's default kernels, not our pre-packed oneDNN
-    # Linear layers (speculum.models.hf.prepack), and its assistants are built from that copy.
+    # Linear layers (speculum.models.hf.kernels.onednn), and its assistants are built from that copy.
     tf_target = speculum.load_model("smollm2-135m", prepack=False, dtype=args.dtype) if args.transformers else None
     tf_drafts = {spec: make_draft(spec, tf_target) for spec in model_drafts} if args.transformers else {}
     warm = target.encode("Hello")  # first calls pay one-off initialisation: keep it out of the timings

@@ -38,7 +38,7 @@ from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 import speculum  # noqa: E402
 from speculum.cli.demo import PASSAGE  # noqa: E402
 from speculum.enumeration import AutoregressiveEnumerable  # noqa: E402
-from speculum.models.allocator import keep_freed_memory  # noqa: E402
+from speculum.models.memory.allocator import keep_freed_memory  # noqa: E402
 
 TEXTS = [PASSAGE, "The quick brown fox jumps over the lazy dog. " * 4,
          "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
@@ -65,7 +65,7 @@ def weight_bytes(model) -> int:
     """The weight bytes a decode step reads: a layer multiplied by its GGUF groups counts their bytes."""
     import torch  # with the llm extra
 
-    from speculum.models.hf.grouped import GROUPS
+    from speculum.models.hf.kernels.gguf_groups import GROUPS
 
     module = model.module if hasattr(model, "module") else model.model
     seen, total = set(), 0

@@ -110,7 +110,7 @@ def main() -> int:
         return {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "out": [attn.o_proj],
                 "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
 
-    from speculum.models.hf import row_attention
+    from speculum.models.hf.forward import attention as row_attention
 
     shipped_attention = (row_attention.RowAttention.__call__, row_attention.SlotRows.__call__)
 

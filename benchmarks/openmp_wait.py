@@ -69,7 +69,7 @@ def measure(target, prompt: list[int], *, main_thread: bool, concurrency: int, r
 def child(args: argparse.Namespace) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from speculum.cli.demo import PASSAGE
-    from speculum.models.allocator import keep_freed_memory
+    from speculum.models.memory.allocator import keep_freed_memory
     from speculum.models.default import load_model
 
     keep_freed_memory()

@@ -1,7 +1,7 @@
 """Packed-forward benchmark: what the KV store and deferred prompts change, side by side, on SmolLM2-135M.
 
 1. One packed forward (`HFModel.extend_sessions`) of B requests at ~190 tokens of context: the requests'
-   caches in one KV store (`speculum.models.hf.kv_arena`, one attention call per layer) against caches of
+   caches in one KV store (`speculum.models.hf.kv.store`, one attention call per layer) against caches of
    their own (attention per request; the store turned off by `ARENA_BUDGET_BYTES = 0`), for one-token
    blocks (plain decoding) and ragged blocks of 1-8 tokens (prompt lookup under load). The two alternate
    call by call; medians.
@@ -31,7 +31,7 @@ from speculum.cli.demo import PASSAGE  # noqa: E402
 from speculum.decoding.scheduler import Scheduler  # noqa: E402
 from speculum.models import PromptLookup  # noqa: E402
 from speculum.models.hf import model as hf_module  # noqa: E402
-from speculum.models.allocator import keep_freed_memory  # noqa: E402
+from speculum.models.memory.allocator import keep_freed_memory  # noqa: E402
 
 TASKS = ["Summarise the following text in three sentences.", "Rewrite the following text for a ten-year-old.",
          "List the facts stated in the following text, one per line.",

@@ -112,7 +112,7 @@ def main() -> None:
     import speculum
     from speculum.distributed.ray_pool import ModelSpec
 
-    from speculum.models.allocator import keep_freed_memory
+    from speculum.models.memory.allocator import keep_freed_memory
 
     keep_freed_memory()      # as the `speculum` command and every RayPool worker do: the same allocator both sides
     cores = os.cpu_count() or 1

@@ -43,7 +43,7 @@ from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 
 import speculum  # noqa: E402
 from speculum.cli.demo import PASSAGE  # noqa: E402
-from speculum.models.allocator import keep_freed_memory  # noqa: E402
+from speculum.models.memory.allocator import keep_freed_memory  # noqa: E402
 from speculum.drafts import make_draft  # noqa: E402
 from speculum.serving import Engine, create_app, serve_on_this_thread  # noqa: E402
 

@@ -13,7 +13,7 @@ def test_large_buffers_are_reused_instead_of_faulted_in_again():
     """In a fresh process: after the call, freeing and reallocating 100 MB blocks costs few page faults."""
     script = """
 import resource, numpy as np
-from speculum.models.allocator import keep_freed_memory
+from speculum.models.memory.allocator import keep_freed_memory
 
 def faults(n=20):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from speculum.cli import main  # noqa: E402
-from speculum.models.hf import tiles  # noqa: E402
-from speculum.models.hf.grouped import kernel_unavailable  # noqa: E402
+from speculum.models.hf.kernels import amx_tiles  # noqa: E402
+from speculum.models.hf.kernels.gguf_groups import kernel_unavailable  # noqa: E402
 from speculum.models.hf.precision import DTYPES, dtype_advice  # noqa: E402
 
 
@@ -30,8 +30,8 @@ def test_the_json_report_says_what_the_library_checks_say(capsys):
     kernels = data["kernels"]
     assert kernels["float32 from GGUF groups"] == {"runs": kernel_unavailable() is None,
                                                    "why_not": kernel_unavailable()}
-    assert kernels["bfloat16 on AMX tiles"] == {"runs": tiles.tiles_unavailable() is None,
-                                                "why_not": tiles.tiles_unavailable()}
+    assert kernels["bfloat16 on AMX tiles"] == {"runs": amx_tiles.tiles_unavailable() is None,
+                                                "why_not": amx_tiles.tiles_unavailable()}
     assert set(data["dtypes"]) == set(DTYPES)
     for dtype, state in data["dtypes"].items():
         assert state["slower"] == (dtype_advice(dtype) is not None) and state["note"]
@@ -46,12 +46,12 @@ def test_the_text_report_names_every_kernel_and_dtype(capsys):
 
 def test_without_amx_the_tiles_reason_shows_and_bfloat16_is_not_advised_for_them(capsys, monkeypatch):
     monkeypatch.delenv("SPECULUM_KERNELS", raising=False)       # the CPU's reason, not the switch's
-    monkeypatch.setattr(tiles, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    tiles._loaded.cache_clear()
+    monkeypatch.setattr(amx_tiles, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    amx_tiles._loaded.cache_clear()
     try:
         data = json.loads(report(capsys, "--json"))
     finally:
-        tiles._loaded.cache_clear()
+        amx_tiles._loaded.cache_clear()
     assert data["kernels"]["bfloat16 on AMX tiles"] == {"runs": False, "why_not": "this CPU has no AMX-BF16 tiles"}
     assert "AMX tiles" not in data["dtypes"]["bfloat16"]["note"]
 
@@ -59,13 +59,13 @@ def test_without_amx_the_tiles_reason_shows_and_bfloat16_is_not_advised_for_them
 @pytest.fixture
 def fresh_kernels():
     """The kernels' availability computed again for this test (and again after it)."""
-    from speculum.models.hf import grouped
+    from speculum.models.hf.kernels import gguf_groups
 
-    grouped._loaded.cache_clear()
-    tiles._loaded.cache_clear()
+    gguf_groups._loaded.cache_clear()
+    amx_tiles._loaded.cache_clear()
     yield
-    grouped._loaded.cache_clear()
-    tiles._loaded.cache_clear()
+    gguf_groups._loaded.cache_clear()
+    amx_tiles._loaded.cache_clear()
 
 
 def test_a_compiler_failure_shows_its_reason_after_the_colon(capsys, monkeypatch, tmp_path, fresh_kernels):

@@ -15,7 +15,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hf_tiny import save_tiny_model  # noqa: E402
-from speculum.models.hf.fused_llama import FusedLlama, rms_norm, unsupported_reason  # noqa: E402
+from speculum.models.hf.forward.fused_llama import FusedLlama, rms_norm, unsupported_reason  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.drafts.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
 

@@ -18,9 +18,9 @@ import speculum  # noqa: E402
 from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.drafts.twins import bf16_twin  # noqa: E402
-from speculum.models.hf.grouped import (_LLAMA_NAMES, GROUPS, GroupedProduct, _transformers_rows,  # noqa: E402
-                                        attach_groups, grouped_run, kernel_unavailable, load_groups, pack,
-                                        save_groups)
+from speculum.models.hf.kernels.gguf_groups import (_LLAMA_NAMES, GROUPS, GroupedProduct,  # noqa: E402
+                                                    _transformers_rows, attach_groups, grouped_run,
+                                                    kernel_unavailable, load_groups, pack, save_groups)
 
 needs_kernel = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"no grouped kernel: {kernel_unavailable()}")
 _GGML = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
@@ -180,7 +180,7 @@ def _kernels_on() -> dict:
 
 
 def test_no_compiler_means_a_reason_and_the_oneDNN_path(tmp_path):
-    script = ("from speculum.models.hf.grouped import kernel_unavailable, grouped_run, pack\n"
+    script = ("from speculum.models.hf.kernels.gguf_groups import kernel_unavailable, grouped_run, pack\n"
               "import numpy as np\n"
               "print(kernel_unavailable())\n"
               "print(grouped_run([pack('q8_0', np.zeros((16, 34), np.uint8))]))\n")
@@ -209,7 +209,7 @@ def test_unwritable_cache_still_builds_the_kernel(tmp_path):
     """A cache folder that cannot be written (a file in its way) builds the kernel for the process alone."""
     blocked = tmp_path / "cache"
     blocked.write_text("not a folder")
-    script = ("from speculum.models.hf.grouped import kernel_unavailable\n"
+    script = ("from speculum.models.hf.kernels.gguf_groups import kernel_unavailable\n"
               "print(kernel_unavailable())\n")
     env = {**_kernels_on(), "SPECULUM_CACHE": str(blocked)}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""The compiled kernels' cache (speculum.models.hf.kernels, kernel_cache).
+"""The compiled kernels' cache (speculum.models.hf.kernels.build and .cache).
 
 Invariants: a library is found in the cache without running a compiler, and built again when its source or
 the CPU changes; ``$CC`` is split as a shell splits it; a compiler's failure reaches the caller in full and
@@ -18,12 +18,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from speculum.models.hf import grouped, kernel_cache, kernels, tiles  # noqa: E402
-from speculum.models.hf.products import build_product  # noqa: E402
-from speculum.models.hf.tiles import TileProduct  # noqa: E402
+from speculum.models.hf.kernels import amx_tiles, build, gguf_groups  # noqa: E402
+from speculum.models.hf.kernels import cache as kernel_cache  # noqa: E402
+from speculum.models.hf.kernels.amx_tiles import TileProduct  # noqa: E402
+from speculum.models.hf.kernels.products import build_product  # noqa: E402
 
-SOURCE = Path(grouped.__file__).with_name("grouped.c")
-needs_compiler = pytest.mark.skipif(kernels.compiler_command() is None, reason="no C compiler")
+SOURCE = Path(gguf_groups.__file__).with_name("gguf_groups.c")
+needs_compiler = pytest.mark.skipif(build.compiler_command() is None, reason="no C compiler")
 
 
 @pytest.fixture
@@ -49,23 +50,23 @@ def compiler_script(folder: Path, name: str, body: str) -> Path:
 @needs_compiler
 def test_a_cached_library_is_found_without_a_compiler_and_rebuilt_when_source_or_cpu_change(cache, tmp_path,
                                                                                             monkeypatch):
-    built = kernels.build("grouped", SOURCE)
+    built = build.build("grouped", SOURCE)
     assert built.parent == cache / "kernels" and built.is_file()
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))         # no compiler to run, nor to read a version of
-    assert kernels.build("grouped", SOURCE) == built
+    assert build.build("grouped", SOURCE) == built
     changed = tmp_path / "grouped.c"
     changed.write_bytes(SOURCE.read_bytes() + b"\n/* another release */\n")
     with pytest.raises(RuntimeError, match="no C compiler"):
-        kernels.build("grouped", changed)
-    monkeypatch.setattr(kernels, "cpu_identity", lambda: "model name: another CPU")
+        build.build("grouped", changed)
+    monkeypatch.setattr(build, "cpu_identity", lambda: "model name: another CPU")
     with pytest.raises(RuntimeError, match="no C compiler"):
-        kernels.build("grouped", SOURCE)
+        build.build("grouped", SOURCE)
 
 
 @needs_compiler
 def test_cc_is_split_as_a_shell_splits_it(cache, monkeypatch):
-    monkeypatch.setenv("CC", f"env '{kernels.compiler_command()[0]}'")
-    built = kernels.build("grouped", SOURCE)
+    monkeypatch.setenv("CC", f"env '{build.compiler_command()[0]}'")
+    built = build.build("grouped", SOURCE)
     assert built.is_file()
     record = kernel_cache.read_record(built.with_suffix(".json"))
     assert record["compiler"].startswith("env ")
@@ -76,11 +77,11 @@ def test_a_compiler_failure_is_reported_in_full(cache, tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "/bin/false")
     with pytest.raises(RuntimeError, match=r"does not compile here: the compiler \(/bin/false\) exited 1 with no "
                                            r"message"):
-        kernels.build("grouped", SOURCE)
+        build.build("grouped", SOURCE)
     loud = compiler_script(tmp_path, "loud-cc", 'echo "grouped.c:1: error: no such intrinsic" >&2; exit 2')
     monkeypatch.setenv("CC", str(loud))
     with pytest.raises(RuntimeError, match="exited 2: grouped.c:1: error: no such intrinsic"):
-        kernels.build("grouped", SOURCE)
+        build.build("grouped", SOURCE)
 
 
 def test_a_failure_is_recorded_per_compiler_and_retried_when_it_changes_or_its_record_goes(cache, tmp_path,
@@ -91,19 +92,19 @@ def test_a_failure_is_recorded_per_compiler_and_retried_when_it_changes_or_its_r
     monkeypatch.setenv("CC", str(first))
     for _ in range(3):              # each call stands for a new process: only the record remembers
         with pytest.raises(RuntimeError, match="error: broken"):
-            kernels.build("grouped", SOURCE)
+            build.build("grouped", SOURCE)
     assert tries.read_text() == "x\n"
     with pytest.raises(RuntimeError, match="recorded in .*failed: delete it"):
-        kernels.build("grouped", SOURCE)
+        build.build("grouped", SOURCE)
     monkeypatch.setenv("CC", str(second))
     with pytest.raises(RuntimeError, match="exited 1 with no message"):
-        kernels.build("grouped", SOURCE)
+        build.build("grouped", SOURCE)
     assert tries.read_text() == "x\ny\n"
     monkeypatch.setenv("CC", str(first))
     for record in (cache / "kernels").glob("*.failed"):
         record.unlink()
     with pytest.raises(RuntimeError, match="error: broken"):
-        kernels.build("grouped", SOURCE)
+        build.build("grouped", SOURCE)
     assert tries.read_text() == "x\ny\nx\n"
 
 
@@ -117,9 +118,10 @@ def test_a_crashing_tiles_test_is_recorded_with_its_reason(tmp_path, monkeypatch
         calls.append(command)
         return subprocess.CompletedProcess(command, -4, b"", b"")
 
-    monkeypatch.setattr(tiles.subprocess, "run", crash)
-    assert "crashed a test process (exit -4)" in tiles._tried(library)
-    assert "crashed a test process (exit -4)" in tiles._tried(library) and "recorded in" in tiles._tried(library)
+    monkeypatch.setattr(amx_tiles.subprocess, "run", crash)
+    assert "crashed a test process (exit -4)" in amx_tiles._tried(library)
+    assert "crashed a test process (exit -4)" in amx_tiles._tried(library)
+    assert "recorded in" in amx_tiles._tried(library)
     assert len(calls) == 1
 
 
@@ -143,13 +145,13 @@ def test_a_cache_folder_others_may_write_is_not_used(cache, monkeypatch, how):
         kernels_folder.chmod(0o775)
     else:
         foreign(cache, monkeypatch)
-    planted = kernels_folder / f"{kernels.library_stem('grouped', SOURCE)}.so"
+    planted = kernels_folder / f"{build.library_stem('grouped', SOURCE)}.so"
     planted.write_bytes(b"not a library")
     where = kernel_cache.kernel_folder()
     assert where.private and where.distrust and where.path != kernels_folder
     assert ("other users" in where.distrust) != (how == "foreign cache")
-    if kernels.compiler_command() is not None:
-        built = kernels.build("grouped", SOURCE)
+    if build.compiler_command() is not None:
+        built = build.build("grouped", SOURCE)
         assert built != planted and built.is_relative_to(where.path)
         assert built.read_bytes() != b"not a library"
 
@@ -158,10 +160,10 @@ def test_a_cache_folder_others_may_write_is_not_used(cache, monkeypatch, how):
 def test_a_library_others_may_write_is_built_again(cache):
     folder = cache / "kernels"
     folder.mkdir(mode=0o755)
-    planted = folder / f"{kernels.library_stem('grouped', SOURCE)}.so"
+    planted = folder / f"{build.library_stem('grouped', SOURCE)}.so"
     planted.write_bytes(b"not a library")
     planted.chmod(0o666)
-    assert kernels.build("grouped", SOURCE) == planted
+    assert build.build("grouped", SOURCE) == planted
     assert planted.read_bytes() != b"not a library"
     assert stat.S_IMODE(planted.stat().st_mode) == 0o755
 
@@ -180,19 +182,19 @@ def test_a_planted_tiles_pass_does_not_skip_the_child_test(tmp_path, monkeypatch
         calls.append(command)
         return subprocess.CompletedProcess(command, 3, b"", b"")
 
-    monkeypatch.setattr(tiles.subprocess, "run", child)
-    assert "not granted" in tiles._tried(library) and len(calls) == 1
+    monkeypatch.setattr(amx_tiles.subprocess, "run", child)
+    assert "not granted" in amx_tiles._tried(library) and len(calls) == 1
 
 
 # ------------------------------------------------------------------------------------------ off
 @pytest.mark.parametrize("value", ["off", "0", "OFF "])
 def test_kernels_off_takes_every_fallback(monkeypatch, value):
-    grouped.kernel_unavailable(), tiles.tiles_unavailable()      # whatever this machine has, loaded first
+    gguf_groups.kernel_unavailable(), amx_tiles.tiles_unavailable()      # whatever this machine has, loaded first
     monkeypatch.setenv("SPECULUM_KERNELS", value)
-    assert "SPECULUM_KERNELS" in kernels.kernels_disabled()
-    assert "SPECULUM_KERNELS" in grouped.kernel_unavailable()
-    assert "SPECULUM_KERNELS" in tiles.tiles_unavailable()
-    assert grouped.grouped_run([grouped.pack("q8_0", np.zeros((16, 34), np.uint8))]) is None
+    assert "SPECULUM_KERNELS" in build.kernels_disabled()
+    assert "SPECULUM_KERNELS" in gguf_groups.kernel_unavailable()
+    assert "SPECULUM_KERNELS" in amx_tiles.tiles_unavailable()
+    assert gguf_groups.grouped_run([gguf_groups.pack("q8_0", np.zeros((16, 34), np.uint8))]) is None
     with pytest.raises(RuntimeError, match="SPECULUM_KERNELS"):
         TileProduct(torch.zeros(16, 32, dtype=torch.bfloat16))
     product = build_product([torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)])
@@ -202,7 +204,7 @@ def test_kernels_off_takes_every_fallback(monkeypatch, value):
 @pytest.mark.parametrize("value", ["", "on", "1"])
 def test_kernels_are_on_unless_turned_off(monkeypatch, value):
     monkeypatch.setenv("SPECULUM_KERNELS", value)
-    assert kernels.kernels_disabled() is None
+    assert build.kernels_disabled() is None
 
 
 # ------------------------------------------------------------------------------------------ OpenMP
@@ -219,17 +221,17 @@ def openmp_files() -> set[str]:
     return names
 
 
-@pytest.mark.skipif(grouped.kernel_unavailable() is not None, reason="no grouped kernel here")
+@pytest.mark.skipif(gguf_groups.kernel_unavailable() is not None, reason="no grouped kernel here")
 def test_a_loaded_kernel_shares_pytorchs_openmp_runtime():
-    assert grouped.kernel_unavailable() is None
+    assert gguf_groups.kernel_unavailable() is None
     assert len(openmp_files()) == 1, openmp_files()
 
 
 @needs_compiler
 def test_a_library_links_the_openmp_runtime_pytorch_loaded(cache):
     """By its file: a runtime of another name (a wheel's renamed copy) is still the one thread pool."""
-    runtime = kernels.openmp_runtime()
+    runtime = build.openmp_runtime()
     if runtime is None:
         pytest.skip("PyTorch loaded no OpenMP runtime here")
-    built = kernels.build("grouped", SOURCE)
+    built = build.build("grouped", SOURCE)
     assert kernel_cache.read_record(built.with_suffix(".json"))["openmp"] == str(runtime)

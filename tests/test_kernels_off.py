@@ -17,9 +17,9 @@ pytest.importorskip("transformers")
 
 import speculum  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
-from speculum.models.hf.grouped import GroupedProduct, kernel_unavailable  # noqa: E402
-from speculum.models.hf.kernels import kernels_disabled  # noqa: E402
-from speculum.models.hf.tiles import tiles_unavailable  # noqa: E402
+from speculum.models.hf.kernels.gguf_groups import GroupedProduct, kernel_unavailable  # noqa: E402
+from speculum.models.hf.kernels.build import kernels_disabled  # noqa: E402
+from speculum.models.hf.kernels.amx_tiles import tiles_unavailable  # noqa: E402
 from test_grouped import grouped_tiny  # noqa: E402
 
 PROMPT = [1, 5, 9, 4, 7, 7, 2]

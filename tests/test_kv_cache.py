@@ -1,4 +1,4 @@
-"""The KV caches of the PyTorch backend (speculum.models.hf.kv_cache) and the package's boundaries.
+"""The KV caches of the PyTorch backend (speculum.models.hf.kv.cache) and the package's boundaries.
 
 Invariants: a slot of the store and a cache of its own, fed the same appends and trims, return the same
 attention views and hold the same keys and values, bit for bit, whatever the other slots do and however
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from speculum.models.hf.kv_arena import KVArena  # noqa: E402
-from speculum.models.hf.kv_cache import KVCache, OwnCache, SlotCache  # noqa: E402
+from speculum.models.hf.kv.cache import KVCache, OwnCache, SlotCache  # noqa: E402
+from speculum.models.hf.kv.store import KVArena  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 3
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "speculum" / "models" / "hf"
@@ -164,10 +164,10 @@ def test_both_kinds_declare_their_capabilities():
 
 
 def test_the_store_trims_the_heap_when_it_regrows(monkeypatch):
-    from speculum.models.hf import kv_arena
+    from speculum.models.hf.kv import store as kv_store
 
     trims = []
-    monkeypatch.setattr(kv_arena, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(kv_store, "trim_heap", lambda: trims.append(1))
     store = small_store()
     slot = store.allocate(2)
     assert not trims                                  # the first buffers replace nothing
@@ -266,8 +266,9 @@ def private_reaches(path: Path) -> list[str]:
 
 
 def test_no_module_of_the_backend_reaches_into_another_objects_private_members():
-    modules = sorted(PACKAGE.glob("*.py"))
-    assert {"model.py", "session.py", "kv_cache.py", "kv_arena.py"} <= {path.name for path in modules}
+    modules = sorted(PACKAGE.rglob("*.py"))
+    assert {"model.py", "session.py", "kv/cache.py", "kv/store.py"} <= {path.relative_to(PACKAGE).as_posix()
+                                                                        for path in modules}
     offenders = [line for path in modules for line in private_reaches(path)]
     assert not offenders, "\n".join(offenders)
 
@@ -280,8 +281,10 @@ def test_the_private_reach_check_catches_what_it_is_for(tmp_path):
     assert private_reaches(probe) == ["probe.py:3: session._cache", "probe.py:3: self.model._forward"]
 
 
-@pytest.mark.parametrize("module", ["speculum.models.hf.kv_cache", "speculum.models.hf.kv_arena",
-                                    "speculum.models.hf.logprobs", "speculum.models.hf.prepack"])
+@pytest.mark.parametrize("module", ["speculum.models.hf.kv", "speculum.models.hf.kv.cache",
+                                    "speculum.models.hf.kv.store", "speculum.models.hf.logprobs",
+                                    "speculum.models.hf.kernels.onednn", "speculum.models.hf.kernels.probe",
+                                    "speculum.models.hf.kernels.int8_weights"])
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0

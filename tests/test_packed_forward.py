@@ -1,5 +1,5 @@
 """Packed forwards of the PyTorch backend: the KV store shared by packed sessions
-(speculum.models.hf.kv_arena) and prompts deferred into the packed forward (``start_deferred``).
+(speculum.models.hf.kv.store) and prompts deferred into the packed forward (``start_deferred``).
 
 Invariants: a slot holds exactly what a cache of its own fed the same appends and trims holds, whatever the
 other slots do and however often the store grows (tests/test_kv_cache.py); sessions verified in one packed forward over the store
@@ -25,7 +25,7 @@ from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.models.base import Feed  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.hf import model as hf_module  # noqa: E402
-from speculum.models.hf.kv_arena import KVArena  # noqa: E402
+from speculum.models.hf.kv.store import KVArena  # noqa: E402
 from speculum.drafts.twins import truncated_draft  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 

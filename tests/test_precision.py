@@ -21,7 +21,8 @@ from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.models import PromptLookup  # noqa: E402
 from speculum.models.base import Feed  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
-from speculum.models.hf.precision import Int8Linear, dtype_advice, parse_dtype, quantise_int8  # noqa: E402
+from speculum.models.hf.kernels.int8_weights import Int8Linear  # noqa: E402
+from speculum.models.hf.precision import dtype_advice, parse_dtype, quantise_int8  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 
 # The int8 warning (its kernel is slower than float32) is checked by the advice test, not repeated here.
@@ -103,7 +104,7 @@ def tiny_bf16(tmp_path_factory) -> HFModel:
 
 
 def test_a_bfloat16_target_runs_the_fused_forward_with_row_invariant_products(tiny_bf16):
-    from speculum.models.hf.prepack import gives_rows_alone
+    from speculum.models.hf.kernels.probe import gives_rows_alone
 
     assert tiny_bf16.fused_forward and tiny_bf16.dtype == torch.bfloat16
     rotary = tiny_bf16.module.model.rotary_emb
@@ -157,7 +158,7 @@ def test_a_large_bfloat16_module_is_probed_without_widening_it(tmp_path, monkeyp
     """Past the float32 budget the load-time probe compares with transformers' own bfloat16 forward
     (no float32 copy of the module at load): the fused forward is still taken, and the weights are
     untouched bfloat16."""
-    from speculum.models.hf import fused_llama
+    from speculum.models.hf.forward import fused_llama
 
     monkeypatch.setattr(fused_llama, "_SELF_CHECK_FLOAT32_BYTES", 0)
     widened = []

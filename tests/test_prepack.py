@@ -10,9 +10,9 @@ pytest.importorskip("transformers")
 
 import speculum  # noqa: E402
 from hf_tiny import save_tiny_model  # noqa: E402
-from speculum.models.hf.fused_llama import FusedLlama  # noqa: E402
+from speculum.models.hf.forward.fused_llama import FusedLlama  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
-from speculum.models.hf.prepack import is_prepacked, prepack_linears, unpack_linears, unpacked_copy  # noqa: E402
+from speculum.models.hf.kernels.onednn import is_prepacked, prepack_linears, unpack_linears, unpacked_copy  # noqa: E402
 from speculum.drafts import make_draft  # noqa: E402
 from speculum.drafts.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
 

@@ -240,7 +240,7 @@ def test_a_pool_whose_workers_turn_the_kernels_off_alone_is_refused(cluster, mon
 
     def kernels_off_there():
         os.environ["SPECULUM_KERNELS"] = "off"
-        import speculum.models.hf.products  # noqa: F401  (a model on the PyTorch backend)
+        import speculum.models.hf.kernels.products  # noqa: F401  (a model on the PyTorch backend)
         return TINY()
 
     with pytest.raises(InputError, match="Ray worker 0 multiplies on other kernels than this process"):
@@ -252,7 +252,7 @@ def test_kernels_off_here_reaches_every_worker(cluster, monkeypatch):
     monkeypatch.setenv("SPECULUM_KERNELS", "off")
 
     def on_the_pytorch_backend():
-        import speculum.models.hf.products  # noqa: F401  (a model on the PyTorch backend)
+        import speculum.models.hf.kernels.products  # noqa: F401  (a model on the PyTorch backend)
         return TINY()
 
     with RayPool(on_the_pytorch_backend, workers=1) as pool:

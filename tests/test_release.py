@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.drafts.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
-from speculum.models.hf.pages import drop_mapped_pages  # noqa: E402
+from speculum.models.memory.pages import drop_mapped_pages  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
@@ -84,7 +84,7 @@ def test_trimming_the_heap_gives_back_freed_blocks_the_allocator_kept():
     # In a fresh process: 150 MB of heap blocks (below glibc's mmap threshold), each followed by a small
     # live block so that freeing them cannot shrink the heap; resident memory falls only once trimmed.
     probe = """
-from speculum.models.allocator import trim_heap
+from speculum.models.memory.allocator import trim_heap
 def rss():
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) // 1024
 big, keep = [], []

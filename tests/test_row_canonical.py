@@ -22,8 +22,8 @@ from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.models import PromptLookup  # noqa: E402
 from speculum.models.base import Feed  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
-from speculum.models.hf import row_attention  # noqa: E402
-from speculum.models.hf.row_attention import KEY_BLOCK, RowAttention, keys_needed  # noqa: E402
+from speculum.models.hf.forward import attention as row_attention  # noqa: E402
+from speculum.models.hf.forward.attention import KEY_BLOCK, RowAttention, keys_needed  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 

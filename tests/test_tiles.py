@@ -1,4 +1,4 @@
-"""bfloat16 products on AMX tiles (speculum.models.hf.tiles).
+"""bfloat16 products on AMX tiles (speculum.models.hf.kernels.amx_tiles).
 
 Invariants, where this machine has the tiles: each output is the float32 sum of the bfloat16-rounded rows
 times the bfloat16 weights (to float32 rounding of the sum); every row is bitwise the same alone, among
@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from speculum.models.hf import tiles  # noqa: E402
-from speculum.models.hf.prepack import gives_rows_alone  # noqa: E402
-from speculum.models.hf.products import build_product  # noqa: E402
-from speculum.models.hf.tiles import TileProduct, tiles_unavailable  # noqa: E402
+from speculum.models.hf.kernels import amx_tiles  # noqa: E402
+from speculum.models.hf.kernels.amx_tiles import TileProduct, tiles_unavailable  # noqa: E402
+from speculum.models.hf.kernels.probe import gives_rows_alone  # noqa: E402
+from speculum.models.hf.kernels.products import build_product  # noqa: E402
 
 needs_tiles = pytest.mark.skipif(tiles_unavailable() is not None, reason=f"no AMX tiles: {tiles_unavailable()}")
 
@@ -73,16 +73,16 @@ def test_a_bfloat16_product_runs_on_the_tiles_and_refuses_a_wrong_width():
 
 def test_without_tiles_the_reason_is_given_and_bfloat16_stays_on_onednn(monkeypatch):
     monkeypatch.delenv("SPECULUM_KERNELS", raising=False)       # the CPU's reason, not the switch's
-    monkeypatch.setattr(tiles, "cpu_flags", lambda: {"avx2", "fma"})
-    tiles._loaded.cache_clear()
+    monkeypatch.setattr(amx_tiles, "cpu_flags", lambda: {"avx2", "fma"})
+    amx_tiles._loaded.cache_clear()
     try:
-        assert tiles.tiles_unavailable() == "this CPU has no AMX-BF16 tiles"
+        assert amx_tiles.tiles_unavailable() == "this CPU has no AMX-BF16 tiles"
         with pytest.raises(RuntimeError, match="no AMX-BF16"):
             TileProduct(torch.zeros(16, 32, dtype=torch.bfloat16))
         product = build_product([torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)])
         assert not isinstance(product.run, TileProduct) and product.rows_alone
     finally:
-        tiles._loaded.cache_clear()
+        amx_tiles._loaded.cache_clear()
 
 
 def test_every_kernel_source_ships_in_the_package():
@@ -110,25 +110,25 @@ def test_the_tiles_are_tried_in_a_child_process_once_and_a_crash_costs_only_a_re
             return subprocess.CompletedProcess(command, returncode, b"", b"")
         return run
 
-    monkeypatch.setattr(tiles.subprocess, "run", child(-4))          # killed by SIGILL
-    assert "crashed a test process (exit -4)" in tiles._tried(library)
-    assert "crashed a test process (exit -4)" in tiles._tried(library)      # recorded: no second child
+    monkeypatch.setattr(amx_tiles.subprocess, "run", child(-4))          # killed by SIGILL
+    assert "crashed a test process (exit -4)" in amx_tiles._tried(library)
+    assert "crashed a test process (exit -4)" in amx_tiles._tried(library)      # recorded: no second child
     for record in tmp_path.glob("*.failed"):
         record.unlink()                                                   # deleting the record tries again
-    monkeypatch.setattr(tiles.subprocess, "run", child(3))
-    assert "not granted or compute wrong sums" in tiles._tried(library)
+    monkeypatch.setattr(amx_tiles.subprocess, "run", child(3))
+    assert "not granted or compute wrong sums" in amx_tiles._tried(library)
     for record in tmp_path.glob("*.failed"):
         record.unlink()
-    monkeypatch.setattr(tiles.subprocess, "run", child(0))
-    assert tiles._tried(library) is None and tiles._tried(library) is None
+    monkeypatch.setattr(amx_tiles.subprocess, "run", child(0))
+    assert amx_tiles._tried(library) is None and amx_tiles._tried(library) is None
     assert len(calls) == 3                       # the pass is remembered beside the library: no fourth child
 
 
 @needs_tiles
 def test_the_tiles_self_test_passes_in_a_real_child_process():
-    from speculum.models.hf.kernels import build
+    from speculum.models.hf.kernels.build import build
 
-    library = build("tiles", tiles._SOURCE)
+    library = build("tiles", amx_tiles._SOURCE)
     for passed in library.parent.glob(f"{library.stem}.*.passed"):
         passed.unlink()
-    assert tiles._tried(library) is None
+    assert amx_tiles._tried(library) is None

@@ -6,7 +6,7 @@ torch = pytest.importorskip("torch")
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from speculum.models.hf.trie import trie_forward  # noqa: E402
+from speculum.models.hf.forward.prefix_levels import trie_forward  # noqa: E402
 
 
 def path_row(path: tuple[int, ...]) -> torch.Tensor:

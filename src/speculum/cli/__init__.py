@@ -23,7 +23,7 @@ from typing import Sequence
 from speculum import __version__
 from speculum.cli.checks import CLIError
 from speculum.enumeration.enumerable import BandTooLargeError, IndexBudgetError
-from speculum.models.allocator import keep_freed_memory
+from speculum.models.memory.allocator import keep_freed_memory
 from speculum.models.checkpoints import ModelCacheError
 from speculum.validation import InputError
 

@@ -65,12 +65,12 @@ def environment() -> dict[str, Any]:
         import torch  # the [llm] extra: without it there is no PyTorch backend to report on
     except ImportError:
         return report
-    from speculum.models.hf.grouped import kernel_unavailable  # the backend's modules import torch
-    from speculum.models.hf.kernel_cache import kernel_folder  # (as above)
-    from speculum.models.hf.kernels import kernels_disabled  # (as above)
+    from speculum.models.hf.kernels.gguf_groups import kernel_unavailable  # the backend's modules import torch
+    from speculum.models.hf.kernels.cache import kernel_folder  # (as above)
+    from speculum.models.hf.kernels.build import kernels_disabled  # (as above)
     from speculum.models.hf.precision import DTYPES, dtype_advice  # (as above)
-    from speculum.models.hf.prepack import onednn_available  # (as above)
-    from speculum.models.hf.tiles import tiles_unavailable  # (as above)
+    from speculum.models.hf.kernels.onednn import onednn_available  # (as above)
+    from speculum.models.hf.kernels.amx_tiles import tiles_unavailable  # (as above)
 
     flags = cpu_flags()
     report["cpu"]["flags"] = {flag: flag in flags for flag in KERNEL_FLAGS} if flags else None

@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..validation import InputError, check_int, check_optional_int
-from ..models.allocator import keep_freed_memory
+from ..models.memory.allocator import keep_freed_memory
 from ..models.base import Capabilities, check_token_ids
 from ..models.default import load_model
 
@@ -432,11 +432,11 @@ def check_address(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
 
 
 def _product_paths(needed: bool = False) -> dict[str, Any] | None:
-    """This process's product paths (:func:`~speculum.models.hf.products.product_paths`) where its model runs
+    """This process's product paths (:func:`~speculum.models.hf.kernels.products.product_paths`) where its model runs
     on the PyTorch backend (or ``needed``), else None: other backends' numbers do not depend on them."""
-    if not needed and "speculum.models.hf.products" not in sys.modules:
+    if not needed and "speculum.models.hf.kernels.products" not in sys.modules:
         return None
-    from ..models.hf.products import product_paths  # the hf backend (torch): only where a model uses it
+    from ..models.hf.kernels.products import product_paths  # the hf backend (torch): only where a model uses it
 
     return product_paths()
 

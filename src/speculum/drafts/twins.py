@@ -30,9 +30,9 @@ import warnings
 import torch
 
 from ..models.hf import HFModel
-from ..models.hf.fused_llama import RELEASED
+from ..models.hf.forward.fused_llama import RELEASED
+from ..models.hf.kernels.onednn import unpacked_copy
 from ..models.hf.precision import cast_module
-from ..models.hf.prepack import unpacked_copy
 from ..validation import InputError
 
 __all__ = ["int8_twin", "bf16_twin", "truncated_draft"]

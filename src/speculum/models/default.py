@@ -141,8 +141,8 @@ def load_model(
             ``False`` or ``None`` reports nothing and also turns off transformers' own progress bars while
             an embedded model loads from its GGUF file. ``load_model`` itself never draws a progress bar.
         prepack: hf backend, float32 on CPU: the fast path, same results to float32 rounding — the fused
-            Llama forward (:mod:`speculum.models.hf.fused_llama`) where it applies, else Linear weights
-            pre-packed for oneDNN (:mod:`speculum.models.hf.prepack`); False keeps transformers' forward with
+            Llama forward (:mod:`speculum.models.hf.forward.fused_llama`) where it applies, else Linear weights
+            pre-packed for oneDNN (:mod:`speculum.models.hf.kernels.onednn`); False keeps transformers' forward with
             PyTorch's default kernels, bit for bit what transformers computes.
         verify: embedded models: check the checksum of every cached file even where this machine has
             confirmed them (sizes and stat stamps are always checked; see :mod:`speculum.models.checkpoints`).
@@ -228,9 +228,9 @@ def _load_embedded(key: str, *, dtype: str, prepack: bool, progress: ProgressCal
 
 
 def _weight_groups(gguf: Path, key: str, *, verify: bool) -> dict | None:
-    """The GGUF file's weight groups for the float32 products (:mod:`speculum.models.hf.grouped`), packed
+    """The GGUF file's weight groups for the float32 products (:mod:`speculum.models.hf.kernels.gguf_groups`), packed
     once into a cache folder of their own; None where the kernel is unavailable on this machine."""
-    from .hf.grouped import kernel_unavailable, load_groups, read_groups, save_groups  # the [llm] extra
+    from .hf.kernels.gguf_groups import kernel_unavailable, load_groups, read_groups, save_groups  # the [llm] extra
 
     if kernel_unavailable() is not None:
         return None

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from ..decoding.plan import plan_generation
 from ..decoding.scheduler import Scheduler
-from ..models.allocator import trim_heap
+from ..models.memory.allocator import trim_heap
 from ..models.base import check_token_ids
 from ..validation import InputError, check_int
 from .jobs import Delta, GenerationRequest, Job, Reservation, TokenLogprob
@@ -94,7 +94,7 @@ class Engine:
     PyTorch backend's fused forward), greedy tokens are those of ``speculum.generate`` alone.
 
     After :attr:`idle_trim_seconds` without work the worker gives the C heap's free memory back to the
-    system (:func:`~speculum.models.allocator.trim_heap`), once per idle spell.
+    system (:func:`~speculum.models.memory.allocator.trim_heap`), once per idle spell.
     """
 
     idle_trim_seconds = 1.0

@@ -14,7 +14,7 @@ at most ``chunk`` tokens of the shared prefix fed again.
 :meth:`PromptScorer.score_many` scores several prompts together, as a tree: prompts that share a chunk
 compute it once, and the chunks of one round (one per distinct prefix) go into one packed forward, where
 the target offers forwards whose rows do not depend on what else they hold
-(``Capabilities.invariant_extend``, :mod:`speculum.models.hf.row_invariant`); other targets score the
+(``Capabilities.invariant_extend``, :mod:`speculum.models.hf.forward.packed`); other targets score the
 prompts one after another. Either way each prompt's answer is bitwise its answer alone.
 
 Example:

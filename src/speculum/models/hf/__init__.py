@@ -2,10 +2,13 @@
 
 * ``model.py`` - :class:`HFModel`: loading, the batched calls, packed forwards of many sessions;
 * ``session.py`` - :class:`HFSession`: one sequence's incremental state;
-* ``kv_cache.py`` - the KV cache protocol and its two kinds, a cache of its own and a slot of the store;
-* ``kv_arena.py`` - the KV store the sessions of a packed forward share;
-* ``fused_llama.py`` - the fused CPU forward of Llama models; ``prepack.py`` - pre-packed oneDNN Linear layers;
-* ``logprobs.py`` - the one float64 formula of every log-prob the backend returns.
+* ``precision.py`` - the dtypes a target loads in (``float32``, ``bfloat16``, ``float16``, ``int8``);
+* ``logprobs.py`` - the one float64 formula of every log-prob the backend returns;
+* ``threads.py`` - the thread count that follows the cores other processes leave free;
+* ``forward/`` - the fused Llama forward, row attention, packed forwards, the prefix walk;
+* ``kernels/`` - the matrix products: each product's kernel, the C kernels and their build, the
+  row-independence probe;
+* ``kv/`` - the KV cache protocol, its two kinds, and the store the sessions of a packed forward share.
 
 Example:
     >>> from speculum.models.hf import HFModel

@@ -1,11 +1,11 @@
 """Any local Hugging Face causal language model as a speculum protocol model (PyTorch).
 
 * ``HFModel.from_pretrained(path)`` reads a local model directory (never the hub: ``local_files_only``).
-* ``model.start(prompt)`` returns an ``HFSession`` holding a KV cache (:mod:`~speculum.models.hf.kv_cache`);
+* ``model.start(prompt)`` returns an ``HFSession`` holding a KV cache (:mod:`~speculum.models.hf.kv.cache`);
   ``extend`` runs ONE forward over all new tokens (the verification pass of speculative decoding) and
   ``rollback`` trims the cache, so a rejected draft tail costs nothing to undo.
 * ``extend_sessions(feeds)`` extends many sessions in one packed forward, their caches moved into one KV
-  store (:mod:`~speculum.models.hf.kv_arena`).
+  store (:mod:`~speculum.models.hf.kv.store`).
 * ``next_logprobs(prefixes)`` evaluates many prefixes in a few batched forwards: their longest common
   prefix (usually the prompt) is encoded once and reused across calls, and the distinct suffixes are
   walked as a trie, one batched forward per depth, so a token shared by many prefixes is encoded once.
@@ -16,8 +16,8 @@
   position never sees the padding that follows it.
 
 Precision: the forward runs in the model's dtype (float32 by default; a bfloat16 Llama multiplies its
-bfloat16 weights in the fused forward with float32 activations, see ``fused_llama.py``); logits are log-softmaxed in
-float64 by torch and returned as float64 NumPy rows (normalised to ~1e-15). Batched verification uses
+bfloat16 weights in the fused forward with float32 activations, see ``forward/fused_llama.py``); logits are
+log-softmaxed in float64 by torch and returned as float64 NumPy rows (normalised to ~1e-15). Batched verification uses
 different matrix shapes from one-token decoding, so two logits closer than ~1e-6 may swap order between
 the two (floating-point sums depend on their order); in float32 this is rare enough that greedy
 speculative output matches plain greedy decoding in the tests, but it is not a bitwise guarantee, and it
@@ -38,20 +38,20 @@ import numpy as np
 import torch
 
 from ...validation import InputError
-from ..allocator import trim_heap
-from ..cpu import default_threads
 from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_blocks, check_token_ids,
                     common_prefix_length)
+from ..cpu import default_threads
+from ..memory.allocator import trim_heap
 from ..vocabulary import hf_token_bytes
-from .fused_llama import FusedLlama, release_block_weights
-from .grouped import GroupedWeight, attach_groups
-from .kv_arena import KVArena
-from .kv_cache import KVCache, OwnCache
+from .forward.fused_llama import FusedLlama, release_block_weights
+from .forward.packed import RowInvariantForward
+from .forward.prefix_levels import trie_forward
+from .kernels.gguf_groups import GroupedWeight, attach_groups
+from .kernels.onednn import prepack_linears
+from .kv.cache import KVCache, OwnCache
+from .kv.store import KVArena
 from .logprobs import entries_at_least, finite_counts, log_mass, logprob_rows
 from .precision import parse_dtype, prepare_module, warn_if_slow
-from .prepack import prepack_linears
-from .row_invariant import RowInvariantForward
-from .trie import trie_forward
 from .session import HFSession
 from .threads import governed_threads
 
@@ -86,12 +86,12 @@ class HFModel(BaseModel):
         name: a label for messages and benchmarks.
         prepack: the CPU fast path for float32 models, same results to float32 rounding, one more copy
             of the weights. Llama-architecture models run the fused forward of
-            :mod:`speculum.models.hf.fused_llama`; other models run their float32 ``nn.Linear`` layers
-            through pre-packed oneDNN weights (:mod:`speculum.models.hf.prepack`). False keeps
+            :mod:`speculum.models.hf.forward.fused_llama`; other models run their float32 ``nn.Linear`` layers
+            through pre-packed oneDNN weights (:mod:`speculum.models.hf.kernels.onednn`). False keeps
             transformers' forward with PyTorch's default kernels.
         groups: the GGUF weight groups the float32 weights were expanded from
-            (:func:`~speculum.models.hf.grouped.read_groups`): with ``prepack``, the fused forward multiplies
-            by them instead of the expanded weights (:mod:`speculum.models.hf.grouped`).
+            (:func:`~speculum.models.hf.kernels.gguf_groups.read_groups`): with ``prepack``, the fused forward
+            multiplies by them instead of the expanded weights (:mod:`speculum.models.hf.kernels.gguf_groups`).
 
     Attributes: ``vocab_size`` (width of the logits), ``max_context`` (from the config),
     ``eos_token_id``, ``bos_token_id``, ``tokenizer``, ``module``, ``config``, ``dtype``,
@@ -145,7 +145,7 @@ class HFModel(BaseModel):
 
     @property
     def fused_forward(self) -> bool:
-        """True when forwards run the fused Llama forward (:mod:`speculum.models.hf.fused_llama`)."""
+        """True when forwards run the fused Llama forward (:mod:`speculum.models.hf.forward.fused_llama`)."""
         return self._fused is not None
 
     def release_unfused_weights(self) -> int:
@@ -292,7 +292,7 @@ class HFModel(BaseModel):
                 for feed, read, rows, p in zip(feeds, reads, logits, part)]
 
     def prepare_packing(self) -> bool:
-        """Run the check that packed forwards keep each sequence's rows (:mod:`~speculum.models.hf.row_invariant`)
+        """Run the check that packed forwards keep each sequence's rows (:mod:`~speculum.models.hf.forward.packed`)
         now rather than at the first :meth:`extend_rows` (a server calls it before its first request); True
         where sequences are packed into shared forwards."""
         return self._rows_forward is not None and self._rows_forward.packs
@@ -300,7 +300,7 @@ class HFModel(BaseModel):
     def extend_rows(self, sessions: Sequence[HFSession], token_lists: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Each session extended by its unfed prompt tokens, then its tokens, with ``(read, vocab)`` log-prob
         rows for every token read (``Capabilities.invariant_extend``), packed into shared forwards where the
-        fused forward's kernels allow (:mod:`~speculum.models.hf.row_invariant`), else one forward each.
+        fused forward's kernels allow (:mod:`~speculum.models.hf.forward.packed`), else one forward each.
 
         BATCH-INVARIANT: each session's rows are bitwise those this call gives it alone; relative to the
         model, exact to float32 rounding (the fused forward's)."""
@@ -320,7 +320,7 @@ class HFModel(BaseModel):
         return [feed.session.record_forward(feed.tokens, rows) for feed, rows in zip(feeds, logits)]
 
     def _into_store(self, sessions: Sequence[HFSession], length: int) -> None:
-        """Move the sessions' caches into the model's KV store (:mod:`~speculum.models.hf.kv_arena`), where
+        """Move the sessions' caches into the model's KV store (:mod:`~speculum.models.hf.kv.store`), where
         the packed forward attends once per layer for all of them, while the store stays within
         ``ARENA_BUDGET_BYTES`` with every slot ``length`` tokens long; beyond it they keep caches of their own
         (the packed forward then attends per session)."""
@@ -532,7 +532,7 @@ class HFModel(BaseModel):
     def _walk_prefixes(self, contexts: list[list[int]], emit: Any) -> None:
         """``emit(rows, logits)`` with the raw logits after every context (rows: indices into ``contexts``):
         the common prefix from one kept cache (:meth:`_cache_for`), the rest by a prefix tree
-        (:func:`~speculum.models.hf.trie.trie_forward`) in chunks that bound memory."""
+        (:func:`~speculum.models.hf.forward.prefix_levels.trie_forward`) in chunks that bound memory."""
         if not contexts:
             return
         # Keep at least one token per prefix outside the shared part: it is the input whose logits we need.

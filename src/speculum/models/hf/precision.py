@@ -3,17 +3,18 @@ scale per output channel, as llama.cpp's Q8_0 keeps 8-bit weights) with float32 
 
 Each precision is a target of its own: every guarantee (greedy speculative output equal to plain greedy
 output, the exact law, exact enumeration scores) holds relative to the target loaded. ``int8`` replaces
-every projection and the vocabulary head by :class:`Int8Linear`, whose product is PyTorch's CPU
-``_weight_int8pack_mm`` kernel: it holds a quarter of float32's weight bytes and converts the weights inside
-the product. That kernel is not tuned on CPU (slower than float32's), so ``int8`` saves memory, not time.
+every projection and the vocabulary head by :class:`~speculum.models.hf.kernels.int8_weights.Int8Linear`,
+whose product is PyTorch's CPU ``_weight_int8pack_mm`` kernel: it holds a quarter of float32's weight bytes
+and converts the weights inside the product. That kernel is not tuned on CPU (slower than float32's), so
+``int8`` saves memory, not time.
 
 Example:
     >>> import torch
-    >>> layer = torch.nn.Linear(64, 32, bias=False)
-    >>> quantised = Int8Linear.from_linear(layer)
-    >>> x = torch.randn(3, 64)
-    >>> bool(torch.allclose(quantised(x), layer(x), atol=0.05))
-    True
+    >>> parse_dtype("int8"), parse_dtype("bfloat16")
+    (torch.float32, torch.bfloat16)
+    >>> module = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    >>> quantise_int8(module), type(module[0]).__name__
+    (1, 'Int8Linear')
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ import torch
 
 from ...validation import InputError
 from ..cpu import cpu_flags  # re-exported: the dtype advice reads it
+from .kernels.int8_weights import Int8Linear
 
-__all__ = ["DTYPES", "parse_dtype", "cast_module", "Int8Linear", "quantise_int8", "prepare_module", "dtype_advice",
-           "cpu_flags"]
+__all__ = ["DTYPES", "parse_dtype", "cast_module", "quantise_int8", "prepare_module", "dtype_advice", "cpu_flags"]
 
 # Weights' precision -> the dtype the module's float tensors (activations, norms, embeddings) are kept in.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float32}
@@ -42,34 +43,10 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-class Int8Linear(torch.nn.Module):
-    """A bias-free Linear with int8 weights and a float32 scale per output channel (symmetric, round to
-    nearest: ``weight ~ scales[:, None] * weight_int8``): ``x @ (scales * weight_int8).T`` computed by
-    ``torch.ops.aten._weight_int8pack_mm`` on float32 activations."""
-
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight_int8.shape
-        self.register_buffer("weight_int8", weight_int8.contiguous())      # (out, in) int8
-        self.register_buffer("scales", scales.contiguous())                # (out,) float32
-
-    @classmethod
-    def from_linear(cls, layer: torch.nn.Linear) -> "Int8Linear":
-        weight = layer.weight.detach().float()                             # (out, in)
-        scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
-        quantised = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(quantised, scales)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:              # (..., in) -> (..., out)
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-
 def quantise_int8(module: torch.nn.Module) -> int:
     """Replace every bias-free ``nn.Linear`` of ``module`` (projections and the vocabulary head; a head tied
-    to the embeddings gets an int8 copy, the embeddings stay float) by :class:`Int8Linear`, in place.
-    Returns how many were replaced."""
+    to the embeddings gets an int8 copy, the embeddings stay float) by
+    :class:`~speculum.models.hf.kernels.int8_weights.Int8Linear`, in place. Returns how many were replaced."""
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):

@@ -1,5 +1,5 @@
 """The KV-cached session of a Hugging Face model (:class:`HFSession`): one sequence's tokens, its
-:class:`~speculum.models.hf.kv_cache.KVCache` and the rows of its last forward."""
+:class:`~speculum.models.hf.kv.cache.KVCache` and the rows of its last forward."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
@@ -9,8 +9,8 @@ import torch
 
 from ...validation import InputError
 from ..base import check_token_ids
-from .kv_arena import KVArena
-from .kv_cache import KVCache
+from .kv.cache import KVCache
+from .kv.store import KVArena
 from .logprobs import logprob_rows
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ blocking or reduction order for another number of rows.
 
 How: the fused forward computes every row in a shape of its own (``fused_llama.py``): its products run
 each row on one kernel path, attention gives each row the shapes its position alone fixes
-(:mod:`~speculum.models.hf.row_attention`), and the other operations are row-wise (RMSNorm over each
+(:mod:`~speculum.models.hf.forward.attention`), and the other operations are row-wise (RMSNorm over each
 row's features, rotary tables per position, SiLU and sums per element). :class:`RowInvariantForward`
 checks that property on this machine's kernels once, before it first packs:
 
@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.probe import PROBE_ROWS
+from ..kv.cache import KVCache, OwnCache
 from .fused_llama import FusedLlama
-from .kv_cache import KVCache, OwnCache
-from .prepack import PROBE_ROWS
 
 __all__ = ["RowInvariantForward", "MAX_ROWS"]
 

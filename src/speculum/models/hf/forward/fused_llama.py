@@ -3,7 +3,7 @@
 Why: on a small model the Python around the matrix products is a large share of a decode step: on
 SmolLM2-135M (30 blocks) transformers' ``LlamaForCausalLM`` spends about a third of a step outside its
 kernels (module calls, mask building, cache bookkeeping, seven separate projections per block). This
-forward runs the same operations from one function on pre-packed oneDNN weights (``prepack.py``)
+forward runs the same operations from one function on pre-packed oneDNN weights (``kernels/onednn.py``)
 with the query/key/value and gate/up projections fused into one product each: 4 matrix calls per block
 instead of 7 (``benchmarks/decoding_llm.py`` measures the effect end to end).
 
@@ -15,8 +15,8 @@ transformers' forward to float32 rounding (tested ≤ 1e-4 nats).
 Row-canonical: a row's logits are a function of its sequence's tokens up to it alone, bit for bit,
 whether the tokens were fed whole, one at a time, in a speculative block, or packed with other sequences
 (:attr:`FusedLlama.canonical_rows`). Attention computes each row in a shape its position alone fixes
-(:mod:`~speculum.models.hf.row_attention`), the products keep every row on one kernel path, checked once
-per shape at build (:mod:`~speculum.models.hf.products`), and the rest is row-wise. So greedy speculative
+(:mod:`~speculum.models.hf.forward.attention`), the products keep every row on one kernel path, checked once
+per shape at build (:mod:`~speculum.models.hf.kernels.products`), and the rest is row-wise. So greedy speculative
 output is plain greedy output and a server's answer does not depend on what else it runs, as a guarantee
 rather than up to near-ties.
 
@@ -33,7 +33,7 @@ forward (which rounds the residual stream to bfloat16 after every block), and ro
 The load-time probe checks it against transformers' float32 forward of the same bfloat16 weights, to
 bfloat16 rounding (:data:`_SELF_CHECK_TOLERANCE_BF16`).
 
-It reads and writes any :class:`~speculum.models.hf.kv_cache.KVCache` through its protocol (``length``,
+It reads and writes any :class:`~speculum.models.hf.kv.cache.KVCache` through its protocol (``length``,
 ``append``, ``exclusive``): a cache of its own, which transformers' forward reads too, or a slot of the
 model's KV store. Only what it reproduces exactly is accepted (:func:`unsupported_reason`), and only after
 a load-time probe agrees with transformers' own forward (:meth:`FusedLlama.self_check`); anything else
@@ -55,14 +55,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..allocator import trim_heap
-from .kv_arena import KVArena
-from .kv_cache import KVCache, OwnCache, SlotCache
-from .pages import drop_mapped_pages
-from .precision import cast_module
-from .prepack import onednn_available
-from .products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
-from .row_attention import RowAttention, SlotRows, keys_needed
+from ...memory.allocator import trim_heap
+from ...memory.pages import drop_mapped_pages
+from ..kernels.onednn import onednn_available
+from ..kernels.products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
+from ..kv.cache import KVCache, OwnCache, SlotCache
+from ..kv.store import KVArena
+from ..precision import cast_module
+from .attention import RowAttention, SlotRows, keys_needed
 
 __all__ = ["FusedLlama", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]
 
@@ -118,7 +118,7 @@ def release_block_weights(module: torch.nn.Module) -> int:
     The fused forward is unchanged. What needs the module's own weights afterwards is refused with a clear
     error (copies of it, such as the twins, and fused forwards built on it later). The embedding, the
     norms and the output head keep their tensors. Weights mapped from the checkpoint file have their pages
-    dropped (:func:`~speculum.models.hf.pages.drop_mapped_pages`), the output head's too: it is held
+    dropped (:func:`~speculum.models.memory.pages.drop_mapped_pages`), the output head's too: it is held
     packed, and what still reads its weight (the embedding, when tied) reads its rows back from the file
     on demand, the very values loaded, with only the rows of tokens in use resident."""
     blocks = list(module.get_decoder().layers)
@@ -206,8 +206,8 @@ class FusedLlama:
     @property
     def canonical_rows(self) -> bool:
         """True when every product gives each row bitwise the same whatever rows surround it (probed once
-        per shape at build, :mod:`~speculum.models.hf.products`): with attention computed per row
-        (:mod:`~speculum.models.hf.row_attention`) and the other operations row-wise, a row's logits are
+        per shape at build, :mod:`~speculum.models.hf.kernels.products`): with attention computed per row
+        (:mod:`~speculum.models.hf.forward.attention`) and the other operations row-wise, a row's logits are
         then a function of its sequence's tokens up to it alone, however they were fed (ROW-CANONICAL)."""
         return all(product.rows_alone for product, _ in self.products())
 
@@ -315,8 +315,8 @@ class FusedLlama:
 
         The per-token work (embedding, norms, projections, MLP, vocabulary head) runs once over every
         token packed into one matrix, without padding; attention runs per sequence
-        (:class:`~speculum.models.hf.row_attention.RowAttention`), on a view of its slot when every cache
-        is a slot of one :class:`~speculum.models.hf.kv_arena.KVArena` (new keys written by one indexed
+        (:class:`~speculum.models.hf.forward.attention.RowAttention`), on a view of its slot when every cache
+        is a slot of one :class:`~speculum.models.hf.kv.store.KVArena` (new keys written by one indexed
         write per layer, :meth:`_forward_store`), else on its own cache."""
         lengths = [len(tokens) for tokens in token_lists]
         pasts = [cache.length for cache in caches]
@@ -349,7 +349,7 @@ class FusedLlama:
         """:meth:`forward_packed` on slots of one store, from its embedded tokens ``x``, their rotary
         ``cos`` / ``sin`` and ``position``, and each sequence's cached length ``pasts``: every new key and
         value is written in place by one indexed write per layer; the sequences feeding one token attend
-        together over a view of the store (:class:`~speculum.models.hf.row_attention.SlotRows`), each
+        together over a view of the store (:class:`~speculum.models.hf.forward.attention.SlotRows`), each
         longer block over a view of its slot."""
         lengths = [end - start for start, end in zip(bounds, bounds[1:])]
         arena.reserve(max(keys_needed(past + n) for past, n in zip(pasts, lengths)))

@@ -1,8 +1,8 @@
 """C kernels compiled on this machine on first use, for its CPU, and cached.
 
 Why: PyTorch's CPU kernels cannot multiply float32 rows by GGUF weight groups
-(:mod:`~speculum.models.hf.grouped`), nor keep each row's sum in one order on AMX tiles
-(:mod:`~speculum.models.hf.tiles`). These small kernels can; they are built with the machine's C compiler
+(:mod:`~speculum.models.hf.kernels.gguf_groups`), nor keep each row's sum in one order on AMX tiles
+(:mod:`~speculum.models.hf.kernels.amx_tiles`). These small kernels can; they are built with the machine's C compiler
 (``$CC``, parsed as a shell would, else ``cc`` or ``gcc``; ``-march=native``: the CPU's own instructions)
 and run on PyTorch's OpenMP threads.
 
@@ -13,7 +13,7 @@ compiler's command and version are recorded beside the library (``<stem>.json``)
 alone does not rebuild it: the source fixes every sum's order (no fast-math, no contraction), so any
 compiler computes the same numbers. The build lands by an atomic rename. Where the cache is not safe to
 share or not writable, the library is built into a folder of this process
-(:mod:`~speculum.models.hf.kernel_cache`).
+(:mod:`~speculum.models.hf.kernels.cache`).
 
 Failures: a build that fails is recorded (``<stem>.failed``) with its reason and the compiler it ran (its
 file's path, size and time stamp), and later processes with that compiler report the reason without
@@ -27,7 +27,7 @@ the process would hold two thread pools. So the library links the runtime PyTorc
 its fallback on PyTorch's kernels.
 
 Example:
-    >>> path = build("grouped", Path(__file__).with_name("grouped.c"))   # doctest: +SKIP
+    >>> path = build("grouped", Path(__file__).with_name("gguf_groups.c"))   # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads PyTorch's OpenMP runtime, which the kernels link)
 
-from ..cpu import cpu_identity
-from .kernel_cache import kernel_folder, private_folder, read_record, untrusted, write_record
+from ...cpu import cpu_identity
+from .cache import kernel_folder, private_folder, read_record, untrusted, write_record
 
 __all__ = ["build", "kernels_disabled", "compiler_command", "library_release", "library_stem", "openmp_runtime",
            "FLAGS"]

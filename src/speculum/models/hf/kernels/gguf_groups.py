@@ -8,10 +8,10 @@ computes the same products from 3.5-5.3x fewer bytes (the records widen the scal
 weight for Q4_1, 9 for Q8_0). The only difference from a float32 matrix kernel on the expanded weights is
 the order of the summation.
 
-How: ``grouped.c`` (AVX2 with FMA, or AVX-512) is compiled with the machine's C compiler on first use, for
-this CPU, and cached (:mod:`~speculum.models.hf.kernels`); it runs on PyTorch's OpenMP threads. Each output
+How: ``gguf_groups.c`` (AVX2 with FMA, or AVX-512) is compiled with the machine's C compiler on first use, for
+this CPU, and cached (:mod:`~speculum.models.hf.kernels.build`); it runs on PyTorch's OpenMP threads. Each output
 element is summed in one fixed order whatever the number of rows (ROW-CANONICAL), which the product probe of
-:mod:`~speculum.models.hf.products` checks as for every kernel. Where there is no compiler or no AVX2, the
+:mod:`~speculum.models.hf.kernels.products` checks as for every kernel. Where there is no compiler or no AVX2, the
 products stay on oneDNN with the expanded weights (:func:`kernel_unavailable` says why), as they do with
 ``SPECULUM_KERNELS=off``.
 
@@ -39,23 +39,23 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .kernels import build, kernels_disabled
+from .build import build, kernels_disabled
 
 __all__ = ["kernel_source", "GroupedProduct", "GroupedWeight", "attach_groups", "grouped_run", "kernel_unavailable", "load_groups",
            "multiply_by_groups", "pack", "read_groups", "save_groups", "GROUPS"]
 
 GROUPS = "speculum_groups"        # the attribute of an ``nn.Linear`` holding its GroupedWeight
-LANES = 16                        # output features sharing one record (grouped.c)
+LANES = 16                        # output features sharing one record (gguf_groups.c)
 GROUP = 32                        # inputs sharing one scale (GGUF Q4_1 and Q8_0)
 RECORD_BYTES = {"q4_1": 2 * LANES * 4 + 16 * LANES, "q8_0": LANES * 4 + 32 * LANES}
 _GGUF_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}      # one group of 32 weights in the GGUF file
-_SOURCE = Path(__file__).with_name("grouped.c")
+_SOURCE = Path(__file__).with_name("gguf_groups.c")
 _log = logging.getLogger("speculum")
 
 
 @dataclass(frozen=True)
 class GroupedWeight:
-    """A weight ``(out_features, in_features)`` as packed group records (see ``grouped.c`` for the layout)."""
+    """A weight ``(out_features, in_features)`` as packed group records (see ``gguf_groups.c`` for the layout)."""
 
     kind: str                  # "q4_1" or "q8_0"
     records: torch.Tensor      # uint8 (out_features / 16, in_features / 32, RECORD_BYTES[kind])

@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import copy
 import types
-from typing import Callable
 
 import torch
 
 __all__ = ["prepack_linears", "unpack_linears", "unpacked_copy", "is_prepacked", "onednn_available", "pack_weight",
-           "packed_linear", "gives_rows_alone", "PROBE_ROWS"]
+           "packed_linear"]
 
 _PACKED = "_speculum_packed"          # instance attribute holding the oneDNN weight
 _SELF_CHECK_TOLERANCE = 1e-3          # relative: a packed layer must reproduce F.linear this closely
@@ -52,24 +51,6 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``rows (m, in) -> (m, out)`` through a weight from :func:`pack_weight`."""
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
-
-
-PROBE_ROWS = 512                    # rows of the row-independence probe (and the most a product call takes)
-_PROBE_SPANS = ((7, 1), (0, 2), (5, 3), (40, 17), (64, 32), (100, 100), (1, 255), (200, 300),
-                (0, PROBE_ROWS))  # (offset, rows)
-
-
-def gives_rows_alone(product: Callable[[torch.Tensor], torch.Tensor], width: int,
-                     generator: torch.Generator | None = None) -> bool:
-    """True when ``product`` (rows ``(m, width)`` -> ``(m, out)``) gives each row bitwise the same whatever
-    rows surround it, on this machine's kernels: spans of 1 to :data:`PROBE_ROWS` random rows at several
-    offsets equal those rows of the whole. A kernel may pick another algorithm or blocking for another
-    number of rows; this is the check that it does not, for the shapes probed."""
-    rows = torch.randn(PROBE_ROWS, width, generator=generator)
-    with torch.inference_mode():
-        whole = product(rows)
-        return all(torch.equal(product(rows[offset:offset + count]), whole[offset:offset + count])
-                   for offset, count in _PROBE_SPANS)
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,9 @@
 Why: a bfloat16 target on a CPU with AMX should multiply hundreds of rows (an enumeration level, a prompt,
 a packed serving step) at the tiles' rate, and every row must come out the same whatever rows surround it.
 oneDNN's bfloat16 kernels give that only for calls of at most 32 rows, each reading the whole weight again,
-and round their outputs to bfloat16. ``tiles.c`` sums each output over the input dimension in 32-wide tile
+and round their outputs to bfloat16. ``amx_tiles.c`` sums each output over the input dimension in 32-wide tile
 dot products (TDPBF16PS), always in the same order, and keeps the float32 sum: ROW-CANONICAL by
-construction, which the product probe of :mod:`~speculum.models.hf.products` checks as for every kernel.
+construction, which the product probe of :mod:`~speculum.models.hf.kernels.products` checks as for every kernel.
 
 Numbers: each row is rounded to bfloat16 once (round to nearest even) and multiplied by the bfloat16
 weights; the products and sums are float32, with the tiles' handling of subnormals (flushed to zero).
@@ -31,13 +31,13 @@ from pathlib import Path
 
 import torch
 
-from ..cpu import cpu_flags
-from .kernel_cache import read_record, untrusted, write_record
-from .kernels import build, kernels_disabled
+from ...cpu import cpu_flags
+from .build import build, kernels_disabled
+from .cache import read_record, untrusted, write_record
 
 __all__ = ["tile_source", "TileProduct", "tiles_unavailable"]
 
-_SOURCE = Path(__file__).with_name("tiles.c")
+_SOURCE = Path(__file__).with_name("amx_tiles.c")
 _ROWS, _STEP, _COLUMNS = 16, 32, 16       # a tile's rows, inputs per tile dot product, columns per block
 _LOCK = threading.Lock()
 _log = logging.getLogger("speculum")
@@ -85,7 +85,7 @@ def _tried(library: Path) -> str | None:
     """None when the tiles computed a small product right in a child process on this system, else why not.
     A sandbox may report AMX and grant the tile state without running it: the first AMX instruction then
     kills the process, here the child. Either outcome is recorded beside the library, per library and
-    Linux release (a record only this user may write: see :mod:`~speculum.models.hf.kernel_cache`), so
+    Linux release (a record only this user may write: see :mod:`~speculum.models.hf.kernels.cache`), so
     the child runs once; deleting the ``.failed`` record tries again."""
     stem = f"{library.stem}.{platform.release()}"
     passed, failed = library.with_name(f"{stem}.passed"), library.with_name(f"{stem}.failed")

@@ -10,7 +10,7 @@ Safety: only pages of a private file mapping are dropped, and only pages that li
 range (a page shared with a live tensor stays). Were a dropped page read again, the kernel would read it
 back from the file: the checkpoint's own values, the ones loaded. Anywhere else (another OS, anonymous
 memory) nothing is done and the allocator keeps what it frees
-(:func:`~speculum.models.allocator.trim_heap` gives back what the C heap holds free).
+(:func:`~speculum.models.memory.allocator.trim_heap` gives back what the C heap holds free).
 
 Example:
     >>> drop_mapped_pages([])

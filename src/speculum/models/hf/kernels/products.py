@@ -6,22 +6,25 @@ logits do not depend on how its tokens were fed, and greedy speculative output i
 bit for bit. A matrix kernel does not promise that: it may take another path for one row (a
 matrix-vector product), for few rows or for many. Each product here keeps its rows on one path where it
 can, and :class:`RowProduct` records whether that holds on this machine's kernels
-(:func:`~speculum.models.hf.prepack.gives_rows_alone`, probed once per kind and shape).
+(:func:`~speculum.models.hf.kernels.probe.gives_rows_alone`, probed once per kind and shape).
 
 Kinds:
 
-* float32 from weight groups (:mod:`~speculum.models.hf.grouped`: layers whose GGUF Q4_1 / Q8_0 groups are
-  attached): the groups de-quantised inside the product, each output summed in one fixed order;
-* float32: oneDNN on a weight packed once; more than :data:`~speculum.models.hf.prepack.PROBE_ROWS` rows
-  are split into calls of at most that many (the row counts the probe covers), and where a lone row
+* float32 from weight groups (:mod:`~speculum.models.hf.kernels.gguf_groups`: layers whose GGUF Q4_1 /
+  Q8_0 groups are attached): the groups de-quantised inside the product, each output summed in one fixed
+  order;
+* float32: oneDNN on a weight packed once; more than :data:`~speculum.models.hf.kernels.probe.PROBE_ROWS`
+  rows are split into calls of at most that many (the row counts the probe covers), and where a lone row
   takes another path than two it is multiplied beside a copy of itself;
-* bfloat16 on AMX tiles (:mod:`~speculum.models.hf.tiles`, where the CPU has AMX-BF16): the float32 rows
-  rounded to bfloat16, each output summed in float32 in one fixed order, any number of rows a call;
+* bfloat16 on AMX tiles (:mod:`~speculum.models.hf.kernels.amx_tiles`, where the CPU has AMX-BF16): the
+  float32 rows rounded to bfloat16, each output summed in float32 in one fixed order, any number of rows a
+  call;
 * bfloat16 elsewhere: the float32 rows rounded to bfloat16 and multiplied by oneDNN (AVX-512 BF16 or AMX,
   accumulating in float32, the outputs rounded to bfloat16) 2 to 32 rows a call, the one path that gives
   each row the same at any position and count; where this machine's kernel still does not, the product
   runs in float32 on the same weights;
-* int8 weight-only (:class:`~speculum.models.hf.precision.Int8Linear`): ``_weight_int8pack_mm``, probed;
+* int8 weight-only (:class:`~speculum.models.hf.kernels.int8_weights.Int8Linear`): ``_weight_int8pack_mm``,
+  probed;
 * int8 dynamically quantised (the int8 twin): the modules' own ops, whose activation scale is the whole
   batch's, so never row-alone.
 
@@ -36,17 +39,17 @@ from typing import Any, Callable
 
 import torch
 
-from ..cpu import KERNEL_FLAGS, cpu_flags
-from .grouped import kernel_source, kernel_unavailable, multiply_by_groups
-from .kernels import kernels_disabled, library_release
-from .precision import Int8Linear
-from .prepack import PROBE_ROWS, gives_rows_alone, pack_weight, packed_linear
-from .tiles import TileProduct, tile_source, tiles_unavailable
+from ...cpu import KERNEL_FLAGS, cpu_flags
+from .amx_tiles import TileProduct, tile_source, tiles_unavailable
+from .build import kernels_disabled, library_release
+from .gguf_groups import kernel_source, kernel_unavailable, multiply_by_groups
+from .int8_weights import Int8Linear
+from .onednn import pack_weight, packed_linear
+from .probe import PROBE_ROWS, probed_once
 
 __all__ = ["RowProduct", "build_product", "is_float_linear", "is_int8_linear", "is_weight_int8", "product_paths"]
 
 _BF16_ROWS_A_CALL = 32      # most rows a bfloat16 kernel call multiplies
-_ROWS_ALONE: dict[tuple[str, tuple[int, int]], bool] = {}   # (kind, weight shape) -> passed the probe
 
 
 class RowProduct:
@@ -76,16 +79,9 @@ def is_int8_linear(layer: Any) -> bool:
 
 
 def is_weight_int8(layer: Any) -> bool:
-    """An int8 weight-only Linear (:class:`~speculum.models.hf.precision.Int8Linear`: the ``int8`` target)."""
+    """An int8 weight-only Linear (:class:`~speculum.models.hf.kernels.int8_weights.Int8Linear`: the ``int8``
+    target)."""
     return type(layer) is Int8Linear
-
-
-def _probed(kind: str, shape: tuple[int, int], run: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-    """Whether ``run`` (weights of ``shape`` ``(out, in)``) gives rows alone, probed once per kind and shape:
-    the kernel's path depends on the shapes, not on the weights' values."""
-    if (kind, shape) not in _ROWS_ALONE:
-        _ROWS_ALONE[kind, shape] = gives_rows_alone(run, shape[1], torch.Generator().manual_seed(0))
-    return _ROWS_ALONE[kind, shape]
 
 
 def _split(run: Callable[[torch.Tensor], torch.Tensor], most: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -114,16 +110,16 @@ def _float32_product(weight: torch.Tensor) -> RowProduct:
     shape = tuple(weight.shape)
     plain = _split(lambda rows: packed_linear(rows, packed), PROBE_ROWS)
     # float32 outputs show any change of summation order, so the probe decides whether lone rows need a pair.
-    if _probed("float32", shape, plain):
+    if probed_once("float32", shape, plain):
         return RowProduct(plain, True)
     paired = _paired(plain)
-    return RowProduct(paired, _probed("float32, lone rows paired", shape, paired))
+    return RowProduct(paired, probed_once("float32, lone rows paired", shape, paired))
 
 
 def _bf16_product(weight: torch.Tensor) -> RowProduct:
     if tiles_unavailable() is None:
         tiles = TileProduct(weight)
-        if _probed("bfloat16 tiles", tuple(weight.shape), tiles):
+        if probed_once("bfloat16 tiles", tuple(weight.shape), tiles):
             return RowProduct(tiles, True)
     packed, out_features = pack_weight(weight), weight.shape[0]
 
@@ -140,7 +136,7 @@ def _bf16_product(weight: torch.Tensor) -> RowProduct:
     # Lone rows always go in pairs: the outputs' rounding to bfloat16 hides the matrix-vector path's other
     # summation order from a probe on most rows, not on all.
     run = _paired(widened)
-    if _probed("bfloat16", tuple(weight.shape), run):
+    if probed_once("bfloat16", tuple(weight.shape), run):
         return RowProduct(run, True)
     return _float32_product(weight.float())
 
@@ -156,7 +152,7 @@ def build_product(layers: list) -> RowProduct:
     if all(is_float_linear(layer) for layer in layers):
         run = multiply_by_groups(layers)
         if run is not None:
-            return RowProduct(run, _probed(f"grouped {run.kind}", (run.out_features, run.in_features), run))
+            return RowProduct(run, probed_once(f"grouped {run.kind}", (run.out_features, run.in_features), run))
         weight = torch.cat([layer.weight for layer in layers])
         return _bf16_product(weight) if weight.dtype == torch.bfloat16 else _float32_product(weight)
     if all(is_weight_int8(layer) for layer in layers):
@@ -164,7 +160,7 @@ def build_product(layers: list) -> RowProduct:
         weight = torch.cat([layer.weight_int8 for layer in layers]).contiguous()
         scales = torch.cat([layer.scales for layer in layers]).contiguous()
         run = _split(lambda rows: torch.ops.aten._weight_int8pack_mm(rows, weight, scales), PROBE_ROWS)
-        return RowProduct(run, _probed("int8 weight-only", tuple(weight.shape), run))
+        return RowProduct(run, probed_once("int8 weight-only", tuple(weight.shape), run))
     ops = [(layer._packed_params._packed_params, layer.version is not None and layer.version >= 4)
            for layer in layers]
     if len(ops) == 1:
@@ -176,7 +172,7 @@ def build_product(layers: list) -> RowProduct:
 
 def product_paths() -> dict[str, Any]:
     """What decides this machine's product paths: ``kernels_off`` (why the compiled kernels are off, else
-    None), ``grouped`` and ``tiles`` (each kernel's release, :func:`~speculum.models.hf.kernels.library_release`,
+    None), ``grouped`` and ``tiles`` (each kernel's release, :func:`~speculum.models.hf.kernels.build.library_release`,
     where it runs here, else None) and ``cpu_flags`` (those of :data:`~speculum.models.cpu.KERNEL_FLAGS` this
     CPU has: they pick PyTorch's kernels too). Two processes with equal reports and thread counts multiply
     every kind of product above on the same kernels."""

@@ -1,6 +1,6 @@
 """A session's keys and values as one object (:class:`KVCache`), in two kinds: a cache of its own
 (:class:`OwnCache`, transformers' ``DynamicCache`` inside) and a slot of the model's KV store
-(:class:`SlotCache`, in a :class:`~speculum.models.hf.kv_arena.KVArena`).
+(:class:`SlotCache`, in a :class:`~speculum.models.hf.kv.store.KVArena`).
 
 Forwards, sessions and the model talk to the protocol only. What differs between the kinds - where the
 keys live, whether transformers' own forward can read them, how they join the store, how a
@@ -11,7 +11,7 @@ append copies its tensors, a trim only forgets; neither computes), so a session'
 which kind holds its cache.
 
 Example:
-    >>> from speculum.models.hf.kv_arena import KVArena
+    >>> from speculum.models.hf.kv.store import KVArena
     >>> own = OwnCache()
     >>> slot = SlotCache(KVArena(layers=1, kv_heads=1, head_dim=4, dtype=torch.float32))
     >>> for cache in (own, slot):
@@ -32,7 +32,7 @@ from typing import Any, ContextManager, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from .kv_arena import KVArena
+from .store import KVArena
 
 __all__ = ["KVCache", "OwnCache", "SlotCache"]
 
@@ -66,7 +66,7 @@ class KVCache(Protocol):
         """Write ``keys`` / ``values (batch, kv_heads, n, head_dim)`` after the held tokens of ``layer``;
         returns what attention reads for that layer, ``(batch, kv_heads, max(length + n, span), head_dim)``:
         the keys past ``length + n`` (up to ``span``) are finite and otherwise unspecified, for attention
-        that masks them (:mod:`~speculum.models.hf.row_attention`). The length moves once every layer of a
+        that masks them (:mod:`~speculum.models.hf.forward.attention`). The length moves once every layer of a
         forward is written."""
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +202,7 @@ class OwnCache:
 
 
 class SlotCache:
-    """Keys and values in a slot of a :class:`~speculum.models.hf.kv_arena.KVArena` (batch 1): appends
+    """Keys and values in a slot of a :class:`~speculum.models.hf.kv.store.KVArena` (batch 1): appends
     write in place, a trim sets the length, and the slot goes back to the store when the cache is
     garbage-collected. Only the fused forward reads it (``transformers_cache`` is None)."""
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..paths import cache_dir
+from ...paths import cache_dir
 
 __all__ = ["KernelFolder", "kernel_folder", "untrusted", "read_record", "write_record", "private_folder"]
 

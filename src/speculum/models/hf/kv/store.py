@@ -1,6 +1,6 @@
 """One KV store for many sessions of a model (:class:`KVArena`): the key and value buffers a packed forward
 writes in place and attends over once per layer; a session's part of it is a
-:class:`~speculum.models.hf.kv_cache.SlotCache`.
+:class:`~speculum.models.hf.kv.cache.SlotCache`.
 
 The decoding scheduler verifies the blocks of many generations in one packed forward. With a cache per
 session, attention runs once per session per layer and every append re-copies the session's keys
@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from ..allocator import trim_heap
+from ...memory.allocator import trim_heap
 
 __all__ = ["KVArena"]
 

@@ -1,0 +1,23 @@
+"""The PyTorch backend's matrix products: which kernel multiplies each product, the kernels of speculum's
+own (C sources beside their Python side, compiled on this machine and cached), and the probe that a
+product's rows do not depend on each other.
+
+Why a package: the fused forward asks one thing of its products (rows in, rows out, each row alone), and
+everything that answers it - kernel choice, the kernels, their build, their probe - lives here, below the
+forward that calls them.
+
+* ``products.py`` - :func:`build_product`: each product's kernel, probed once per kind and shape;
+* ``probe.py`` - the row-independence probe every product passes before it is trusted;
+* ``onednn.py`` - float32 and bfloat16 on oneDNN weights packed once (also ``prepack_linears`` for
+  models that keep transformers' forward);
+* ``gguf_groups.py`` + ``gguf_groups.c`` - float32 products read from GGUF Q4_1 / Q8_0 weight groups;
+* ``amx_tiles.py`` + ``amx_tiles.c`` - bfloat16 products on AMX tiles;
+* ``int8_weights.py`` - int8 weight-only products (the ``int8`` target);
+* ``build.py`` - compiling the C kernels for this CPU; ``cache.py`` - where the built kernels are kept.
+
+Example:
+    >>> from speculum.models.hf.kernels.products import build_product
+    >>> product = build_product([torch.nn.Linear(8, 4, bias=False)])     # doctest: +SKIP
+    >>> product(torch.randn(3, 8)).shape, product.rows_alone               # doctest: +SKIP
+    (torch.Size([3, 4]), True)
+"""
