@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip llama-cpp-python's server")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    from speculum.models.default import load_model
+    from speculum.models.backends import load_model
 
     keep_freed_memory()
     target = load_model()

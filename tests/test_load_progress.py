@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 from speculum.models import default  # noqa: E402
+from speculum.models.backends import load_model  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 
 KEY = "smollm2-135m"
@@ -61,26 +62,26 @@ def no_bars(monkeypatch):
 
 def test_load_model_reports_each_conversion_stage_to_a_callback(converter, no_bars):
     events = []
-    assert default.load_model(KEY, progress=events.append)[-1] == "tokenizer.json"
+    assert load_model(KEY, progress=events.append)[-1] == "tokenizer.json"
     assert [(event.stage, event.step, event.final) for event in events] == [
         ("reading tokenizer", 0, False), ("de-quantising weights", 1, False), ("saving", 2, False),
         ("done", 3, True)]
     assert {(event.model, event.total) for event in events} == {(KEY, 3)}
     events.clear()
-    default.load_model(KEY, progress=events.append)  # converted already: nothing to report
+    load_model(KEY, progress=events.append)  # converted already: nothing to report
     assert events == []
 
 
 def test_a_failed_conversion_ends_with_a_failed_event(converter, no_bars):
     converter["fail_at"] = "de-quantising weights"
     events = []
-    assert default.load_model(KEY, progress=events.append) == "loaded from the GGUF"  # the cache is bypassed
+    assert load_model(KEY, progress=events.append) == "loaded from the GGUF"  # the cache is bypassed
     assert [(event.stage, event.step) for event in events] == [
         ("reading tokenizer", 0), ("de-quantising weights", 1), ("failed", 1)]
 
 
 def test_progress_true_prints_plain_stage_lines_and_false_prints_nothing(converter, no_bars, capsys):
-    default.load_model(KEY, progress=True)
+    load_model(KEY, progress=True)
     err = capsys.readouterr().err
     assert err.splitlines() == [
         f"speculum: converting {KEY} into the cache (once): reading tokenizer (1/3)",
@@ -88,10 +89,10 @@ def test_progress_true_prints_plain_stage_lines_and_false_prints_nothing(convert
         f"speculum: converting {KEY} into the cache (once): saving (3/3)",
         f"speculum: converting {KEY} into the cache (once): done"]
     shutil.rmtree(converter["cache"] / f"{KEY}-float32")
-    default.load_model(KEY, progress=False)
+    load_model(KEY, progress=False)
     assert capsys.readouterr().err == ""
     with pytest.raises(InputError, match="progress must be"):
-        default.load_model(KEY, progress="yes")
+        load_model(KEY, progress="yes")
 
 
 @pytest.mark.parametrize("terminal", [True, False])

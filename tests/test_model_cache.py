@@ -281,6 +281,7 @@ def test_concurrent_conversion_keeps_a_sound_copy_and_replaces_a_damaged_one(fak
 def test_load_model_wires_the_embedded_model_through_the_cache(fake, monkeypatch):
     pytest.importorskip("torch")
     from speculum.models import default
+    from speculum.models.backends import load_model
 
     monkeypatch.setenv("SPECULUM_CACHE", str(fake.target.parent))
     monkeypatch.setattr(default, "embedded_gguf_path", lambda key: fake.source)
@@ -289,13 +290,13 @@ def test_load_model_wires_the_embedded_model_through_the_cache(fake, monkeypatch
     hashed = []
     original = cache_module._file_sha256
     monkeypatch.setattr(cache_module, "_file_sha256", lambda path: hashed.append(path) or original(path))
-    assert default.load_model("smollm2-135m", progress=False) == expected_model()
+    assert load_model("smollm2-135m", progress=False) == expected_model()
     assert (fake.target.parent / "smollm2-135m-float32" / MANIFEST_NAME).is_file()
     hashed.clear()
-    default.load_model("smollm2-135m", verify=True)
+    load_model("smollm2-135m", verify=True)
     assert len(hashed) == len(FILES) and fake.writes == 1
     with pytest.raises(ValueError, match="dtype"):  # bad input is not mistaken for a damaged cache
-        default.load_model("smollm2-135m", dtype="int4")
+        load_model("smollm2-135m", dtype="int4")
     assert fake.writes == 1
 
 
@@ -334,7 +335,8 @@ def test_real_cache_with_zeroed_weights_is_rebuilt_to_identical_outputs(tmp_path
     pytest.importorskip("torch")
     import numpy as np
 
-    from speculum.models.default import cache_dir, load_model
+    from speculum.models.backends import load_model
+    from speculum.models.paths import cache_dir
     from speculum.models.hf import HFModel
 
     reference = load_model("smollm2-135m", progress=False)

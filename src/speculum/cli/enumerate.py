@@ -22,7 +22,7 @@ from typing import Any
 
 from speculum.cli import constrained
 from speculum.cli.checks import CLIError, check_at_least, check_draft, utf8_text
-from speculum.cli.generate import add_cache_argument, add_dtype_argument, load_hf_target
+from speculum.cli.generate import add_cache_argument, add_dtype_argument, load_target_model
 from speculum.cli.progress import index_bar
 from speculum.distributed.ray_pool import ClusterUnreachableError, ModelSpec, RayPool, check_address, ray_install_hint
 from speculum.drafts import ENUMERATION_DRAFTS, is_embedded_model, make_enumeration_draft
@@ -113,7 +113,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------------------------------ helpers
 def load_target(spec: str, *, verify: bool = False, dtype: str | None = None, command: str = "enumerate") -> Any:
     """The ``--target`` model (tests replace this function to run on a tiny reference model)."""
-    return load_hf_target(spec, command=command, dtype=dtype, verify=verify)
+    return load_target_model(spec, command=command, dtype=dtype, verify=verify)
 
 
 def _worker_spec(args: argparse.Namespace) -> Any:

@@ -28,7 +28,7 @@ _LAZY = {
     "PromptLookup": "speculum.drafts.proposers",
     "NGramProposer": "speculum.drafts.proposers",
     "HFModel": ".hf",
-    "load_model": ".default",
+    "load_model": ".backends",
     "ConversionProgress": ".default",
     "LlamaCppModel": ".llamacpp",
 }
