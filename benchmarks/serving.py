@@ -191,7 +191,7 @@ def main() -> None:
         for draft in drafts:
             report["runs"][draft].extend(run_levels(target, built[draft], args, expected, prefill, [level]))
     if args.peer:
-        from speculum.models.default import embedded_gguf_path
+        from speculum.models.paths import embedded_gguf_path
 
         process, url = start_peer(str(embedded_gguf_path()))
         if process is not None:

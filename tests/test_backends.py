@@ -76,7 +76,7 @@ def test_importing_the_table_imports_no_backend():
     no backend module at all."""
     check = "loaded = [m for m in {} if m in sys.modules]; assert not loaded, loaded"
     extras = ("torch", "transformers", "llama_cpp")
-    modules = (*extras, "speculum.models.hf", "speculum.models.llamacpp", "speculum.models.default")
+    modules = (*extras, "speculum.models.hf", "speculum.models.llamacpp", "speculum.models.hf_loading")
     subprocess.run([sys.executable, "-c", "import sys, speculum.models.backends; " + check.format(modules)],
                    check=True)
     subprocess.run([sys.executable, "-c", "import sys, speculum.cli.generate; " + check.format(extras)], check=True)

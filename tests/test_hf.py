@@ -220,7 +220,7 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
 def test_interrupted_conversion_leaves_no_cache(monkeypatch, tmp_path):
     import transformers
 
-    from speculum.models.default import convert_gguf
+    from speculum.models.hf_loading import convert_gguf
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-conversion

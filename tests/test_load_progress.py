@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from speculum.models import default  # noqa: E402
+from speculum.models import hf_loading  # noqa: E402
 from speculum.models.backends import load_model  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 
@@ -29,10 +29,10 @@ def converter(tmp_path, monkeypatch):
     source.write_bytes(b"GGUF" + bytes(1 << 16))
     state = {"fail_at": None, "cache": tmp_path / "cache"}
     monkeypatch.setenv("SPECULUM_CACHE", str(state["cache"]))
-    monkeypatch.setattr(default, "embedded_gguf_path", lambda key: source)
+    monkeypatch.setattr(hf_loading, "embedded_gguf_path", lambda key: source)
 
     def convert(gguf, folder, progress):
-        for stage in default.CONVERSION_STAGES:
+        for stage in hf_loading.CONVERSION_STAGES:
             if progress is not None:
                 progress(stage)
             if stage == state["fail_at"]:
@@ -40,10 +40,10 @@ def converter(tmp_path, monkeypatch):
         for name, content in FILES.items():
             (folder / name).write_bytes(content)
 
-    monkeypatch.setattr(default, "_dequantise_into", convert)
-    monkeypatch.setattr(default, "_load_converted",
+    monkeypatch.setattr(hf_loading, "_dequantise_into", convert)
+    monkeypatch.setattr(hf_loading, "_load_converted",
                         lambda folder, key, **options: sorted(path.name for path in folder.iterdir()))
-    monkeypatch.setattr(default, "_load_gguf", lambda gguf, key, **options: "loaded from the GGUF")
+    monkeypatch.setattr(hf_loading, "_load_gguf", lambda gguf, key, **options: "loaded from the GGUF")
     return state
 
 
@@ -102,7 +102,7 @@ def test_the_cli_draws_the_conversion_bar_on_a_terminal_only(converter, monkeypa
     def stop(folder, key, **options):
         raise ValueError("the stand-in stops here")
 
-    monkeypatch.setattr(default, "_load_converted", stop)  # after the conversion: a one-line error
+    monkeypatch.setattr(hf_loading, "_load_converted", stop)  # after the conversion: a one-line error
     monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
     assert main(["rank", "0", "--text", "1"]) == 2
     err = capsys.readouterr().err

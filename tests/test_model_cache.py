@@ -280,13 +280,13 @@ def test_concurrent_conversion_keeps_a_sound_copy_and_replaces_a_damaged_one(fak
 
 def test_load_model_wires_the_embedded_model_through_the_cache(fake, monkeypatch):
     pytest.importorskip("torch")
-    from speculum.models import default
+    from speculum.models import hf_loading
     from speculum.models.backends import load_model
 
     monkeypatch.setenv("SPECULUM_CACHE", str(fake.target.parent))
-    monkeypatch.setattr(default, "embedded_gguf_path", lambda key: fake.source)
-    monkeypatch.setattr(default, "_dequantise_into", lambda gguf, folder, progress: fake.write(folder))
-    monkeypatch.setattr(default, "_load_converted", lambda folder, key, **options: fake.load(folder))
+    monkeypatch.setattr(hf_loading, "embedded_gguf_path", lambda key: fake.source)
+    monkeypatch.setattr(hf_loading, "_dequantise_into", lambda gguf, folder, progress: fake.write(folder))
+    monkeypatch.setattr(hf_loading, "_load_converted", lambda folder, key, **options: fake.load(folder))
     hashed = []
     original = cache_module._file_sha256
     monkeypatch.setattr(cache_module, "_file_sha256", lambda path: hashed.append(path) or original(path))
@@ -304,7 +304,7 @@ def test_embedded_loader_reports_the_real_tokenizer_error(tmp_path):
     pytest.importorskip("transformers")
     from hf_tiny import save_tiny_model
 
-    from speculum.models.default import _load_converted
+    from speculum.models.hf_loading import _load_converted
 
     folder = save_tiny_model(tmp_path / "model")
     os.truncate(folder / "tokenizer.json", 200)

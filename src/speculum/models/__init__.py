@@ -29,7 +29,7 @@ _LAZY = {
     "NGramProposer": "speculum.drafts.proposers",
     "HFModel": ".hf",
     "load_model": ".backends",
-    "ConversionProgress": ".default",
+    "ConversionProgress": ".hf_loading",
     "LlamaCppModel": ".llamacpp",
 }
 

