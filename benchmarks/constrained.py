@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--parts", default="abcd", help="which parts to run (default: abcd; a and b share the brute force)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    from speculum.models.default import load_model
+    from speculum.models.backends import load_model
 
     model = load_model()
     tokenizer = model.tokenizer

@@ -338,7 +338,7 @@ def main() -> None:
     if args.quick:
         args.digits_a, args.digits_b, args.canaries, args.sets = 4, 6, 50, 2
         args.samples, args.pilot_b, args.samples_b, args.samples_c, args.shared = 512, 256, 2048, 1024, 10
-    from speculum.models.default import load_model
+    from speculum.models.backends import load_model
 
     model = load_model()
     report: dict = {"cpu": cpu_name(), "quick": args.quick}

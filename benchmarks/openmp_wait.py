@@ -70,7 +70,7 @@ def child(args: argparse.Namespace) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from speculum.cli.demo import PASSAGE
     from speculum.models.memory.allocator import keep_freed_memory
-    from speculum.models.default import load_model
+    from speculum.models.backends import load_model
 
     keep_freed_memory()
     target = load_model(progress=False)

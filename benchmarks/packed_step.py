@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    from speculum.models.default import load_model
+    from speculum.models.backends import load_model
 
     keep_freed_memory()
     target = load_model()

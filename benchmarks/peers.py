@@ -94,7 +94,7 @@ def convert(tree: Path) -> None:
     try:                                             # the cached float32 checkpoint of the embedded model
         from speculum.models.paths import cache_dir
     except ImportError:
-        from speculum.models.default import cache_dir
+        from speculum.models.paths import cache_dir
 
     checkpoint = next(Path(cache_dir()).glob("smollm2-135m-float32*"), None)
     if checkpoint is None:

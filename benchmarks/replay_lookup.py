@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from speculum.decoding.controller import GammaController, situation_key  # noqa: E402
 from speculum.drafts import make_draft  # noqa: E402
+from speculum.models.backends import BACKENDS, DEFAULT_BACKEND  # noqa: E402
 
 
 def record(path: str, max_new_tokens: int, backend: str) -> None:
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--record", metavar="JSON", help="record greedy outputs and v(n) into JSON")
     parser.add_argument("--replay", metavar="JSON", help="replay policies against JSON")
-    parser.add_argument("--backend", default="hf", choices=("hf", "llamacpp"))
+    parser.add_argument("--backend", default=DEFAULT_BACKEND, choices=tuple(BACKENDS))
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--drafts", nargs="+", default=["lookup", "ngram"])
     args = parser.parse_args(argv)

@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip llama-cpp-python's server")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    from speculum.models.default import load_model
+    from speculum.models.backends import load_model
 
     keep_freed_memory()
     target = load_model()
@@ -191,7 +191,7 @@ def main() -> None:
         for draft in drafts:
             report["runs"][draft].extend(run_levels(target, built[draft], args, expected, prefill, [level]))
     if args.peer:
-        from speculum.models.default import embedded_gguf_path
+        from speculum.models.paths import embedded_gguf_path
 
         process, url = start_peer(str(embedded_gguf_path()))
         if process is not None:

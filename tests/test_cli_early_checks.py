@@ -109,3 +109,26 @@ def test_an_overlong_line_is_refused_naming_it(capsys, tmp_path):
         main(ENUM + ["--choices-file", str(path)])
     line = one_line_error(capsys, RANK + ["--file", str(tmp_path / "missing.txt")])
     assert "--file: no such file" in line
+
+
+@pytest.mark.parametrize("draft,needle", [
+    ("lookup", "--draft: draft 'lookup' proposes fixed tokens; enumeration needs a draft model (none, ngram, "),
+    ("llamacpp:/no/such.gguf", "--draft: draft llamacpp: no GGUF file at '/no/such.gguf'"),
+    ("layers:0", "--draft: draft layers:K: layers must be an integer >= 1, got 0"),
+])
+def test_enumerates_draft_is_checked_by_the_draft_registry(capsys, draft, needle):
+    """``--draft`` of ``enumerate`` goes through the registry's check for enumeration (``check_draft``'s
+    ``purpose``): the messages are the registry's, after ``--draft:``, as for ``generate``."""
+    assert needle in one_line_error(capsys, [*ENUM, "--length", "2", "--top-k", "2", "--draft", draft])
+
+
+def test_check_draft_checks_for_the_purpose_given():
+    from speculum.cli.checks import CLIError, check_draft
+    from speculum.drafts import ENUMERATION
+
+    check_draft("llamacpp", purpose=ENUMERATION)
+    check_draft("lookup")
+    with pytest.raises(CLIError, match="^--draft: draft 'llamacpp' is an enumeration draft"):
+        check_draft("llamacpp")
+    with pytest.raises(CLIError, match="^--draft: draft 'lookup' proposes fixed tokens"):
+        check_draft("lookup", purpose=ENUMERATION)

@@ -22,12 +22,12 @@ ENUMERATE = ["enumerate", "0 1", "--length", "2", "--top-k", "3", "--target", RE
 ENTRY = "import sys; from speculum.cli import main; sys.exit(main())"
 # `generate` on a reference Markov target that reads characters (no torch to import: the test stays fast).
 STAND_IN_TARGET = """
-import speculum.models.default
+import speculum.models.backends
 from speculum.models import MarkovModel
 target = MarkovModel.random(64, seed=0)
 target.encode = lambda text, chat=None: [ord(character) % 64 for character in text]
 target.decode = lambda tokens: "".join(chr(48 + token) for token in tokens)
-speculum.models.default.load_model = lambda *args, **kwargs: target
+speculum.models.backends.load_model = lambda *args, **kwargs: target
 """
 
 

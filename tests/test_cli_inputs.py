@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 import speculum  # noqa: E402
 import speculum.models  # noqa: E402
-import speculum.models.default  # noqa: E402
+import speculum.models.backends  # noqa: E402
 from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.cli import main  # noqa: E402
 from speculum.cli.checks import utf8_text  # noqa: E402
@@ -33,7 +33,7 @@ def no_loading(monkeypatch):
     def loader(*args, **kwargs):
         raise AssertionError("a model was loaded before the arguments were checked")
 
-    for module in (speculum, speculum.models, speculum.models.default):
+    for module in (speculum, speculum.models, speculum.models.backends):
         monkeypatch.setattr(module, "load_model", loader)
 
 
@@ -146,7 +146,7 @@ def test_dtype_with_llamacpp_is_flagged(monkeypatch, capsys, dtype, warned):
     def absent(*args, **kwargs):
         raise FileNotFoundError("no GGUF file here")
 
-    monkeypatch.setattr(speculum.models.default, "load_model", absent)
+    monkeypatch.setattr(speculum.models.backends, "load_model", absent)
     assert main(["generate", "hi", "--backend", "llamacpp", *dtype]) == 2
     err = capsys.readouterr().err
     assert ("warning: --dtype has no effect with --backend llamacpp" in err) == warned
@@ -159,7 +159,7 @@ def test_enumerate_shows_special_tokens(tiny_dir, capsys):
                  "--json"])
     rows = json.loads(capsys.readouterr().out)["items"]
     assert code == 0 and len(rows) == 3
-    model = speculum.models.default.load_model(tiny_dir)
+    model = speculum.models.backends.load_model(tiny_dir)
     for row in rows:  # every continuation ends in eos, and the text says so
         assert row["tokens"][-1] == model.eos_token_id and row["text"].endswith("</s>")
 
@@ -189,7 +189,7 @@ def test_progress_bars_are_off_when_stderr_is_not_a_terminal(bars_enabled, monke
                     hub_bars=not are_progress_bars_disabled())
         raise FileNotFoundError("stop here")
 
-    for module in (speculum.models, speculum.models.default):
+    for module in (speculum.models, speculum.models.backends):
         monkeypatch.setattr(module, "load_model", loader)
     assert main(argv) == 2  # capsys: stderr is not a terminal
     capsys.readouterr()

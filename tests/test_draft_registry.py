@@ -83,7 +83,7 @@ def test_the_fitted_ngram_is_the_ngram_model_of_the_targets_samples():
 def test_models_never_imports_the_drafts_floor_and_still_names_the_proposers():
     """Drafts sit a floor above models: ``speculum.models`` names the proposers lazily, so importing it
     (or a backend) imports no draft module, and the names it gives are the drafts' own."""
-    code = ("import sys, speculum.models, speculum.models.default; "
+    code = ("import sys, speculum.models, speculum.models.backends, speculum.models.hf_loading; "
             "assert not [m for m in sys.modules if m.startswith('speculum.drafts')], sorted(sys.modules); "
             "import speculum.drafts as d; "
             "assert (speculum.models.PromptLookup, speculum.models.NGramProposer) == (d.PromptLookup, d.NGramProposer)")

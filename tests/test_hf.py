@@ -16,7 +16,8 @@ pytest.importorskip("transformers")
 import speculum  # noqa: E402
 from hf_tiny import WORDS, save_tiny_model  # noqa: E402
 from speculum.models.hf import model as hf_module  # noqa: E402
-from speculum.models.default import cache_dir, load_model  # noqa: E402
+from speculum.models.backends import load_model  # noqa: E402
+from speculum.models.paths import cache_dir  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.drafts import check_same_tokenizer, make_draft  # noqa: E402
 from speculum.drafts.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
@@ -219,7 +220,7 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
 def test_interrupted_conversion_leaves_no_cache(monkeypatch, tmp_path):
     import transformers
 
-    from speculum.models.default import convert_gguf
+    from speculum.models.hf_loading import convert_gguf
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-conversion

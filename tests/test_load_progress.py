@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from speculum.models import default  # noqa: E402
+from speculum.models import hf_loading  # noqa: E402
+from speculum.models.backends import load_model  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 
 KEY = "smollm2-135m"
@@ -28,10 +29,10 @@ def converter(tmp_path, monkeypatch):
     source.write_bytes(b"GGUF" + bytes(1 << 16))
     state = {"fail_at": None, "cache": tmp_path / "cache"}
     monkeypatch.setenv("SPECULUM_CACHE", str(state["cache"]))
-    monkeypatch.setattr(default, "embedded_gguf_path", lambda key: source)
+    monkeypatch.setattr(hf_loading, "embedded_gguf_path", lambda key: source)
 
     def convert(gguf, folder, progress):
-        for stage in default.CONVERSION_STAGES:
+        for stage in hf_loading.CONVERSION_STAGES:
             if progress is not None:
                 progress(stage)
             if stage == state["fail_at"]:
@@ -39,10 +40,10 @@ def converter(tmp_path, monkeypatch):
         for name, content in FILES.items():
             (folder / name).write_bytes(content)
 
-    monkeypatch.setattr(default, "_dequantise_into", convert)
-    monkeypatch.setattr(default, "_load_converted",
+    monkeypatch.setattr(hf_loading, "_dequantise_into", convert)
+    monkeypatch.setattr(hf_loading, "_load_converted",
                         lambda folder, key, **options: sorted(path.name for path in folder.iterdir()))
-    monkeypatch.setattr(default, "_load_gguf", lambda gguf, key, **options: "loaded from the GGUF")
+    monkeypatch.setattr(hf_loading, "_load_gguf", lambda gguf, key, **options: "loaded from the GGUF")
     return state
 
 
@@ -61,26 +62,26 @@ def no_bars(monkeypatch):
 
 def test_load_model_reports_each_conversion_stage_to_a_callback(converter, no_bars):
     events = []
-    assert default.load_model(KEY, progress=events.append)[-1] == "tokenizer.json"
+    assert load_model(KEY, progress=events.append)[-1] == "tokenizer.json"
     assert [(event.stage, event.step, event.final) for event in events] == [
         ("reading tokenizer", 0, False), ("de-quantising weights", 1, False), ("saving", 2, False),
         ("done", 3, True)]
     assert {(event.model, event.total) for event in events} == {(KEY, 3)}
     events.clear()
-    default.load_model(KEY, progress=events.append)  # converted already: nothing to report
+    load_model(KEY, progress=events.append)  # converted already: nothing to report
     assert events == []
 
 
 def test_a_failed_conversion_ends_with_a_failed_event(converter, no_bars):
     converter["fail_at"] = "de-quantising weights"
     events = []
-    assert default.load_model(KEY, progress=events.append) == "loaded from the GGUF"  # the cache is bypassed
+    assert load_model(KEY, progress=events.append) == "loaded from the GGUF"  # the cache is bypassed
     assert [(event.stage, event.step) for event in events] == [
         ("reading tokenizer", 0), ("de-quantising weights", 1), ("failed", 1)]
 
 
 def test_progress_true_prints_plain_stage_lines_and_false_prints_nothing(converter, no_bars, capsys):
-    default.load_model(KEY, progress=True)
+    load_model(KEY, progress=True)
     err = capsys.readouterr().err
     assert err.splitlines() == [
         f"speculum: converting {KEY} into the cache (once): reading tokenizer (1/3)",
@@ -88,10 +89,10 @@ def test_progress_true_prints_plain_stage_lines_and_false_prints_nothing(convert
         f"speculum: converting {KEY} into the cache (once): saving (3/3)",
         f"speculum: converting {KEY} into the cache (once): done"]
     shutil.rmtree(converter["cache"] / f"{KEY}-float32")
-    default.load_model(KEY, progress=False)
+    load_model(KEY, progress=False)
     assert capsys.readouterr().err == ""
     with pytest.raises(InputError, match="progress must be"):
-        default.load_model(KEY, progress="yes")
+        load_model(KEY, progress="yes")
 
 
 @pytest.mark.parametrize("terminal", [True, False])
@@ -101,7 +102,7 @@ def test_the_cli_draws_the_conversion_bar_on_a_terminal_only(converter, monkeypa
     def stop(folder, key, **options):
         raise ValueError("the stand-in stops here")
 
-    monkeypatch.setattr(default, "_load_converted", stop)  # after the conversion: a one-line error
+    monkeypatch.setattr(hf_loading, "_load_converted", stop)  # after the conversion: a one-line error
     monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
     assert main(["rank", "0", "--text", "1"]) == 2
     err = capsys.readouterr().err

@@ -280,22 +280,23 @@ def test_concurrent_conversion_keeps_a_sound_copy_and_replaces_a_damaged_one(fak
 
 def test_load_model_wires_the_embedded_model_through_the_cache(fake, monkeypatch):
     pytest.importorskip("torch")
-    from speculum.models import default
+    from speculum.models import hf_loading
+    from speculum.models.backends import load_model
 
     monkeypatch.setenv("SPECULUM_CACHE", str(fake.target.parent))
-    monkeypatch.setattr(default, "embedded_gguf_path", lambda key: fake.source)
-    monkeypatch.setattr(default, "_dequantise_into", lambda gguf, folder, progress: fake.write(folder))
-    monkeypatch.setattr(default, "_load_converted", lambda folder, key, **options: fake.load(folder))
+    monkeypatch.setattr(hf_loading, "embedded_gguf_path", lambda key: fake.source)
+    monkeypatch.setattr(hf_loading, "_dequantise_into", lambda gguf, folder, progress: fake.write(folder))
+    monkeypatch.setattr(hf_loading, "_load_converted", lambda folder, key, **options: fake.load(folder))
     hashed = []
     original = cache_module._file_sha256
     monkeypatch.setattr(cache_module, "_file_sha256", lambda path: hashed.append(path) or original(path))
-    assert default.load_model("smollm2-135m", progress=False) == expected_model()
+    assert load_model("smollm2-135m", progress=False) == expected_model()
     assert (fake.target.parent / "smollm2-135m-float32" / MANIFEST_NAME).is_file()
     hashed.clear()
-    default.load_model("smollm2-135m", verify=True)
+    load_model("smollm2-135m", verify=True)
     assert len(hashed) == len(FILES) and fake.writes == 1
     with pytest.raises(ValueError, match="dtype"):  # bad input is not mistaken for a damaged cache
-        default.load_model("smollm2-135m", dtype="int4")
+        load_model("smollm2-135m", dtype="int4")
     assert fake.writes == 1
 
 
@@ -303,7 +304,7 @@ def test_embedded_loader_reports_the_real_tokenizer_error(tmp_path):
     pytest.importorskip("transformers")
     from hf_tiny import save_tiny_model
 
-    from speculum.models.default import _load_converted
+    from speculum.models.hf_loading import _load_converted
 
     folder = save_tiny_model(tmp_path / "model")
     os.truncate(folder / "tokenizer.json", 200)
@@ -334,7 +335,8 @@ def test_real_cache_with_zeroed_weights_is_rebuilt_to_identical_outputs(tmp_path
     pytest.importorskip("torch")
     import numpy as np
 
-    from speculum.models.default import cache_dir, load_model
+    from speculum.models.backends import load_model
+    from speculum.models.paths import cache_dir
     from speculum.models.hf import HFModel
 
     reference = load_model("smollm2-135m", progress=False)

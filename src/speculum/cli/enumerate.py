@@ -17,15 +17,14 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from speculum.cli import constrained
 from speculum.cli.checks import CLIError, check_at_least, check_draft, utf8_text
-from speculum.cli.generate import add_cache_argument, add_dtype_argument, load_hf_target
+from speculum.cli.generate import add_cache_argument, add_dtype_argument, load_target_model
 from speculum.cli.progress import index_bar
 from speculum.distributed.ray_pool import ClusterUnreachableError, ModelSpec, RayPool, check_address, ray_install_hint
-from speculum.drafts import ENUMERATION_DRAFTS, is_embedded_model, make_enumeration_draft
+from speculum.drafts import ENUMERATION, make_enumeration_draft
 from speculum.enumeration import AutoregressiveEnumerable, RescoredIndex
 from speculum.enumeration.enumerable import DEFAULT_MAX_NODES, ForwardBudgetError
 from speculum.enumeration.estimation.exposure import estimate_rank
@@ -113,7 +112,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------------------------------ helpers
 def load_target(spec: str, *, verify: bool = False, dtype: str | None = None, command: str = "enumerate") -> Any:
     """The ``--target`` model (tests replace this function to run on a tiny reference model)."""
-    return load_hf_target(spec, command=command, dtype=dtype, verify=verify)
+    return load_target_model(spec, command=command, dtype=dtype, verify=verify)
 
 
 def _worker_spec(args: argparse.Namespace) -> Any:
@@ -179,23 +178,6 @@ def _text(model: Any, tokens) -> str:
     return tokenizer.decode([int(t) for t in tokens], skip_special_tokens=False)
 
 
-def _check_enumeration_draft(spec: str) -> None:
-    """``--draft`` of ``enumerate``, checked without loading: a draft *model* (never fixed proposals)."""
-
-    kind = spec.strip().lower()
-    if kind == "lookup":
-        raise CLIError(f"--draft lookup proposes fixed tokens; enumeration needs a draft model "
-                       f"({', '.join(ENUMERATION_DRAFTS)})")
-    if kind in ("none", "ngram", "llamacpp"):
-        return
-    if kind.startswith("llamacpp:"):
-        source = spec.strip()[len("llamacpp:"):]
-        if not (Path(source).expanduser().is_file() or is_embedded_model(source)):
-            raise CLIError(f"--draft: no GGUF file at {source!r} and no embedded model by that name")
-        return
-    check_draft(spec, kinds=ENUMERATION_DRAFTS)
-
-
 # ---------------------------------------------------------------------------------------- enumerate
 def run_enumerate(args: argparse.Namespace) -> int:
     for name in ("length", "max_len", "top_k", "max_window", "max_nodes"):
@@ -203,7 +185,7 @@ def run_enumerate(args: argparse.Namespace) -> int:
     check_at_least(args.window, 0, "--window")
     check_at_least(args.assumed_gap, 0, "--assumed-gap")
     check_at_least(args.seed, 0, "--seed")
-    _check_enumeration_draft(args.draft)
+    check_draft(args.draft, purpose=ENUMERATION)   # a draft *model* (never fixed proposals), loading nothing
     if args.certify and args.assumed_gap is None and args.draft.strip().lower() != "none":
         raise CLIError("--certify needs --assumed-gap: a certificate rests on a bound on |target - draft|")
     constraint = constrained.check_enumerate(args)

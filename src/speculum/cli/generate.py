@@ -16,11 +16,12 @@ import speculum
 from speculum.cli.checks import CLIError, check_draft, check_sampling, read_stdin, utf8_text, warn
 from speculum.cli.progress import loading_progress
 from speculum.decoding.text import TextStream
-from speculum.drafts import DRAFT_KINDS, make_draft
-from speculum.models import default as model_default
+from speculum.drafts import DRAFT_KINDS, is_twin_draft, make_draft
+from speculum.models import backends
+from speculum.models.backends import BACKENDS, DEFAULT_BACKEND, backend_named, backend_names
 
 __all__ = ["register", "run", "format_stats", "parse_gamma", "TextStream", "add_draft_argument",
-           "add_gamma_argument", "drafts_help"]
+           "add_gamma_argument", "drafts_help", "load_target_model"]
 
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_DRAFT = "lookup"
@@ -49,40 +50,48 @@ def register(subparsers: Any) -> None:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``--target``, ``--backend``, ``--dtype`` (shared with ``speculum demo``)."""
+    opens = " / ".join(dict.fromkeys(backend.opens for backend in BACKENDS.values()))
     parser.add_argument("--target", default="smollm2-135m", metavar="MODEL",
-                        help="embedded model name or local model directory / GGUF file (default: smollm2-135m)")
-    parser.add_argument("--backend", choices=("hf", "llamacpp"), default="hf",
-                        help="hf: PyTorch via transformers (default); llamacpp: llama-cpp-python")
+                        help=f"embedded model name or {opens} (default: smollm2-135m)")
+    parser.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND,
+                        help="; ".join(f"{name}: {backend.summary}{' (default)' if name == DEFAULT_BACKEND else ''}"
+                                       for name, backend in BACKENDS.items()))
     add_dtype_argument(parser)
     add_cache_argument(parser)
 
 
-DTYPES = ("float32", "bfloat16", "float16", "int8")
+# Every precision a backend loads (speculum.models.backends), in table order.
+DTYPES = tuple(dict.fromkeys(dtype for backend in BACKENDS.values() for dtype in backend.dtypes))
 
 
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     """``--dtype`` (every command that loads a PyTorch target)."""
-    # Default None, read as float32: an explicit --dtype with --backend llamacpp gets a warning.
+    # Default None, read as the backend's default: an explicit --dtype on a backend without dtypes gets a warning.
     parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="the target's precision on the hf backend: float32 (default), bfloat16, float16, or "
+                        help=f"the target's precision on the {' / '.join(backend_names(lambda b: b.takes_dtype))} "
+                             "backend: float32 (default), bfloat16, float16, or "
                              "int8 (weight-only, one scale per output channel); each is a target of its own, "
                              "every guarantee holds relative to it (docs/backends.md: which to pick)")
 
 
-def load_hf_target(spec: str, *, command: str, dtype: str | None = None, verify: bool = False) -> Any:
-    """``load_model(spec, dtype=...)`` with a progress line, warning (one line) where ``dtype`` is likely
-    slower than float32 on this CPU."""
-
-    dtype = dtype or "float32"
-    if dtype != "float32":
-        from speculum.models.hf.precision import dtype_advice  # torch: the [llm] extra, loaded with the model
-
-        advice = dtype_advice(dtype)
+def load_target_model(spec: str, *, command: str, backend: str = DEFAULT_BACKEND, dtype: str | None = None,
+                      verify: bool = False) -> Any:
+    """``load_model(spec, backend=..., dtype=...)`` with a progress line where the backend reports one,
+    warning (one line) where ``dtype`` is likely slower than the backend's default on this CPU."""
+    entry = backend_named(backend)
+    options: dict[str, Any] = {}
+    if entry.takes_dtype:
+        options["dtype"] = dtype = dtype or entry.dtypes[0]
+        advice = entry.dtype_advice(dtype) if dtype != entry.dtypes[0] else None
         if advice is not None:
             warn(command, f"--dtype {dtype}: {advice}")
+    if "progress" in entry.options:
+        options["progress"] = loading_progress()
+    if "verify" in entry.options:
+        options["verify"] = verify
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="dtype=", category=RuntimeWarning)   # said above, once
-        return model_default.load_model(spec, backend="hf", dtype=dtype, progress=loading_progress(), verify=verify)
+        return backends.load_model(spec, backend=backend, **options)
 
 
 def add_cache_argument(parser: argparse.ArgumentParser) -> None:
@@ -140,28 +149,26 @@ def parse_gamma(value: str) -> int | str:
 
 def load_target(args: argparse.Namespace) -> Any:
     """The target model named by ``--target / --backend / --dtype``."""
-
-    if args.backend == "llamacpp":
-        return model_default.load_model(args.target, backend="llamacpp")
-    return load_hf_target(args.target, command=args.command, dtype=args.dtype, verify=args.verify_cache)
+    return load_target_model(args.target, command=args.command, backend=args.backend, dtype=args.dtype,
+                             verify=args.verify_cache)
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Every check that needs no model, run before one loads; warns about flags that will have no effect."""
     check_sampling(args)
     check_draft(args.draft)
-    kind = args.draft.strip().lower()
-    if args.backend == "llamacpp" and (kind in ("int8", "bf16") or kind.startswith("layers:")):
+    backend = backend_named(args.backend)
+    if not backend.twin_drafts and is_twin_draft(args.draft):
         raise CLIError(f"--draft {args.draft.strip()} is built from the target's PyTorch weights: "
-                       f"it needs --backend hf")
+                       f"it needs --backend {' or '.join(backend_names(lambda b: b.twin_drafts))}")
     if args.temperature == 0:
         unused = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
                   if value is not None]
         if unused:
             warn("generate", f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect at "
                              f"--temperature 0 (greedy decoding)")
-    if args.backend == "llamacpp" and args.dtype is not None:
-        warn("generate", "--dtype has no effect with --backend llamacpp (the GGUF file fixes the weights' types)")
+    if not backend.takes_dtype and args.dtype is not None:
+        warn("generate", f"--dtype has no effect with --backend {backend.name} ({backend.fixed_dtype})")
 
 
 def run(args: argparse.Namespace) -> int:

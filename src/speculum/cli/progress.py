@@ -14,7 +14,7 @@ __all__ = ["conversion_bar", "index_bar", "choices_bar", "loading_progress", "qu
 
 def conversion_bar() -> Callable[[Any], None]:
     """A ``load_model(progress=...)`` callback drawing a tqdm bar of the embedded model's one-time
-    conversion (:class:`speculum.models.default.ConversionProgress` events). The bar appears with the first
+    conversion (:class:`speculum.models.hf_loading.ConversionProgress` events). The bar appears with the first
     event, so a model already in the cache draws nothing."""
     bar = None
 

