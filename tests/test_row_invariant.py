@@ -22,7 +22,7 @@ from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.hf.prepack import gives_rows_alone  # noqa: E402
 from speculum.models.hf.products import RowProduct  # noqa: E402
 from speculum.models.hf.row_invariant import RowInvariantForward  # noqa: E402
-from speculum.serving.scoring import PromptScorer  # noqa: E402
+from speculum.models.prompt_scores import PromptScorer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 

@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 from speculum.models import MarkovModel  # noqa: E402
 from speculum.serving import Engine, GenerationRequest  # noqa: E402
 from speculum.serving.rounds import RoundCosts  # noqa: E402
-from speculum.serving.scoring import DEFAULT_CHUNK, PromptScorer, _shares, likeliest, likeliest_rows  # noqa: E402
+from speculum.models.prompt_scores import DEFAULT_CHUNK, PromptScorer, _shares, likeliest, likeliest_rows  # noqa: E402
 
 from test_serve import decode  # noqa: E402
 from test_serve_echo import same  # noqa: E402

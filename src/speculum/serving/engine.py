@@ -27,13 +27,13 @@ from ..decoding.plan import plan_generation
 from ..decoding.scheduler import Scheduler
 from ..models.allocator import trim_heap
 from ..models.base import check_token_ids
+from ..models.prompt_scores import DEFAULT_CACHE_TOKENS, MAX_TOP, PromptScorer
 from ..validation import InputError, check_int
-from .jobs import Delta, GenerationRequest, Job, Reservation, TokenLogprob
+from .jobs import Delta, GenerationRequest, Job, Reservation, ScoreJob, TokenLogprob
 from .metrics import EngineMetrics
-from .scoring import DEFAULT_CACHE_TOKENS, MAX_TOP, PromptScorer, ScoreJob
 from .rounds import RoundCosts
 
-__all__ = ["Engine", "EngineBusy", "EngineClosed", "GenerationRequest", "Delta", "Job", "EngineMetrics",
+__all__ = ["Engine", "EngineBusy", "EngineClosed", "GenerationRequest", "Delta", "Job", "ScoreJob", "EngineMetrics",
            "TokenLogprob", "Reservation"]
 
 MAX_TOP_LOGPROBS = MAX_TOP
@@ -155,10 +155,10 @@ class Engine:
     def score(self, prompt_ids: Sequence[int], *, top: int = 0, on_done: Callable[[ScoreJob], None] | None = None,
               reservation: Reservation | None = None) -> ScoreJob:
         """Queue ``prompt_ids`` for scoring (OpenAI's ``echo``): the worker teacher-forces it a chunk per
-        round (:class:`~speculum.serving.scoring.PromptScorer`, sharing prefixes with recently scored
+        round (:class:`~speculum.models.prompt_scores.PromptScorer`, sharing prefixes with recently scored
         prompts), its rounds interleaved with the generations' steps (scoring takes at most as much of the
         worker's time as the running generations), and the job's
-        :meth:`~speculum.serving.scoring.ScoreJob.result` gives its exact log-probs and ``top`` likeliest
+        :meth:`~speculum.serving.jobs.ScoreJob.result` gives its exact log-probs and ``top`` likeliest
         tokens per position. A cancelled job stops at the next round. Counts toward the engine's bound like
         a generation.
 

@@ -1,6 +1,6 @@
 """A generation request and the job that carries it through the engine: its events (:class:`Delta`), the
-log-probs of its tokens (:class:`TokenLogprob`), cancellation; the place a request holds in the engine
-(:class:`Reservation`).
+log-probs of its tokens (:class:`TokenLogprob`), cancellation; a prompt waiting to be scored
+(:class:`ScoreJob`, OpenAI's ``echo``); the place a request holds in the engine (:class:`Reservation`).
 
 Example:
     >>> from speculum.serving.jobs import Delta
@@ -16,9 +16,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 from ..decoding.plan import Plan
 from ..decoding.text import StopMatcher, TextStream
-from .scoring import likeliest
+from ..models.prompt_scores import PromptScores, likeliest
 
-__all__ = ["GenerationRequest", "TokenLogprob", "Delta", "Job", "Reservation"]
+__all__ = ["GenerationRequest", "TokenLogprob", "Delta", "Job", "ScoreJob", "Reservation"]
 
 _DONE = object()        # the last item of a job's event queue
 
@@ -140,6 +140,56 @@ class Job:
     def __iter__(self) -> Iterator[Delta]:
         while (event := self.next_event()) is not None:
             yield event
+
+
+class ScoreJob:
+    """A prompt waiting to be scored by an engine's worker (:meth:`Engine.score
+    <speculum.serving.engine.Engine.score>`): :meth:`result` blocks for its
+    :class:`~speculum.models.prompt_scores.PromptScores`;
+    ``on_done(job)`` (optional) is called from the worker once it is done."""
+
+    def __init__(self, tokens: Sequence[int], top: int, on_done: Callable[["ScoreJob"], None] | None = None) -> None:
+        self.tokens, self.top = list(tokens), top
+        self._on_done = on_done
+        self._done = threading.Event()
+        self._cancelled = threading.Event()
+        self.scores: PromptScores | None = None
+        self.error: BaseException | None = None
+        self.ended = True             # False while the engine holds it (set by the engine)
+        self.disconnected = False
+        self.reservation: Any = None  # the room it takes in the engine (set by the engine; None: its own)
+        self.work: Any = None         # its place in the engine's scorer, while scored
+
+    def finish(self, scores: PromptScores | None = None, error: BaseException | None = None) -> None:
+        self.scores, self.error = scores, error
+        self._done.set()
+        if self._on_done is not None:
+            try:
+                self._on_done(self)
+            except Exception:         # the reader's side is gone (e.g. its event loop closed)
+                self._cancelled.set()
+
+    def cancel(self, *, disconnected: bool = False) -> None:
+        self.disconnected = self.disconnected or (disconnected and not self._done.is_set())
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def done(self) -> bool:
+        """Scored, failed or refused: :meth:`result` returns at once."""
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> PromptScores:
+        """The scores (blocking); the worker's exception if scoring failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("the prompt was not scored in time")
+        if self.error is not None:
+            raise self.error
+        assert self.scores is not None
+        return self.scores
 
 
 class Reservation:
