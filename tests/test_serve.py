@@ -386,8 +386,8 @@ def test_smollm2_served_greedy_chat_equals_plain_greedy_decoding():
 
 @pytest.mark.parametrize("module", ["speculum.serving.engine", "speculum.serving.openai_api",
                                     "speculum.serving.schema", "speculum.serving.render", "speculum.serving.guards",
-                                    "speculum.serving.jobs", "speculum.models.prompt_scores",
-                                    "speculum.serving.completions"])
+                                    "speculum.serving.jobs", "speculum.serving.rounds",
+                                    "speculum.models.prompt_scores", "speculum.serving.completions"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib
