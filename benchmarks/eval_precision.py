@@ -69,7 +69,7 @@ def main() -> int:
     from transformers.utils import logging as hf_logging
 
     import speculum
-    from speculum.serving.scoring import PromptScorer
+    from speculum.models.prompt_scores import PromptScorer
 
     hf_logging.disable_progress_bar()
     target = speculum.load_model("smollm2-135m")

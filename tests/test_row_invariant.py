@@ -19,10 +19,10 @@ from hypothesis import strategies as st  # noqa: E402
 from hf_tiny import save_tiny_model  # noqa: E402
 from speculum.models import TinyTransformer  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
+from speculum.models.hf.forward.packed import RowInvariantForward  # noqa: E402
 from speculum.models.hf.kernels.probe import gives_rows_alone  # noqa: E402
 from speculum.models.hf.kernels.products import RowProduct  # noqa: E402
-from speculum.models.hf.forward.packed import RowInvariantForward  # noqa: E402
-from speculum.serving.scoring import PromptScorer  # noqa: E402
+from speculum.models.prompt_scores import PromptScorer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 

@@ -386,7 +386,8 @@ def test_smollm2_served_greedy_chat_equals_plain_greedy_decoding():
 
 @pytest.mark.parametrize("module", ["speculum.serving.engine", "speculum.serving.openai_api",
                                     "speculum.serving.schema", "speculum.serving.render", "speculum.serving.guards",
-                                    "speculum.serving.scoring", "speculum.serving.completions"])
+                                    "speculum.serving.jobs", "speculum.serving.rounds",
+                                    "speculum.models.prompt_scores", "speculum.serving.completions"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib
@@ -643,7 +644,7 @@ def test_served_logprobs_completions_and_chat_streamed_and_not(server):
 @given(st.lists(st.integers(-3, 3), min_size=1, max_size=30), st.integers(1, 35))
 @settings(max_examples=200, deadline=None)
 def test_likeliest_tokens_equal_a_stable_sort_ties_included(values, k):
-    from speculum.serving.scoring import likeliest as _likeliest
+    from speculum.models.prompt_scores import likeliest as _likeliest
 
     row = np.array(values, dtype=float)
     assert list(_likeliest(row, k)) == list(np.argsort(-row, kind="stable")[:k])

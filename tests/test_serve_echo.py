@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from speculum.models import MarkovModel, TinyTransformer  # noqa: E402
 from speculum.serving import Engine, create_app  # noqa: E402
-from speculum.serving.scoring import PromptScorer  # noqa: E402
+from speculum.models.prompt_scores import PromptScorer  # noqa: E402
 
 from test_serve import NAME, Server, decode, encode, make_target  # noqa: E402
 

@@ -16,8 +16,9 @@ pytest.importorskip("fastapi")
 
 from speculum.models import MarkovModel  # noqa: E402
 from speculum.serving import Engine, GenerationRequest  # noqa: E402
-from speculum.serving.rounds import RoundCosts  # noqa: E402
-from speculum.serving.scoring import DEFAULT_CHUNK, PromptScorer, _shares, likeliest, likeliest_rows  # noqa: E402
+from speculum.serving.rounds import (IDLE_ROUND_SECONDS, MIN_ROUND_TOKENS, MIN_SHARE_TOKENS, RoundCosts,  # noqa: E402
+                                     round_budget)
+from speculum.models.prompt_scores import DEFAULT_CHUNK, PromptScorer, _shares, likeliest, likeliest_rows  # noqa: E402
 
 from test_serve import decode  # noqa: E402
 from test_serve_echo import same  # noqa: E402
@@ -268,23 +269,14 @@ def test_rounds_are_sized_by_the_time_they_have():
     """A round feeds what fits its time on the last rounds' costs: IDLE_ROUND_SECONDS with nothing else
     running (and MIN_SHARE_TOKENS a prompt), the generations' last step (the credit) while they run, never
     fewer than MIN_ROUND_TOKENS."""
-    from speculum.serving.engine import IDLE_ROUND_SECONDS, MIN_ROUND_TOKENS, MIN_SHARE_TOKENS
-
-    engine = Engine(slow_chain(), decode=decode, background=False)
-    try:
-        assert engine._round_budget() is None                # no round timed yet: a chunk a prompt
-        engine._round_costs.add(100, 0.05)                   # one size seen: 0.5 ms a token, no fixed part
-        assert engine._round_budget() == int(IDLE_ROUND_SECONDS / 0.0005)
-        engine._scoring = [None] * 10                        # ten prompts, nothing generating: a share each
-        assert engine._round_budget() == 10 * MIN_SHARE_TOKENS > int(IDLE_ROUND_SECONDS / 0.0005)
-        engine._running = {0: None}
-        engine._score_credit = 0.02
-        assert engine._round_budget() == 40
-        engine._score_credit = 0.0
-        assert engine._round_budget() == MIN_ROUND_TOKENS
-    finally:
-        engine._running, engine._scoring = {}, []
-        engine.close()
+    costs = RoundCosts()
+    assert round_budget(costs, prompts=0, credit=None) is None         # no round timed yet: a chunk a prompt
+    costs.add(100, 0.05)                                                # one size seen: 0.5 ms a token, no fixed part
+    assert round_budget(costs, prompts=0, credit=None) == int(IDLE_ROUND_SECONDS / 0.0005)
+    # ten prompts, nothing generating: a share each
+    assert round_budget(costs, prompts=10, credit=None) == 10 * MIN_SHARE_TOKENS > int(IDLE_ROUND_SECONDS / 0.0005)
+    assert round_budget(costs, prompts=10, credit=0.02) == 40           # generations running: the credit
+    assert round_budget(costs, prompts=10, credit=0.0) == MIN_ROUND_TOKENS
 
 
 @given(fixed=st.floats(0.0, 0.05), per_token=st.floats(1e-5, 1e-2), sizes=st.lists(st.integers(1, 500), min_size=2,

@@ -19,7 +19,7 @@ from speculum.cli.checks import CLIError, check_at_least, check_draft
 from speculum.drafts import make_draft
 from speculum.models.vocabulary import token_bytes
 from speculum.serving import Engine, create_app, serve_on_this_thread
-from speculum.serving.scoring import DEFAULT_CACHE_TOKENS
+from speculum.models.prompt_scores import DEFAULT_CACHE_TOKENS
 from speculum.validation import InputError
 from speculum.cli.generate import (add_draft_argument, add_gamma_argument, add_model_arguments, drafts_help,
                                    load_target)

@@ -1,7 +1,7 @@
 """``/v1/completions`` with ``echo`` or several prompts: each prompt answered as if alone, in order, one
 choice each.
 
-With ``echo`` a prompt is scored by the engine's :class:`~speculum.serving.scoring.PromptScorer` (its
+With ``echo`` a prompt is scored by the engine's :class:`~speculum.models.prompt_scores.PromptScorer` (its
 tokens' exact log-probs, the first ``null`` as OpenAI gives it, each with its likeliest alternatives from
 the same row), then followed by the generated tokens: none for ``max_tokens: 0``; for ``max_tokens: 1`` the
 token drawn from the scored row after the prompt (greedy: its argmax, lowest id on ties, as plain greedy
@@ -31,9 +31,9 @@ import numpy as np
 
 from ..decoding.text import StopMatcher
 from ..decoding.warp import sample_from_logprobs, warp_logprobs
-from .engine import Delta, Engine, GenerationRequest, Job, Reservation, TokenLogprob
+from ..models.prompt_scores import PromptScores, likeliest
+from .engine import Delta, Engine, GenerationRequest, Job, Reservation, ScoreJob, TokenLogprob
 from .render import by_text
-from .scoring import PromptScores, ScoreJob, likeliest
 
 __all__ = ["Answer", "collect", "answer_prompt", "render_choices"]
 

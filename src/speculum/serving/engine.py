@@ -1,6 +1,12 @@
-"""The serving engine: a bounded queue of generation jobs, run by one thread (its own, or the caller's)
+"""The serving engine: a bounded queue of jobs, run by one thread (its own, or the caller's): generations
 through a :class:`~speculum.decoding.scheduler.Scheduler` (continuous batching: up to ``max_batch`` jobs advance
-together, one block each per step; jobs join and leave between steps).
+together, one block each per step; jobs join and leave between steps), prompts to score (``echo``) through a
+:class:`~speculum.models.prompt_scores.PromptScorer`, a round at a time between the steps.
+
+The engine orchestrates: admission, the alternation of steps and rounds, metrics, shutdown. Every job kind
+answers one protocol (:class:`~speculum.serving.jobs.EngineJob`: the pool it joins, how it starts there,
+what it makes of its backend's output, how it fails, is aborted or closed), so the engine never asks which
+kind a job is.
 
 Each job has its own session, drafter and seed, so a seeded request's output does not depend on what
 else runs, and a greedy request's output is identical to ``speculum.generate`` alone. A job yields
@@ -21,42 +27,26 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from operator import methodcaller
 from typing import Any, Callable, Sequence
 
 from ..decoding.plan import plan_generation
 from ..decoding.scheduler import Scheduler
 from ..models.memory.allocator import trim_heap
 from ..models.base import check_token_ids
+from ..models.prompt_scores import DEFAULT_CACHE_TOKENS, MAX_TOP, PromptScorer
 from ..validation import InputError, check_int
-from .jobs import Delta, GenerationRequest, Job, Reservation, TokenLogprob
+from .jobs import (GENERATION, SCORING, Delta, EngineBusy, EngineClosed, EngineJob, GenerationRequest, Job, Pool,
+                   Reservation, ScoreJob, TokenLogprob)
 from .metrics import EngineMetrics
-from .scoring import DEFAULT_CACHE_TOKENS, MAX_TOP, PromptScorer, ScoreJob
-from .rounds import RoundCosts
+from .rounds import RoundCosts, round_budget
 
-__all__ = ["Engine", "EngineBusy", "EngineClosed", "GenerationRequest", "Delta", "Job", "EngineMetrics",
+__all__ = ["Engine", "EngineBusy", "EngineClosed", "GenerationRequest", "Delta", "Job", "ScoreJob", "EngineMetrics",
            "TokenLogprob", "Reservation"]
 
 MAX_TOP_LOGPROBS = MAX_TOP
-
-
-class EngineBusy(RuntimeError):
-    """The engine holds as many requests as it admits, running and waiting (HTTP 429)."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine is shutting down and takes no more requests (HTTP 503)."""
-
-
 _WAKE = object()        # wakes a worker waiting for jobs; not a job
 MAX_SCORE_BATCH = 16    # score jobs scored together (a round's chunks share one forward)
-# A scoring round's length while no generation runs: what a request arriving meanwhile waits at most for
-# the worker. Long enough that a round's fixed costs (a read of every weight) stay small.
-IDLE_ROUND_SECONDS = 0.06
-MIN_ROUND_TOKENS = 8    # the fewest tokens a time-sized round feeds (however short the time it has)
-# With no generation waiting, the fewest tokens a round feeds each prompt being scored: a round's cost
-# grows with its prompts as well as its tokens (each prompt attends on its own), so rounds of a few tokens
-# a prompt pay that again and again for short prompts that one round would finish.
-MIN_SHARE_TOKENS = 16
 
 
 class Engine:
@@ -124,10 +114,11 @@ class Engine:
         self._closed = False
         self._admitted = 0                      # jobs submitted and not yet ended: running, admitting or waiting
         self._deadline: float | None = None     # drain(): when the jobs still running are ended
-        self._running: dict[int, Job] = {}     # scheduler id -> job (the worker's alone)
-        self._admitting = 0                     # 1 while a job is being admitted into the scheduler
+        # The worker's alone: the generations the scheduler advances, the prompts the scorer feeds a round at a time.
+        self._generating = Pool(self._scheduler, self.max_batch, self._scheduler.cancel)
+        self._scoring = Pool(self.scorer, MAX_SCORE_BATCH, self.scorer.drop)
+        self._pools = {GENERATION: self._generating, SCORING: self._scoring}
         self._worked = False                    # ran a step or scored since the heap was last trimmed
-        self._scoring: list[ScoreJob] = []      # score jobs being scored, a round at a time (the worker's)
         # Worker seconds scoring may still take before the next generation step, while generations run:
         # scoring gets at most the time the generations get, so it can at most double their latency.
         self._score_credit = 0.0
@@ -155,10 +146,10 @@ class Engine:
     def score(self, prompt_ids: Sequence[int], *, top: int = 0, on_done: Callable[[ScoreJob], None] | None = None,
               reservation: Reservation | None = None) -> ScoreJob:
         """Queue ``prompt_ids`` for scoring (OpenAI's ``echo``): the worker teacher-forces it a chunk per
-        round (:class:`~speculum.serving.scoring.PromptScorer`, sharing prefixes with recently scored
+        round (:class:`~speculum.models.prompt_scores.PromptScorer`, sharing prefixes with recently scored
         prompts), its rounds interleaved with the generations' steps (scoring takes at most as much of the
         worker's time as the running generations), and the job's
-        :meth:`~speculum.serving.scoring.ScoreJob.result` gives its exact log-probs and ``top`` likeliest
+        :meth:`~speculum.serving.jobs.ScoreJob.result` gives its exact log-probs and ``top`` likeliest
         tokens per position. A cancelled job stops at the next round. Counts toward the engine's bound like
         a generation.
 
@@ -211,7 +202,7 @@ class Engine:
         reservation.live += live
         self._admitted += reservation.held() - before
 
-    def _enqueue(self, job: Any, reservation: Reservation | None = None) -> None:
+    def _enqueue(self, job: EngineJob, reservation: Reservation | None = None) -> None:
         with self._lock:
             if self._closed or self._deadline is not None:
                 raise EngineClosed("the server is shutting down")
@@ -277,7 +268,7 @@ class Engine:
         if self._deadline is not None and time.monotonic() >= self._deadline:
             self._end_all("the server is shutting down")
         while True:
-            idle = not self._running and not self._scoring
+            idle = not self._generating and not self._scoring
             if not idle and not self._room_for(self._head()):
                 break
             try:
@@ -303,28 +294,25 @@ class Engine:
                 return False
             if job.cancelled:
                 self._end(job, cancelled=True)
-                continue
-            if isinstance(job, ScoreJob):
-                self._start_scoring(job)
-                continue
-            self._admitting = 1
-            started = time.perf_counter()
-            try:
-                ident = self._scheduler.add_plan(job.plan)
-            except Exception as exc:  # checked at submit; a model failing at prefill fails this job only
-                job.put(Delta("", "error", error=f"{type(exc).__name__}: {exc}"))
-                self._end(job)
-                continue
-            finally:
-                self._admitting = 0
-                elapsed = time.perf_counter() - started
-                self.metrics.prefill_seconds += elapsed
-                self.metrics.busy_seconds += elapsed
-            self._running[ident] = job
+            else:
+                self._join(job)
         with self._lock:
             self.metrics.requests_waiting = self._waiting.qsize()
-            self.metrics.requests_running = len(self._running)
+            self.metrics.requests_running = len(self._generating)
         return True
+
+    def _join(self, job: EngineJob) -> None:
+        """Start ``job`` in its pool (a generation's prompt is fed there: its prefill)."""
+        started = time.perf_counter()
+        try:
+            self._pools[job.pool].join(job)
+        except Exception as exc:  # checked at submit; a model failing at prefill fails this job only
+            job.fail(exc)
+            self._end(job)
+        finally:
+            elapsed = time.perf_counter() - started
+            self.metrics.prefill_seconds += elapsed
+            self.metrics.busy_seconds += elapsed
 
     def _head(self) -> Any:
         """The job next in the queue, left there (only the worker takes jobs out: it stays the head)."""
@@ -332,84 +320,43 @@ class Engine:
             return self._waiting.queue[0] if self._waiting.queue else None
 
     def _room_for(self, job: Any) -> bool:
-        if job is None:
-            return False
-        if isinstance(job, ScoreJob):
-            return len(self._scoring) < MAX_SCORE_BATCH
-        return job is _WAKE or not isinstance(job, Job) or len(self._running) < self.max_batch
+        return job is _WAKE or (job is not None and self._pools[job.pool].room())
 
     def _step(self) -> None:
         """A generation step of the running jobs, then a scoring round when scoring has time left."""
-        if self._running:
+        if self._generating:
             took = self._generate()
             # Unused time does not pile up: scoring never runs for long between two generation steps.
             self._score_credit = min(self._score_credit + took, took)
-        if self._scoring and (not self._running or self._score_credit >= 0):
+        if self._scoring and (not self._generating or self._score_credit >= 0):
             took = self._score_round(self._round_budget())
-            self._score_credit = self._score_credit - took if self._running else 0.0
+            self._score_credit = self._score_credit - took if self._generating else 0.0
 
     def _generate(self) -> float:
         """One step of the running generations; returns its seconds."""
         started = time.perf_counter()
         self._worked = True
-        for ident, job in list(self._running.items()):
-            if job.cancelled:
-                self._scheduler.cancel(ident)
-                del self._running[ident]
-                self._end(job, cancelled=True)
+        self._drop_cancelled(self._generating)
         try:
             results = self._scheduler.step()
         except Exception as exc:  # a failing model fails the jobs of this step, not the server
-            for ident, job in self._running.items():
-                self._scheduler.cancel(ident)
-                job.put(Delta("", "error", error=f"{type(exc).__name__}: {exc}"))
-                self._end(job)
-            self._running.clear()
+            self._end_pool(self._generating, methodcaller("fail", exc), cancelled=False)
             return time.perf_counter() - started
         for ident, chunk in results:
-            job = self._running[ident]
-            job.emitted = chunk.stats.emitted
             self._account(chunk)
-            job.score(chunk.tokens, chunk.target_logprobs)
-            shown, hit = job.stops.add(job.text.add(chunk.tokens))
-            if chunk.finished and not hit:
-                more, hit = job.stops.cut(job.text.flush())
-                shown += more
-            job.shown_chars += len(shown)
-            scored = job.release(everything=chunk.finished and not hit)
-            if shown or scored:
-                job.put(Delta(shown, logprobs=scored))
-            if hit or chunk.finished:
-                self._scheduler.cancel(ident)
-                del self._running[ident]
-                reason = "stop" if hit or chunk.stop_reason == "eos" else "length"
-                job.put(Delta("", reason, prompt_tokens=len(job.request.prompt_ids), completion_tokens=job.emitted))
+            if self._generating.jobs[ident].advance(chunk):
+                job = self._generating.leave(ident)
                 self.metrics.prompt_tokens += len(job.request.prompt_ids)
                 self._end(job, finished=True)
         took = time.perf_counter() - started
         self.metrics.busy_seconds += took
         return took
 
-    def _start_scoring(self, job: ScoreJob) -> None:
-        try:
-            job.work = self.scorer.start(job.tokens, top=job.top)
-        except Exception as exc:  # noqa: BLE001  (checked at submit; the job's own failure goes to its client)
-            job.finish(error=exc)
-            self._end(job)
-            return
-        self._scoring.append(job)
-
     def _round_budget(self) -> int | None:
-        """Tokens the next scoring round feeds (a row-canonical target; others feed a chunk a prompt): as
-        many as fit the time it has on the last rounds' costs (:class:`RoundCosts`),
-        :data:`IDLE_ROUND_SECONDS` at most, while generations run their last step's time at most (the
-        credit), and with no generation running at least :data:`MIN_SHARE_TOKENS` a prompt being scored;
-        None before a first round has been timed."""
-        seconds = min(IDLE_ROUND_SECONDS, self._score_credit) if self._running else IDLE_ROUND_SECONDS
-        tokens = self._round_costs.tokens_within(seconds)
-        if tokens is None:
-            return None
-        return max(MIN_ROUND_TOKENS, tokens, 0 if self._running else MIN_SHARE_TOKENS * len(self._scoring))
+        """Tokens the next scoring round feeds (:func:`~speculum.serving.rounds.round_budget`: what fits its
+        time on the last rounds' costs; while generations run, their last step's time at most, the credit)."""
+        return round_budget(self._round_costs, prompts=len(self._scoring),
+                            credit=self._score_credit if self._generating else None)
 
     def _score_round(self, budget: int | None = None) -> float:
         """One round of the scorer (:meth:`PromptScorer.advance`: the next tokens of each prompt being
@@ -417,30 +364,26 @@ class Engine:
         a cancelled job is dropped first. Returns its seconds."""
         started = time.perf_counter()
         self._worked = True
-        for job in [job for job in self._scoring if job.cancelled]:
-            self.scorer.drop(job.work)
-            self._scoring.remove(job)
-            self._end(job, cancelled=True)
-        fed, forwarding = self.scorer.forwarded_tokens, self.scorer.forward_seconds
-        finished, failed = (self.scorer.advance(budget, round_cost=self._round_costs.fixed_tokens())
+        self._drop_cancelled(self._scoring)
+        scorer, metrics = self.scorer, self.metrics
+        fed, forwarding = scorer.forwarded_tokens, scorer.forward_seconds
+        finished, failed = (scorer.advance(budget, round_cost=self._round_costs.fixed_tokens())
                             if self._scoring else ([], []))
-        fed, forwarding = self.scorer.forwarded_tokens - fed, self.scorer.forward_seconds - forwarding
-        ended = {id(work): (work, None) for work in finished} | {id(work): (work, exc) for work, exc in failed}
-        metrics = self.metrics
-        for job in [job for job in self._scoring if id(job.work) in ended]:
-            work, error = ended[id(job.work)]
-            self._scoring.remove(job)
+        fed, forwarding = scorer.forwarded_tokens - fed, scorer.forward_seconds - forwarding
+        ended: dict[Any, BaseException | None] = {work: None for work in finished} | dict(failed)
+        for work in [work for work in self._scoring.jobs if work in ended]:
+            job, error = self._scoring.leave(work), ended[work]
             if error is not None:
-                job.finish(error=error)
+                job.fail(error)
             else:
-                scores = self.scorer.scores(work)
+                scores = scorer.scores(work)
                 metrics.prompts_scored += 1
                 metrics.scored_tokens_forwarded += scores.forwarded
                 metrics.scored_tokens_reused += len(scores.tokens) - scores.forwarded
-                job.finish(scores)
+                job.advance(scores)
             self._end(job, finished=True)
-        metrics.prefix_cache_tokens = self.scorer.resident_tokens
-        metrics.scoring_forwards = self.scorer.forwards
+        metrics.prefix_cache_tokens = scorer.resident_tokens
+        metrics.scoring_forwards = scorer.forwards
         took = time.perf_counter() - started
         metrics.busy_seconds += took
         # The forwards alone: a round's bookkeeping grows with the prompts it finishes, not the tokens it
@@ -455,17 +398,26 @@ class Engine:
         metrics.draft_accepted += chunk.accepted
         metrics.target_forwards += 1
 
-    def _end(self, job: Job | ScoreJob, *, cancelled: bool = False, finished: bool = False) -> None:
+    def _drop_cancelled(self, pool: Pool) -> None:
+        for handle, job in list(pool.jobs.items()):
+            if job.cancelled:
+                pool.leave(handle)
+                self._end(job, cancelled=True)
+
+    def _end_pool(self, pool: Pool, notice: Callable[[EngineJob], None], *, cancelled: bool) -> None:
+        """End every job of ``pool``, each told by ``notice`` first (its ``fail`` or ``abort``)."""
+        for handle in list(pool.jobs):
+            job = pool.leave(handle)
+            notice(job)
+            self._end(job, cancelled=cancelled)
+
+    def _end(self, job: EngineJob, *, cancelled: bool = False, finished: bool = False) -> None:
         if cancelled:
             self.metrics.requests_cancelled += 1
             self.metrics.requests_disconnected += job.disconnected
         if finished:
             self.metrics.requests_finished += 1
-        if isinstance(job, ScoreJob):
-            if not job.done:
-                job.finish(error=EngineClosed("the request was cancelled"))
-        else:
-            job.put(None)
+        job.close()
         with self._lock:
             if not job.ended:
                 job.ended = True
@@ -473,30 +425,19 @@ class Engine:
                     self._admitted -= 1
                 else:
                     self._resize_locked(job.reservation, False, -1)
-            self.metrics.requests_running = len(self._running)
+            self.metrics.requests_running = len(self._generating)
 
     def _end_all(self, reason: str) -> None:
         """End every running and waiting job with an error event saying ``reason``."""
-        for ident, job in self._running.items():
-            self._scheduler.cancel(ident)
-            job.put(Delta("", "error", error=reason))
-            self._end(job, cancelled=True)
-        self._running.clear()
-        for job in self._scoring:
-            self.scorer.drop(job.work)
-            job.finish(error=EngineClosed(reason))
-            self._end(job, cancelled=True)
-        self._scoring.clear()
+        for pool in (self._generating, self._scoring):
+            self._end_pool(pool, methodcaller("abort", reason), cancelled=True)
         while True:
             try:
                 job = self._waiting.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(job, ScoreJob):
-                job.finish(error=EngineClosed(reason))
-                self._end(job, cancelled=True)
-            elif job is not None and job is not _WAKE:
-                job.put(Delta("", "error", error=reason))
+            if job is not None and job is not _WAKE:
+                job.abort(reason)
                 self._end(job, cancelled=True)
         with self._lock:
             self.metrics.requests_waiting = self._waiting.qsize()

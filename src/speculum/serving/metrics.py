@@ -28,7 +28,8 @@ class EngineMetrics:
     target_forwards: int = 0
     busy_seconds: float = 0.0
     prefill_seconds: float = 0.0       # admitting jobs: their prompts' own forwards, part of busy_seconds
-    #                                    (a prompt packed into a step's forward counts in that step)
+    #                                    (a prompt packed into a step's forward counts in that step; an
+    #                                    echo's admission, a lookup, adds microseconds)
     prompts_scored: int = 0            # echo requests' prompts scored
     scored_tokens_forwarded: int = 0   # tokens their scoring fed to the target
     scored_tokens_reused: int = 0      # positions answered from a resident prompt sharing the prefix

@@ -1,4 +1,5 @@
-"""How many tokens a scoring round can feed in the time it has.
+"""How many tokens a scoring round can feed in the time it has (:class:`RoundCosts`), and how many the
+engine's next round feeds (:func:`round_budget`).
 
 Why: a forward's time is a fixed part (every weight read once, per-prompt bookkeeping) plus a part per
 token fed. Sizing the next round from the last round's seconds *per token* charges the fixed part to
@@ -16,6 +17,8 @@ Example:
     88
     >>> costs.fixed_tokens()       # a round costs as much as feeding 32 tokens
     32
+    >>> round_budget(costs, prompts=8, credit=None), round_budget(costs, prompts=8, credit=0.0)
+    (128, 8)
 """
 from __future__ import annotations
 
@@ -23,7 +26,16 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["RoundCosts"]
+__all__ = ["RoundCosts", "round_budget", "IDLE_ROUND_SECONDS", "MIN_ROUND_TOKENS", "MIN_SHARE_TOKENS"]
+
+# A scoring round's length while no generation runs: what a request arriving meanwhile waits at most for
+# the worker. Long enough that a round's fixed costs (a read of every weight) stay small.
+IDLE_ROUND_SECONDS = 0.06
+MIN_ROUND_TOKENS = 8    # the fewest tokens a time-sized round feeds (however short the time it has)
+# With no generation waiting, the fewest tokens a round feeds each prompt being scored: a round's cost
+# grows with its prompts as well as its tokens (each prompt attends on its own), so rounds of a few tokens
+# a prompt pay that again and again for short prompts that one round would finish.
+MIN_SHARE_TOKENS = 16
 
 
 class RoundCosts:
@@ -70,3 +82,16 @@ class RoundCosts:
         if per_token <= 0:
             return None
         return max(0, int((seconds - fixed) / per_token))
+
+
+def round_budget(costs: RoundCosts, *, prompts: int, credit: float | None) -> int | None:
+    """Tokens the next scoring round of ``prompts`` prompts feeds (a row-canonical target; others feed a
+    chunk a prompt): as many as fit the time it has on the last rounds' ``costs``, :data:`IDLE_ROUND_SECONDS`
+    at most; while generations run, at most the ``credit`` (seconds scoring may still take before their
+    next step; None: no generation runs, and then at least :data:`MIN_SHARE_TOKENS` a prompt); never fewer
+    than :data:`MIN_ROUND_TOKENS`. None before a first round has been timed."""
+    seconds = IDLE_ROUND_SECONDS if credit is None else min(IDLE_ROUND_SECONDS, credit)
+    tokens = costs.tokens_within(seconds)
+    if tokens is None:
+        return None
+    return max(MIN_ROUND_TOKENS, tokens, MIN_SHARE_TOKENS * prompts if credit is None else 0)

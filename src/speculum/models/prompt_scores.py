@@ -17,6 +17,10 @@ the target offers forwards whose rows do not depend on what else they hold
 (``Capabilities.invariant_extend``, :mod:`speculum.models.hf.forward.packed`); other targets score the
 prompts one after another. Either way each prompt's answer is bitwise its answer alone.
 
+Model work, beside the models it drives: the server's echo requests reach it through the engine's score
+jobs (:class:`speculum.serving.jobs.ScoreJob`), whose rounds the engine interleaves with its generation
+steps; evaluators and benchmarks call :meth:`PromptScorer.score` directly.
+
 Example:
     >>> from speculum.models import MarkovModel
     >>> target = MarkovModel.random(5, seed=0)
@@ -35,15 +39,15 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from ..models.base import capabilities_of, check_token_ids
 from ..validation import InputError, check_int
+from .base import capabilities_of, check_token_ids
 
-__all__ = ["PromptScorer", "PromptScores", "ScoreJob", "likeliest", "likeliest_rows", "DEFAULT_CHUNK",
+__all__ = ["PromptScorer", "PromptScores", "likeliest", "likeliest_rows", "DEFAULT_CHUNK",
            "DEFAULT_CACHE_TOKENS", "MAX_TOP", "ROUND_TOKENS"]
 
 DEFAULT_CHUNK = 32
@@ -405,55 +409,6 @@ class PromptScorer:
         self._next_key += 1
         while len(self._residents) > self.slots or self.resident_tokens > self.max_tokens:
             self._residents.popitem(last=False)
-
-
-class ScoreJob:
-    """A prompt waiting to be scored by an engine's worker (:meth:`Engine.score
-    <speculum.serving.engine.Engine.score>`): :meth:`result` blocks for its :class:`PromptScores`;
-    ``on_done(job)`` (optional) is called from the worker once it is done."""
-
-    def __init__(self, tokens: Sequence[int], top: int, on_done: Callable[["ScoreJob"], None] | None = None) -> None:
-        self.tokens, self.top = list(tokens), top
-        self._on_done = on_done
-        self._done = threading.Event()
-        self._cancelled = threading.Event()
-        self.scores: PromptScores | None = None
-        self.error: BaseException | None = None
-        self.ended = True             # False while the engine holds it (set by the engine)
-        self.disconnected = False
-        self.reservation: Any = None  # the room it takes in the engine (set by the engine; None: its own)
-        self.work: Any = None         # its place in the engine's scorer, while scored
-
-    def finish(self, scores: PromptScores | None = None, error: BaseException | None = None) -> None:
-        self.scores, self.error = scores, error
-        self._done.set()
-        if self._on_done is not None:
-            try:
-                self._on_done(self)
-            except Exception:         # the reader's side is gone (e.g. its event loop closed)
-                self._cancelled.set()
-
-    def cancel(self, *, disconnected: bool = False) -> None:
-        self.disconnected = self.disconnected or (disconnected and not self._done.is_set())
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    @property
-    def done(self) -> bool:
-        """Scored, failed or refused: :meth:`result` returns at once."""
-        return self._done.is_set()
-
-    def result(self, timeout: float | None = None) -> PromptScores:
-        """The scores (blocking); the worker's exception if scoring failed."""
-        if not self._done.wait(timeout):
-            raise TimeoutError("the prompt was not scored in time")
-        if self.error is not None:
-            raise self.error
-        assert self.scores is not None
-        return self.scores
 
 
 def _checked(tokens: Sequence[int], top: int, vocab_size: int, name: str) -> _Work:
