@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-from speculum.decoding.controller import GammaController, situation_key  # noqa: E402
+from speculum.decoding.gamma.controller import GammaController, situation_key  # noqa: E402
 from speculum.drafts import make_draft  # noqa: E402
 from speculum.models.backends import BACKENDS, DEFAULT_BACKEND  # noqa: E402
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import speculum
-from speculum.decoding.controller import GammaController, GammaPolicy, best_speedup_if_verification_free
+from speculum.decoding.gamma.controller import GammaController, GammaPolicy, best_speedup_if_verification_free
 from speculum.decoding.plan import plan_generation
-from speculum.decoding.profile import DraftProfile, profile_of
+from speculum.decoding.gamma.profile import DraftProfile, profile_of
 from speculum.models import MarkovModel, PromptLookup, TinyTransformer
 from speculum.models.base import Capabilities
 

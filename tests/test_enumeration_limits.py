@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from speculum.enumeration import AREnvelopeIndex, AutoregressiveEnumerable, RescoredIndex, Support
-from speculum.enumeration import envelope as envelope_module
+from speculum.enumeration.estimation import envelope as envelope_module
 from speculum.enumeration.enumerable import IndexBudgetError
 from speculum.models import MarkovModel
 

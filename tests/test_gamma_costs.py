@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculum.decoding.controller import GammaController
-from speculum.decoding.costs import CostModel
+from speculum.decoding.gamma.controller import GammaController
+from speculum.decoding.gamma.costs import CostModel
 
 
 @settings(max_examples=50, deadline=None)

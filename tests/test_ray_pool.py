@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 from speculum.enumeration import AutoregressiveEnumerable, Regex  # noqa: E402
 from speculum.models import MarkovModel  # noqa: E402
 from speculum.distributed.ray_pool import ClusterUnreachableError, ModelSpec, RayPool  # noqa: E402
-from speculum.models.tiny_transformer import TinyTransformer  # noqa: E402
+from speculum.models.reference.tiny_transformer import TinyTransformer  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 
 TINY = partial(TinyTransformer, 40, d_model=32, n_layers=2, seed=5)

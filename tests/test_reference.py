@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speculum.models import NGramModel, TinyTransformer
-from speculum.models.tiny_transformer import _gelu, _layer_norm
+from speculum.models.reference.tiny_transformer import _gelu, _layer_norm
 
 VOCAB = 11
 ATOL = 1e-10

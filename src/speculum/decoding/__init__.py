@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 from .compat import SpeculativeDecoder, SpeculativeDecodingStats
-from .controller import GammaController
+from .gamma.controller import GammaController
 from .events import Chunk, DecodingStats, GenerationResult
 from .generation import Decoder
 from .plan import make_rngs

@@ -10,8 +10,8 @@
   tokens it missed, reading the target's cache when it is the target's first layers, and the stop when the
   context outgrows its window.
 
-γ is the policy's (:class:`~speculum.decoding.controller.GammaPolicy`); what it learns about a draft model
-outlives the generation in the draft's :class:`~speculum.decoding.profile.DraftProfile`. Verification is
+γ is the policy's (:class:`~speculum.decoding.gamma.controller.GammaPolicy`); what it learns about a draft model
+outlives the generation in the draft's :class:`~speculum.decoding.gamma.profile.DraftProfile`. Verification is
 the loop's, with the pure rules of :mod:`speculum.decoding.verify`.
 """
 from __future__ import annotations
@@ -24,10 +24,10 @@ import numpy as np
 
 from ..models.base import Session, capabilities_of, check_token_ids
 from ..validation import InputError
-from .controller import GammaPolicy, situation_key
+from .gamma.controller import GammaPolicy, situation_key
 from .events import DecodingStats
 from .plan import Plan
-from .profile import profile_of
+from .gamma.profile import profile_of
 from .warp import sample_from_logprobs
 
 __all__ = ["Proposal", "Drafter", "PlainDrafter", "ProposerDrafter", "ModelDrafter", "drafter_for",

@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .controller import GammaPolicy
+from .gamma.controller import GammaPolicy
 from .drafter import Proposal, checked_rows, drafter_for
 from .events import Chunk, DecodingStats
 from .plan import Plan

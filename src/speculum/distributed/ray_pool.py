@@ -25,7 +25,7 @@ never changes a result.
 
 Example:
     >>> from functools import partial
-    >>> from speculum.models.tiny_transformer import TinyTransformer
+    >>> from speculum.models.reference.tiny_transformer import TinyTransformer
     >>> with RayPool(partial(TinyTransformer, 16, seed=1), workers=2) as pool:   # doctest: +SKIP
     ...     rows = pool.next_logprobs([[1, 2], [1, 3], [4]])                      # (3, 16)
 """

@@ -2,7 +2,7 @@
 
 Enumeration needs a draft with a distribution, never a proposer of fixed tokens. :func:`fit_ngram_draft`
 samples ``n_samples`` continuations of the prompt from the target (exact ancestral samples, one batched
-target call per depth) and fits an interpolated :class:`~speculum.models.ngram.NGramModel` of order
+target call per depth) and fits an interpolated :class:`~speculum.models.reference.ngram.NGramModel` of order
 :data:`NGRAM_ORDER` to them; the decoding n-gram proposer (:class:`~speculum.drafts.proposers.NGramProposer`)
 learns online with the same order.
 
@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..models.ngram import NGramModel
+from ..models.reference.ngram import NGramModel
 from ..validation import check_int
 
 __all__ = ["NGRAM_ORDER", "NGRAM_SAMPLES", "sample_continuations", "fit_ngram_draft"]

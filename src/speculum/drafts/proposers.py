@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from ..models.base import check_token_ids, common_prefix_length
-from ..models.ngram import NGramModel
+from ..models.reference.ngram import NGramModel
 from ..validation import InputError, check_int
 
 __all__ = ["PromptLookup", "NGramProposer"]

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..models.backends import DEFAULT_BACKEND, load_model
 from ..models.llamacpp import load_llamacpp_model
-from ..models.ngram import NGramModel
+from ..models.reference.ngram import NGramModel
 from ..models.paths import DEFAULT_MODEL, EMBEDDED_MODELS, is_embedded_model
 from ..validation import InputError, check_int
 from .ngram_fit import NGRAM_ORDER, NGRAM_SAMPLES, fit_ngram_draft

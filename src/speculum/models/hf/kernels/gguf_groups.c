@@ -6,7 +6,7 @@
  * Only the bytes of the groups are read (6 or 9 bits a weight, scales widened to float32, instead of 32): a
  * decode step is bound by memory bandwidth, so fewer bytes is a faster step.
  *
- * Layout (see grouped.py, which packs it): 16 output features share a "lane block"; for each lane block and
+ * Layout (see gguf_groups.py, which packs it): 16 output features share a "lane block"; for each lane block and
  * each group of 32 inputs one record holds the 16 features' float32 scales (and minimums), then the 32 x 16
  * quantised weights, input-major. Q4_1: byte [kk][lane] holds input kk (low nibble) and kk + 16 (high).
  *

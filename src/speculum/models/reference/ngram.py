@@ -26,8 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..validation import InputError, check_int, check_number
-from .base import BaseModel, check_token_ids
+from ...validation import InputError, check_int, check_number
+from ..base import BaseModel, check_token_ids
 
 __all__ = ["NGramModel", "NGramSession", "SMOOTHINGS"]
 

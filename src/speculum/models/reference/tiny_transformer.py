@@ -21,8 +21,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..validation import InputError, check_int, check_number
-from .base import BaseModel, Capabilities, Feed, check_prompt, check_session_blocks, check_token_ids, log_softmax
+from ...validation import InputError, check_int, check_number
+from ..base import BaseModel, Capabilities, Feed, check_prompt, check_session_blocks, check_token_ids, log_softmax
 
 __all__ = ["TinyTransformer", "TransformerWeights", "LayerWeights", "TransformerSession"]
 

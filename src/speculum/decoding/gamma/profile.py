@@ -5,7 +5,7 @@ every generation drafting with that object, one after another or at the same tim
 guards it, and what concurrent generations learn is merged, never overwritten.
 
 Only timed policies use a profile: a seeded sampler's γ sequence, hence its draws, must not depend on
-earlier calls (:class:`~speculum.decoding.controller.GammaPolicy`).
+earlier calls (:class:`~speculum.decoding.gamma.controller.GammaPolicy`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class DraftProfile:
     each (interference only ever adds time).
 
     ``acceptance()``: the pooled acceptance statistics and probe back-off that a generation left
-    (:meth:`~speculum.decoding.controller.GammaController.remembered`), so that a draft that rarely agrees
+    (:meth:`~speculum.decoding.gamma.controller.GammaController.remembered`), so that a draft that rarely agrees
     is not re-probed from scratch each time, with a version. A generation publishes its statistics when it
     ends, with the version it started from: they continue what it recalled, so they replace the stored
     ones, unless another generation published meanwhile; the two are then merged.

@@ -1,22 +1,14 @@
-"""Exact small models in NumPy, for tests, exact checks and benchmarks.
-
-Every log-prob here is exact (float64); these models are the ground truth that speculative decoding
-and enumeration are checked against by brute force.
-
-* :class:`MarkovModel` (this module) — order-1/2 chains from explicit logits;
-* :class:`NGramModel` (``ngram.py``) — smoothed token-id n-gram, fitted from data, updatable online;
-* :class:`TinyTransformer` (``tiny_transformer.py``) — a random-weight causal transformer with a KV cache.
-"""
+"""Markov chains of order 1 or 2 from explicit logits: the smallest exact model, for brute-force checks."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import numpy as np
 
-from ..validation import InputError
-from .base import BaseModel, Capabilities, Feed, check_logits, check_session_blocks, check_token_ids, log_softmax
+from ...validation import InputError
+from ..base import BaseModel, Capabilities, Feed, check_logits, check_session_blocks, check_token_ids, log_softmax
 
-__all__ = ["MarkovModel", "NGramModel", "TinyTransformer"]
+__all__ = ["MarkovModel"]
 
 
 class MarkovSession:
@@ -166,8 +158,3 @@ class MarkovModel(BaseModel):
             out[b] = total
         return out
 
-
-# Larger reference models live in their own modules; re-exported here so ``speculum.models.reference``
-# stays the one place to import exact NumPy models from.
-from .tiny_transformer import TinyTransformer  # noqa: E402
-from .ngram import NGramModel  # noqa: E402
