@@ -57,7 +57,7 @@ def test_the_flags_of_the_two_backends():
     assert hf.dtypes[0] == "float32" and hf.twin_drafts and hf.ray and hf.options == {"progress", "prepack", "verify"}
     assert not llamacpp.takes_dtype and llamacpp.fixed_dtype and not llamacpp.twin_drafts and llamacpp.ray
     assert llamacpp.options == frozenset() and llamacpp.dtype_advice("int8") is None
-    assert (hf.opens, llamacpp.opens) == ("local model directory", "GGUF file")
+    assert (hf.opens, llamacpp.opens) == ("local model directory or GGUF file", "GGUF file")
     for entry in BACKENDS.values():  # every loader is named, on the models floor
         assert backends._LAZY[entry.loader].startswith("speculum.models.")
         assert not entry.advice or backends._LAZY[entry.advice].startswith("speculum.models.")

@@ -50,7 +50,7 @@ def register(subparsers: Any) -> None:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``--target``, ``--backend``, ``--dtype`` (shared with ``speculum demo``)."""
-    opens = " / ".join(dict.fromkeys(backend.opens for backend in BACKENDS.values()))
+    opens = " or ".join(dict.fromkeys(kind for backend in BACKENDS.values() for kind in backend.opens.split(" or ")))
     parser.add_argument("--target", default="smollm2-135m", metavar="MODEL",
                         help=f"embedded model name or {opens} (default: smollm2-135m)")
     parser.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND,

@@ -84,7 +84,7 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
-    Backend("hf", "load_hf_model", "PyTorch via transformers", "local model directory",
+    Backend("hf", "load_hf_model", "PyTorch via transformers", "local model directory or GGUF file",
             dtypes=("float32", "bfloat16", "float16", "int8"), options=frozenset(OPTIONS), twin_drafts=True,
             advice="dtype_advice"),
     Backend("llamacpp", "load_llamacpp_model", "llama-cpp-python", "GGUF file",

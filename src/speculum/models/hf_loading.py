@@ -34,6 +34,7 @@ from unittest import mock
 from ..validation import InputError
 from .checkpoints import load_cached, write_cache
 from .cpu import default_threads
+from .gguf_files import cache_key, inspect_gguf, unreadable_reason
 from .paths import DEFAULT_MODEL, EMBEDDED_MODELS, cache_dir, canonical_name, embedded_gguf_path
 
 __all__ = ["load_hf_model", "DEFAULT_MODEL", "EMBEDDED_MODELS", "CONVERSION_STAGES", "ConversionProgress",
@@ -138,6 +139,15 @@ def load_hf_model(
     if key is not None:
         return _load_embedded(key, dtype=dtype, prepack=prepack, progress=report, verify=verify)
     path = Path(name_or_path).expanduser()
+    if path.is_file():
+        # Checked whole before any conversion: a file that is not GGUF, is cut short, or holds what
+        # transformers cannot read is refused in one line.
+        info = inspect_gguf(path)
+        reason = unreadable_reason(info)
+        if reason is not None:
+            raise InputError(reason)
+        return _load_gguf_file(path.resolve(), info.architecture, dtype=dtype, prepack=prepack, progress=report,
+                               verify=verify)
     if path.exists():
         return HFModel.from_pretrained(path, dtype=dtype, prepack=prepack)
     if os.sep in str(name_or_path) or str(name_or_path).startswith("."):
@@ -158,7 +168,23 @@ def _progress_callback(progress: Any) -> ProgressCallback | None:
 def _load_embedded(key: str, *, dtype: str, prepack: bool, progress: ProgressCallback | None,
                    verify: bool) -> Any:
     """An embedded model through the checkpoint cache (:func:`speculum.models.checkpoints.load_cached`)."""
-    gguf = embedded_gguf_path(key)
+    return _load_through_cache(embedded_gguf_path(key), key, key, dtype=dtype, prepack=prepack, progress=progress,
+                               verify=verify)
+
+
+def _load_gguf_file(gguf: Path, architecture: str, *, dtype: str, prepack: bool, progress: ProgressCallback | None,
+                    verify: bool) -> Any:
+    """A GGUF file of the user's, converted once into the cache under a name that follows its content
+    (:func:`~speculum.models.gguf_files.cache_key`), exactly as an embedded model is."""
+    return _load_through_cache(gguf, cache_key(gguf), gguf.name, dtype=dtype, prepack=prepack, progress=progress,
+                               verify=verify, groups=architecture == "llama")
+
+
+def _load_through_cache(gguf: Path, key: str, name: str, *, dtype: str, prepack: bool,
+                        progress: ProgressCallback | None, verify: bool, groups: bool = True) -> Any:
+    """The model of the GGUF file ``gguf``, converted once into the cache folder ``key`` (its conversion
+    reported under ``name``), with the file's weight groups for the float32 products where they load
+    (``groups``: a Llama file, the family the fused forward multiplies by them)."""
 
     def write(folder: Path) -> None:
         if progress is None:
@@ -169,20 +195,20 @@ def _load_embedded(key: str, *, dtype: str, prepack: bool, progress: ProgressCal
         def advance(stage: str) -> None:
             nonlocal finished
             finished = CONVERSION_STAGES.index(stage)
-            progress(ConversionProgress(key, stage, finished))
+            progress(ConversionProgress(name, stage, finished))
 
         try:
             _dequantise_into(gguf, folder, advance)
         except BaseException:
-            progress(ConversionProgress(key, "failed", finished))
+            progress(ConversionProgress(name, "failed", finished))
             raise
-        progress(ConversionProgress(key, "done", len(CONVERSION_STAGES)))
+        progress(ConversionProgress(name, "done", len(CONVERSION_STAGES)))
 
-    groups = _weight_groups(gguf, key, verify=verify) if prepack and dtype == "float32" else None
+    groups = _weight_groups(gguf, key, verify=verify) if groups and prepack and dtype == "float32" else None
     return load_cached(
         cache_dir() / f"{key}-float32", gguf, write=write, verify=verify,
-        load=lambda folder: _load_converted(folder, key, dtype=dtype, prepack=prepack, groups=groups),
-        load_uncached=lambda: _load_gguf(gguf, key, dtype=dtype, prepack=prepack, quiet=progress is None,
+        load=lambda folder: _load_converted(folder, name, dtype=dtype, prepack=prepack, groups=groups),
+        load_uncached=lambda: _load_gguf(gguf, name, dtype=dtype, prepack=prepack, quiet=progress is None,
                                          groups=groups),
     )
 
@@ -206,8 +232,8 @@ def _weight_groups(gguf: Path, key: str, *, verify: bool) -> dict | None:
 
 
 def _load_converted(folder: Path, key: str, *, dtype: str, prepack: bool, groups: dict | None = None) -> Any:
-    """The embedded model from its converted folder; raises when any part of it, the tokenizer included,
-    does not load (the embedded model always has one, so a missing tokenizer means a damaged cache)."""
+    """A GGUF file's model from its converted folder; raises when any part of it, the tokenizer included,
+    does not load (a GGUF file carries its tokenizer, so a missing one means a damaged cache)."""
     from .hf import HFModel  # imports torch, the [llm] extra
 
     model = HFModel.from_pretrained(folder, dtype=dtype, prepack=prepack, groups=groups)
@@ -218,7 +244,8 @@ def _load_converted(folder: Path, key: str, *, dtype: str, prepack: bool, groups
 
 
 def _load_gguf(gguf: Path, key: str, *, dtype: str, prepack: bool, quiet: bool, groups: dict | None = None) -> Any:
-    """The embedded model straight from its GGUF file (~25 s): the same weights as a converted folder."""
+    """A GGUF file's model straight from the file (an unwritable cache): the same weights as a converted
+    folder."""
     import torch  # the [llm] extra, loaded with the first PyTorch model
     from transformers import AutoTokenizer  # the [llm] extra
     from transformers.utils import logging as hf_logging  # the [llm] extra

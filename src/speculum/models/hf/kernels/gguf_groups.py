@@ -201,6 +201,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
 _LLAMA_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                 "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 _FILE = "groups.safetensors"
+_MARKER = "speculum"      # the metadata entry every groups file carries (not a tensor)
 
 
 def read_groups(gguf_path: str | os.PathLike) -> dict[str, GroupedWeight]:
@@ -237,8 +238,11 @@ def save_groups(groups: dict[str, GroupedWeight], folder: Path) -> None:
     """Write ``groups`` into ``folder`` (one safetensors file) for :func:`load_groups`."""
     from safetensors.torch import save_file  # with transformers, the [llm] extra
 
+    # A marker entry: safetensors cannot read back a file with no tensors and no metadata (a model without
+    # groups of a kind the kernel multiplies).
     save_file({name: weight.records for name, weight in groups.items()}, str(Path(folder) / _FILE),
-              metadata={name: f"{w.kind},{w.out_features},{w.in_features}" for name, w in groups.items()})
+              metadata={_MARKER: "gguf weight groups",
+                        **{name: f"{w.kind},{w.out_features},{w.in_features}" for name, w in groups.items()}})
 
 
 def load_groups(folder: Path) -> dict[str, GroupedWeight]:
@@ -250,7 +254,8 @@ def load_groups(folder: Path) -> dict[str, GroupedWeight]:
     groups = {}
     with safe_open(str(Path(folder) / _FILE), framework="pt") as handle:
         for name, shape in (handle.metadata() or {}).items():
-            groups[name] = _checked_groups(name, shape, handle.get_tensor(name))
+            if name != _MARKER:
+                groups[name] = _checked_groups(name, shape, handle.get_tensor(name))
     return groups
 
 
