@@ -1,8 +1,8 @@
 """The backends a model loads on, in one table, and :func:`load_model`, which reads it.
 
-Why: a backend used to be a string compared wherever it mattered (``load_model``, the command line's
-``--backend`` and its checks, the Ray pool's model spec), so a new backend touched every one of them. Now
-each backend is one :class:`Backend` entry of :data:`BACKENDS`: its loader and what it declares — the
+Why: a backend named by a string compared wherever it matters (``load_model``, the command line's
+``--backend`` and its checks, the Ray pool's model spec) makes a new backend touch every one of them.
+Here each backend is one :class:`Backend` entry of :data:`BACKENDS`: its loader and what it declares — the
 precisions it loads, the other ``load_model`` options it takes, what a path names for it, whether the
 twin drafts (int8, bf16, layers:K: built from the target's own weights) can be built from its models,
 whether it runs in a Ray pool's actors. Everything else reads those flags.
