@@ -1,6 +1,6 @@
 """lm-evaluation-harness on `speculum serve` against lm-eval's own `hf` backend, on SmolLM2-135M-Instruct.
 
-Three task shapes made here (tests/eval_tasks.py), nothing downloaded:
+Three task shapes made here (tests/support/eval_tasks.py), nothing downloaded:
 
 - `arith_mc`: 5-shot multiple choice, arithmetic, 4 choices, the same five examples before every question;
 - `next_mc`: 3-shot multiple choice with a short context ("In the months, what comes after June?"),
@@ -39,7 +39,7 @@ from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from eval_tasks import write_arithmetic_tasks, write_next_tasks, write_rolling_task  # noqa: E402
+from support.eval_tasks import write_arithmetic_tasks, write_next_tasks, write_rolling_task  # noqa: E402
 
 PREFIX = 1      # the token before a rolling window: SmolLM2's BOS, lm-eval hf's default, named to the server's
 RUNNER = """

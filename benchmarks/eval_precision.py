@@ -34,7 +34,7 @@ from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from eval_tasks import write_arithmetic_tasks  # noqa: E402
+from support.eval_tasks import write_arithmetic_tasks  # noqa: E402
 
 
 def requests(tokenizer, items: int) -> list[tuple[list[int], int]]:

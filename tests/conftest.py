@@ -11,7 +11,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-from reference_target import REFERENCE_TARGET, reference_model  # noqa: E402
+from support.reference_target import REFERENCE_TARGET, reference_model  # noqa: E402
 
 
 @pytest.fixture
@@ -27,18 +27,3 @@ def reference_target(monkeypatch):
 
     monkeypatch.setattr(enumerate_cli, "load_target", load)
     return REFERENCE_TARGET
-
-
-def load_each_target_once(monkeypatch, cache: dict) -> None:
-    """The CLI's first load of a target goes through its own loader; later runs reuse that model (``cache``:
-    spec -> model, kept by the calling test module)."""
-    import speculum.cli.enumerate as enumerate_cli
-
-    load = enumerate_cli.load_target
-
-    def cached(spec, **options):
-        if spec not in cache:
-            cache[spec] = load(spec, **options)
-        return cache[spec]
-
-    monkeypatch.setattr(enumerate_cli, "load_target", cached)

@@ -4,7 +4,7 @@ Why: a drawn architecture drifts from the code it describes (arrows that no impo
 moved). Here every arrow is an import: ``A --> B`` means a module of package ``B`` imports a module of
 package ``A`` (string imports and imports inside functions included, see :mod:`speculum._devtools.imports`).
 Arrows that a longer path already implies are left out (the transitive reduction), so the picture stays
-readable and every arrow drawn is still an import. ``tests/test_architecture.py`` checks the document's
+readable and every arrow drawn is still an import. ``tests/project/test_architecture.py`` checks the document's
 copy against the code.
 
     python -m speculum._devtools.architecture          # prints the mermaid block

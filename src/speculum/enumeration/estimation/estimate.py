@@ -27,7 +27,7 @@ seen before ``c`` (a sure bound).
 token mode, a final last step) contributes its term averaged over its own stratum's last-step law,
 ``sum_t q_k(t | y) 1[y t before c] / q(y t)``: unbiased, never noisier, and still independent across the
 draws of a stratum, so the variance formula above holds for these terms. Measured
-coverage: tests/test_exposure_estimate.py (200 canaries, each with its own draws, on a reference chain) and
+coverage: tests/enumeration/test_exposure_estimate.py (200 canaries, each with its own draws, on a reference chain) and
 benchmarks/exposure.py (SmolLM2, over several sets of draws: the canaries of one set share its draws, so one
 set's coverage is nearly all or nothing and is no measure of the interval).
 

@@ -28,7 +28,7 @@ reproduces plain greedy decoding except at a near-exact tie of the top two token
 
 Log-probs: llama.cpp returns float32 logits; rows are returned as float64 log-probs normalised over the
 vocabulary. Against the PyTorch backend on the same (dequantised) weights they differ by llama.cpp's 8-bit
-activation quantisation (``tests/test_llamacpp.py`` bounds it: under 0.6 nats on tokens with p > 1e-3,
+activation quantisation (``tests/models/test_llamacpp.py`` bounds it: under 0.6 nats on tokens with p > 1e-3,
 total variation under 0.11 per row).
 
 Example:
