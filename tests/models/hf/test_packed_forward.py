@@ -74,7 +74,7 @@ def test_packed_sessions_on_the_store_equal_their_own_forwards(tiny, requests, s
                 blocks = [rng.integers(3, tiny.vocab_size, size=max(1, live[i][2][0][1])).tolist()
                           for i in taking_part]
                 got = tiny.extend_sessions([live[i][1] for i in taking_part], blocks)
-                assert all(live[i][1].cache.store is tiny._arena for i in taking_part)
+                assert all(live[i][1].cache.store is tiny.kv_store for i in taking_part)
                 for i, block, rows in zip(taking_part, blocks, got):
                     solo, packed, rounds = live[i]
                     want = solo.extend(block)
@@ -89,7 +89,7 @@ def test_packed_sessions_on_the_store_equal_their_own_forwards(tiny, requests, s
             assert np.abs(solo.extend([3]) - packed.extend([3])).max() < 1e-4
         live = solo = packed = None
         gc.collect()
-        assert tiny._arena.in_use == 0 and tiny._arena.keys == []
+        assert tiny.kv_store.in_use == 0 and tiny.kv_store.keys == []
     finally:
         tiny._arena = own_store
 
@@ -109,7 +109,7 @@ def test_a_layer_draft_reads_a_session_on_the_store(tiny):
     draft = truncated_draft(tiny, 2)
     target_sessions = [tiny.start([3, 4, 5, 6]), tiny.start([7, 8])]
     tiny.extend_sessions(target_sessions, [[9, 10], [11]])
-    assert target_sessions[0].cache.store is tiny._arena
+    assert target_sessions[0].cache.store is tiny.kv_store
     shared = draft.start_sharing(target_sessions[0])
     assert shared is not None
     np.testing.assert_allclose(shared.advance([12]), draft.start([3, 4, 5, 6, 9, 10]).advance([12]), atol=1e-5)
@@ -240,7 +240,7 @@ def test_a_cancelled_generation_gives_its_slot_back(tiny):
     requests = [scheduler.add(p, max_new_tokens=30, temperature=0, eos_token_id=None) for p in ([3, 4], [5, 6, 7], [8, 9])]
     for _ in range(3):
         scheduler.step()
-    arena = tiny._arena
+    arena = tiny.kv_store
     assert arena.in_use == 3
     scheduler.cancel(requests[1])
     assert arena.in_use == 2

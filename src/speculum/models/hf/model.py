@@ -291,6 +291,12 @@ class HFModel(BaseModel):
         return [feed.session.record_prompt_fed(len(read)) if p else feed.session.record_forward(feed.tokens, rows)
                 for feed, read, rows, p in zip(feeds, reads, logits, part)]
 
+    @property
+    def kv_store(self) -> Any:
+        """The KV store (:class:`~speculum.models.hf.kv.store.KVArena`) whose slots the model's decoding
+        sessions share: what it holds, for inspection (``in_use``, ``slots``, ``capacity``)."""
+        return self._arena
+
     def prepare_packing(self) -> bool:
         """Run the check that packed forwards keep each sequence's rows (:mod:`~speculum.models.hf.forward.packed`)
         now rather than at the first :meth:`extend_rows` (a server calls it before its first request); True
