@@ -23,7 +23,7 @@ from speculum.decoding import generate  # noqa: E402
 from speculum.models import hf_loading  # noqa: E402
 from speculum.models.backends import load_model  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
-from test_gguf_files import write_gguf  # noqa: E402
+from support.gguf_writer import write_gguf  # noqa: E402
 
 
 @pytest.fixture

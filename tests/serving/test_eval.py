@@ -21,7 +21,7 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("tenacity")          # lm-eval's API models need its [api] extra
 
 from support.eval_tasks import write_arithmetic_tasks, write_letter_tasks  # noqa: E402
-from test_serve import (ALPHABET, NAME, Server, decode, encode, free_port, make_target,  # noqa: E402
+from support.serving import (ALPHABET, NAME, Server, decode, encode, free_port, make_target,  # noqa: E402
                         wait_until_healthy)
 
 from speculum.serving import Engine, create_app  # noqa: E402

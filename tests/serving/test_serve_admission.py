@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from speculum.models import MarkovModel  # noqa: E402
 from speculum.serving import Engine, EngineBusy, GenerationRequest, create_app  # noqa: E402
 
-from test_serve import EOS, NAME, decode, encode, make_target  # noqa: E402
+from support.serving import EOS, NAME, decode, encode, make_target  # noqa: E402
 
 
 class Held(MarkovModel):

@@ -25,7 +25,7 @@ from speculum.models import MarkovModel, TinyTransformer  # noqa: E402
 from speculum.serving import Engine, create_app  # noqa: E402
 from speculum.models.prompt_scores import PromptScorer  # noqa: E402
 
-from test_serve import NAME, Server, decode, encode, make_target  # noqa: E402
+from support.serving import NAME, Server, decode, encode, make_target, same  # noqa: E402
 
 VOCAB = 9
 
@@ -36,11 +36,6 @@ def tiny() -> TinyTransformer:
 
 def solo(model, tokens, chunk, top=3):
     return PromptScorer(model, chunk=chunk).score(tokens, top=top)
-
-
-def same(first, second) -> bool:
-    return (first.tokens == second.tokens and first.logprobs == second.logprobs and first.top == second.top
-            and np.array_equal(first.next_logprobs, second.next_logprobs))
 
 
 # ---------------------------------------------------------------------------------------------- the scorer

@@ -20,8 +20,8 @@ from speculum.serving.rounds import (IDLE_ROUND_SECONDS, MIN_ROUND_TOKENS, MIN_S
                                      round_budget)
 from speculum.models.prompt_scores import DEFAULT_CHUNK, PromptScorer, _shares, likeliest, likeliest_rows  # noqa: E402
 
-from test_serve import decode  # noqa: E402
-from test_serve_echo import same  # noqa: E402
+from support.serving import decode  # noqa: E402
+from support.serving import same  # noqa: E402
 
 LONG = 4000                  # prompt tokens: over a hundred rounds of the scorer's chunk
 

@@ -31,7 +31,7 @@ from speculum.models import MarkovModel  # noqa: E402
 from speculum.serving import Engine, EngineBusy, GenerationRequest, create_app  # noqa: E402
 from speculum.serving.schema import ServerLimits, default_body_limit  # noqa: E402
 
-from test_serve import (NAME, Server, decode, encode, free_port, make_target,  # noqa: E402
+from support.serving import (NAME, Server, decode, encode, free_port, make_target,  # noqa: E402
                         wait_until_healthy)
 
 
@@ -236,7 +236,7 @@ def test_every_error_has_openais_shape_and_a_field_or_null_as_param():
 SERVER_SCRIPT = textwrap.dedent("""
     import sys, time, uvicorn
     sys.path.insert(0, {tests!r})
-    from test_serve import NAME, encode, decode
+    from support.serving import NAME, encode, decode
     from speculum.models import MarkovModel
     from speculum.serving import Engine, create_app, serve_on_this_thread
 
@@ -255,7 +255,7 @@ SERVER_SCRIPT = textwrap.dedent("""
 
 def test_sigterm_ends_open_streams_with_an_error_event_and_done_then_exits_as_terminated():
     port = free_port()
-    script = SERVER_SCRIPT.format(tests=os.path.dirname(__file__), port=port)
+    script = SERVER_SCRIPT.format(tests=os.path.dirname(os.path.dirname(__file__)), port=port)
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:

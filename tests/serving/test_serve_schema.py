@@ -115,7 +115,7 @@ def _refusal_over_http(body: dict, route: str = "/v1/completions") -> dict:
     from fastapi.testclient import TestClient
 
     from speculum.serving import Engine, create_app
-    from test_serve import NAME, decode, encode, encode_chat, make_target
+    from support.serving import NAME, decode, encode, encode_chat, make_target
 
     engine = Engine(make_target(), decode=decode)
     with TestClient(create_app(engine, NAME, encode_text=encode, encode_chat=encode_chat)) as client:
