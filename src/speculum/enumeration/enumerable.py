@@ -43,7 +43,7 @@ __all__ = ["AutoregressiveEnumerable", "SeekIndex", "BandTooLargeError", "IndexB
            "StreamProgress", "DEFAULT_MAX_BAND", "DEFAULT_MAX_NODES"]
 
 
-def _eos_token_of(model) -> int:
+def eos_token_of(model) -> int:
     """The model's own eos id, for ``eos=True`` (``BaseModel`` declares ``eos_token_id``, None for none)."""
     try:
         eos = model.eos_token_id
@@ -111,7 +111,7 @@ class AutoregressiveEnumerable(SupportAttributes):
                  max_forwards: int | None = None) -> None:
         model = as_model(model, name="model")
         if eos is True:
-            eos = _eos_token_of(model)
+            eos = eos_token_of(model)
         if eos is False:
             eos = None
         automaton = compile_for(constraint, model, eos=eos)

@@ -38,7 +38,7 @@ from ..models.base import as_model, check_logits, check_prompt, check_token_id, 
 from ..models.vocabulary import token_bytes
 from ..validation import InputError, check_int
 from .formats.constraint import Choices
-from .enumerable import AutoregressiveEnumerable
+from .enumerable import AutoregressiveEnumerable, eos_token_of
 from .index.strings import StringIndex
 
 __all__ = ["ChoiceScores", "ScoringProgress", "score_choices"]
@@ -185,12 +185,7 @@ def _eos(model, eos) -> int | None:
     if eos is None or eos is False:
         return None
     if eos is True:
-        try:
-            eos = model.eos_token_id
-        except AttributeError:
-            eos = None
-        if eos is None:
-            raise InputError("eos=True but the model has no eos_token_id")
+        eos = eos_token_of(model)
     return check_token_id(eos, model.vocab_size, name="eos")
 
 
