@@ -30,7 +30,7 @@ import warnings
 import torch
 
 from ..models.hf import HFModel
-from ..models.hf.forward.fused_llama import RELEASED
+from ..models.hf.forward.fused import RELEASED
 from ..models.hf.kernels.onednn import unpacked_copy
 from ..models.hf.precision import cast_module
 from ..validation import InputError

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 import speculum  # noqa: E402
 from support.hf_tiny import save_tiny_model  # noqa: E402
-from speculum.models.hf.forward.fused_llama import FusedLlama  # noqa: E402
+from speculum.models.hf.forward.fused import FusedForward  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.hf.kernels.onednn import is_prepacked, prepack_linears, unpack_linears, unpacked_copy  # noqa: E402
 from speculum.drafts import make_draft  # noqa: E402
@@ -70,7 +70,7 @@ def test_hf_model_rows_match_default_kernels_and_drafts_still_build(tiny_path, m
     """Both CPU fast paths (the fused Llama forward; per-layer packing for other architectures, forced here
     by refusing the fused one) agree with transformers' default forward, and every draft still works."""
     if path == "prepacked":
-        monkeypatch.setattr(FusedLlama, "build", classmethod(lambda cls, module: None))
+        monkeypatch.setattr(FusedForward, "build", classmethod(lambda cls, module: None))
     packed = HFModel.from_pretrained(tiny_path)
     default = HFModel.from_pretrained(tiny_path, prepack=False)
     assert packed.fused_forward == (path == "fused") and not default.fused_forward

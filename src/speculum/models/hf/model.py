@@ -16,7 +16,7 @@
   position never sees the padding that follows it.
 
 Precision: the forward runs in the model's dtype (float32 by default; a bfloat16 Llama multiplies its
-bfloat16 weights in the fused forward with float32 activations, see ``forward/fused_llama.py``); logits are
+bfloat16 weights in the fused forward with float32 activations, see ``forward/fused.py``); logits are
 log-softmaxed in float64 by torch and returned as float64 NumPy rows (normalised to ~1e-15). Batched verification uses
 different matrix shapes from one-token decoding, so two logits closer than ~1e-6 may swap order between
 the two (floating-point sums depend on their order); in float32 this is rare enough that greedy
@@ -43,7 +43,7 @@ from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_b
 from ..cpu import default_threads
 from ..memory.allocator import trim_heap
 from ..vocabulary import hf_token_bytes
-from .forward.fused_llama import FusedLlama, release_block_weights
+from .forward.fused import FusedForward, release_block_weights
 from .forward.packed import RowInvariantForward
 from .forward.prefix_levels import trie_forward
 from .kernels.gguf_groups import GroupedWeight, attach_groups
@@ -86,7 +86,7 @@ class HFModel(BaseModel):
         name: a label for messages and benchmarks.
         prepack: the CPU fast path for float32 models, same results to float32 rounding, one more copy
             of the weights. Llama-architecture models run the fused forward of
-            :mod:`speculum.models.hf.forward.fused_llama`; other models run their float32 ``nn.Linear`` layers
+            :mod:`speculum.models.hf.forward.fused`; other models run their float32 ``nn.Linear`` layers
             through pre-packed oneDNN weights (:mod:`speculum.models.hf.kernels.onednn`). False keeps
             transformers' forward with PyTorch's default kernels.
         groups: the GGUF weight groups the float32 weights were expanded from
@@ -113,7 +113,7 @@ class HFModel(BaseModel):
         # Layers whose weights are GGUF groups multiply by the groups (fewer bytes a step, same weights).
         self.grouped_layers = attach_groups(module, groups) if prepack and groups else 0
         # The fused forward packs its own (fused) weights, so per-layer packing would only add a third copy.
-        self._fused = FusedLlama.build(module) if prepack else None
+        self._fused = FusedForward.build(module) if prepack else None
         # Declared once, here: many sessions in one forward needs the fused forward's packed variant.
         self.capabilities = Capabilities(sparse_rows=True, session_advance=True, shares_prefix_cache=True,
                                          batched_extend=self._fused is not None,
@@ -145,7 +145,7 @@ class HFModel(BaseModel):
 
     @property
     def fused_forward(self) -> bool:
-        """True when forwards run the fused Llama forward (:mod:`speculum.models.hf.forward.fused_llama`)."""
+        """True when forwards run the fused Llama forward (:mod:`speculum.models.hf.forward.fused`)."""
         return self._fused is not None
 
     def release_unfused_weights(self) -> int:
@@ -476,7 +476,7 @@ class HFModel(BaseModel):
 
     def new_cache(self) -> OwnCache:
         """An empty KV cache of its own for this model's layers (what a new session holds)."""
-        return OwnCache(self.config)
+        return OwnCache()
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, keep: int = 0) -> torch.Tensor:
         """One forward of ``input_ids (batch, n)`` on top of ``cache`` (extended in place) -> logits

@@ -11,7 +11,7 @@ under another load.
 How: each row is computed in a shape fixed by its own position ``p`` alone. It attends keys
 ``[0, span)`` with ``span`` = :func:`keys_needed` of ``p + 1`` (rounded up to a multiple of 16 within
 the first 64 keys, of 64 beyond), the keys after ``p`` masked (weight exactly zero; their contents only
-need to be finite). The heads that share a key/value
+need to be finite), and on a sliding-window layer of window ``w`` those before ``p - w + 1`` too. The heads that share a key/value
 head form the query rows of one attention item, ``(heads_per_kv, span)``, so every row is the same set of
 items whatever else is in the forward. The rows of one sequence with the same span go in one kernel call
 along its batch dimension, which the kernel computes item by item: :func:`items_are_independent` checks
@@ -48,11 +48,13 @@ def keys_needed(end: int) -> int:
     return -(-end // block) * block
 
 
-def _mask(limits: torch.Tensor, span: int) -> torch.Tensor:
-    """Additive masks ``(items, 1, 1, span)``: item i sees keys ``0 .. limits[i]`` (built once per forward:
-    a bool mask would be converted in every layer's call)."""
-    return torch.zeros(len(limits), 1, 1, span).masked_fill_(torch.arange(span) > limits.view(-1, 1, 1, 1),
-                                                             float("-inf"))
+def _mask(limits: torch.Tensor, span: int, window: int | None = None) -> torch.Tensor:
+    """Additive masks ``(items, 1, 1, span)``: item i sees keys ``0 .. limits[i]``, only the last ``window``
+    of them on a sliding-window layer (transformers' window: key > query - window); built once per forward,
+    as a bool mask would be converted in every layer's call."""
+    keys, limits = torch.arange(span), limits.view(-1, 1, 1, 1)
+    hidden = keys > limits if window is None else (keys > limits) | (keys <= limits - window)
+    return torch.zeros(len(limits), 1, 1, span).masked_fill_(hidden, float("-inf"))
 
 
 @functools.cache
@@ -86,11 +88,13 @@ class RowAttention:
     module): built once per forward, called once per layer. ROW-CANONICAL.
 
     ``keys`` is how many keys a call reads (:func:`keys_needed` of ``past + n``): the caller's key and
-    value tensors must hold at least that many, the block's own keys written, those past it finite."""
+    value tensors must hold at least that many, the block's own keys written, those past it finite.
+    ``window``: a sliding-window layer's (each row sees its last ``window`` keys); None, full attention."""
 
-    def __init__(self, past: int, n: int) -> None:
-        if past < 0 or n < 1:
-            raise ValueError(f"a block needs past >= 0 and n >= 1 rows, not past={past}, n={n}")
+    def __init__(self, past: int, n: int, window: int | None = None) -> None:
+        if past < 0 or n < 1 or (window is not None and window < 1):
+            raise ValueError(f"a block needs past >= 0, n >= 1 rows and a window >= 1, not past={past}, n={n}, "
+                             f"window={window}")
         self.past, self.n = past, n
         self.keys = keys_needed(past + n)
         self.groups: list[tuple[int, int, int, torch.Tensor]] = []   # (first row, end row, span, mask)
@@ -98,7 +102,7 @@ class RowAttention:
         while start < n:
             span = keys_needed(past + start + 1)
             stop = min(n, span - past)
-            self.groups.append((start, stop, span, _mask(torch.arange(past + start, past + stop), span)))
+            self.groups.append((start, stop, span, _mask(torch.arange(past + start, past + stop), span, window)))
             start = stop
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -144,9 +148,10 @@ class SlotRows:
     theirs, each item reading its own slot (a slot in between without such a row computes a dummy item,
     discarded). Each row is the item :class:`RowAttention` gives it alone. ROW-CANONICAL.
 
-    ``slots``, ``positions``: each row's slot and position in its sequence."""
+    ``slots``, ``positions``: each row's slot and position in its sequence; ``window``: as for
+    :class:`RowAttention`."""
 
-    def __init__(self, slots: list[int], positions: list[int]) -> None:
+    def __init__(self, slots: list[int], positions: list[int], window: int | None = None) -> None:
         self.groups: list[tuple[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor]] = []
         spans = [keys_needed(p + 1) for p in positions]
         for span in sorted(set(spans)):
@@ -155,7 +160,7 @@ class SlotRows:
             where = torch.tensor([slots[i] - low for i in rows])
             limits = torch.zeros(high - low, dtype=torch.long)                  # a dummy item reads key 0
             limits[where] = torch.tensor([positions[i] for i in rows])
-            self.groups.append((torch.tensor(rows), where, low, high, span, _mask(limits, span)))
+            self.groups.append((torch.tensor(rows), where, low, high, span, _mask(limits, span, window)))
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         """``q (rows, heads, d)`` attending the store's ``keys`` / ``values (slots, kv_heads, >= every row's

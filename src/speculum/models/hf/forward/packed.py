@@ -7,7 +7,7 @@ answers must not depend on what else was packed (an evaluation must give the sam
 concurrency), which rounding does not promise in general: a matrix kernel may pick another algorithm,
 blocking or reduction order for another number of rows.
 
-How: the fused forward computes every row in a shape of its own (``fused_llama.py``): its products run
+How: the fused forward computes every row in a shape of its own (``fused.py``): its products run
 each row on one kernel path, attention gives each row the shapes its position alone fixes
 (:mod:`~speculum.models.hf.forward.attention`), and the other operations are row-wise (RMSNorm over each
 row's features, rotary tables per position, SiLU and sums per element). :class:`RowInvariantForward`
@@ -21,10 +21,10 @@ Where the check fails (a kernel that depends on the row count, such as dynamical
 products, whose activation scale is the whole batch's) every sequence gets a forward of its own: the same
 rows, without the saving. Guarantee: BATCH-INVARIANT, each sequence's logits a function of its own tokens
 and cache alone; relative to transformers' forward the fused forward's float32 rounding (see
-``fused_llama.py``).
+``fused.py``).
 
 Example:
-    >>> forward = RowInvariantForward(FusedLlama.build(model.module))          # doctest: +SKIP
+    >>> forward = RowInvariantForward(FusedForward.build(model.module))          # doctest: +SKIP
     >>> a, b = forward([[1, 2, 3], [4, 5]], [OwnCache(model.config), OwnCache(model.config)])  # doctest: +SKIP
     >>> a.shape, b.shape                                                        # doctest: +SKIP
     (torch.Size([3, 49152]), torch.Size([2, 49152]))
@@ -35,7 +35,7 @@ import torch
 
 from ..kernels.probe import PROBE_ROWS
 from ..kv.cache import KVCache, OwnCache
-from .fused_llama import FusedLlama
+from .fused import FusedForward
 
 __all__ = ["RowInvariantForward", "MAX_ROWS"]
 
@@ -47,7 +47,7 @@ class RowInvariantForward:
     cache (extended in place), packed into forwards of at most :data:`MAX_ROWS` rows where the load check
     passes (see the module docstring), else one forward per sequence. BATCH-INVARIANT."""
 
-    def __init__(self, fused: FusedLlama) -> None:
+    def __init__(self, fused: FusedForward) -> None:
         self.fused = fused
         self._packs: bool | None = None          # decided by the first call (the load check)
 

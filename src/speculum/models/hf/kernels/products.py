@@ -66,7 +66,8 @@ class RowProduct:
 
 
 def is_float_linear(layer: Any) -> bool:
-    return type(layer) is torch.nn.Linear and layer.bias is None
+    """A plain float ``nn.Linear`` (its bias, if any, is the caller's to add: products multiply only)."""
+    return type(layer) is torch.nn.Linear
 
 
 def is_int8_linear(layer: Any) -> bool:
@@ -143,7 +144,7 @@ def _bf16_product(weight: torch.Tensor) -> RowProduct:
 
 def build_product(layers: list) -> RowProduct:
     """One product computing the concatenated outputs of ``layers`` (all float, all int8 weight-only, or
-    all int8 dynamic).
+    all int8 dynamic), without their biases: float layers' biases are the caller's to add.
 
     Float32 layers that all carry weight groups of one kind multiply by them (one kernel call).
     Float weights are concatenated and packed once for oneDNN: each output element is still the same dot

@@ -1,4 +1,4 @@
-"""A fused CPU forward for Llama-architecture models: transformers' math without its per-module overhead.
+"""A fused CPU forward for Llama-family models: transformers' math without its per-module overhead.
 
 Why: on a small model the Python around the matrix products is a large share of a decode step: on
 SmolLM2-135M (30 blocks) transformers' ``LlamaForCausalLM`` spends about a third of a step outside its
@@ -7,14 +7,19 @@ forward runs the same operations from one function on pre-packed oneDNN weights 
 with the query/key/value and gate/up projections fused into one product each: 4 matrix calls per block
 instead of 7 (``benchmarks/decoding_llm.py`` measures the effect end to end).
 
-Exactness: the same formulas in the same order as transformers' Llama (RMSNorm in float32, rotary tables
-from the model's own ``rotary_emb``, causal scaled-dot-product attention), on the same float32 weights;
+Families: Llama, Mistral, Qwen2, Qwen3 and Gemma 3 run this one forward, which reads how each family's block
+differs from Llama's from a small table (:mod:`~speculum.models.hf.forward.families`): q/k norms, norms
+after attention and MLP, biases, the gate's activation, scaled embeddings, sliding-window layers with their
+own rotary tables.
+
+Exactness: the same formulas in the same order as transformers' forward of the family (RMSNorm in float32,
+rotary tables from the model's own ``rotary_emb``, causal scaled-dot-product attention), on the same weights;
 the fused products compute every output element as the same dot product. Log-probs agree with
 transformers' forward to float32 rounding (tested ≤ 1e-4 nats).
 
 Row-canonical: a row's logits are a function of its sequence's tokens up to it alone, bit for bit,
 whether the tokens were fed whole, one at a time, in a speculative block, or packed with other sequences
-(:attr:`FusedLlama.canonical_rows`). Attention computes each row in a shape its position alone fixes
+(:attr:`FusedForward.canonical_rows`). Attention computes each row in a shape its position alone fixes
 (:mod:`~speculum.models.hf.forward.attention`), the products keep every row on one kernel path, checked once
 per shape at build (:mod:`~speculum.models.hf.kernels.products`), and the rest is row-wise. So greedy speculative
 output is plain greedy output and a server's answer does not depend on what else it runs, as a guarantee
@@ -36,11 +41,11 @@ bfloat16 rounding (:data:`_SELF_CHECK_TOLERANCE_BF16`).
 It reads and writes any :class:`~speculum.models.hf.kv.cache.KVCache` through its protocol (``length``,
 ``append``, ``exclusive``): a cache of its own, which transformers' forward reads too, or a slot of the
 model's KV store. Only what it reproduces exactly is accepted (:func:`unsupported_reason`), and only after
-a load-time probe agrees with transformers' own forward (:meth:`FusedLlama.self_check`); anything else
+a load-time probe agrees with transformers' own forward (:meth:`FusedForward.self_check`); anything else
 keeps transformers' forward.
 
 Example:
-    >>> fused = FusedLlama.build(model.module)          # doctest: +SKIP  (None if not applicable)
+    >>> fused = FusedForward.build(model.module)          # doctest: +SKIP  (None if not applicable)
     >>> logits = fused(torch.tensor([[1, 2, 3]]), OwnCache(model.config), keep=1)  # doctest: +SKIP
 """
 from __future__ import annotations
@@ -63,8 +68,9 @@ from ..kv.cache import KVCache, OwnCache, SlotCache
 from ..kv.store import KVArena
 from ..precision import cast_module
 from .attention import RowAttention, SlotRows, keys_needed
+from .families import ACTIVATIONS, FAMILIES, Family, activation_of, family_of, has_bias, layer_windows, structure_reason
 
-__all__ = ["FusedLlama", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]
+__all__ = ["FusedForward", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]
 
 # Relative logit difference above which the load-time probe rejects the fused forward: float32 reordering
 # moves logits by ~1e-6 relative, a formula change by far more.
@@ -87,15 +93,34 @@ RELEASED = "_speculum_weights_released"   # set on a module whose block weights 
 
 
 @dataclass(frozen=True)
+class _Norm:
+    """An RMSNorm's float32 weight (its family's offset added) and epsilon: ``norm(x)`` over the last dimension."""
+    weight: torch.Tensor       # (features,)
+    eps: float
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, offset: float) -> "_Norm":
+        # Llama's and Qwen's name it variance_epsilon, Gemma's eps.
+        eps = getattr(module, "variance_epsilon", None)
+        return cls(module.weight.detach().float() + offset, float(module.eps if eps is None else eps))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+@dataclass(frozen=True)
 class _Block:
     qkv: RowProduct            # hidden -> q + k + v features
     out: RowProduct            # q features -> hidden
     gate_up: RowProduct        # hidden -> 2 * intermediate
     down: RowProduct           # intermediate -> hidden
-    attn_norm: torch.Tensor    # (hidden,)
-    mlp_norm: torch.Tensor     # (hidden,)
-    attn_eps: float
-    mlp_eps: float
+    attn_norm: _Norm           # before attention
+    mlp_norm: _Norm            # before the MLP
+    qkv_bias: torch.Tensor | None = None      # (q + k + v features,): Qwen2
+    q_norm: _Norm | None = None               # each query head's (head_dim,), then each key head's: Gemma 3, Qwen3
+    k_norm: _Norm | None = None
+    attn_out_norm: _Norm | None = None        # after attention, before its residual add: Gemma 3
+    mlp_out_norm: _Norm | None = None         # after the MLP, before its residual add: Gemma 3
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -139,24 +164,28 @@ def release_block_weights(module: torch.nn.Module) -> int:
 
 
 def unsupported_reason(module: torch.nn.Module) -> str | None:
-    """None when :class:`FusedLlama` reproduces ``module``'s forward, else why not (one line)."""
+    """None when :class:`FusedForward` reproduces ``module``'s forward, else why not (one line)."""
     config = getattr(module, "config", None)
-    if getattr(config, "model_type", None) != "llama":
-        return f"architecture {getattr(config, 'model_type', None)!r} is not llama"
+    family = family_of(module)
+    if family is None:
+        return (f"architecture {getattr(config, 'model_type', None)!r} is not one the fused forward covers "
+                f"({', '.join(FAMILIES)})")
     if not onednn_available():
         return "this torch build has no oneDNN"
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        return "biased projections"
-    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
-        return "activation or tensor-parallel layout differs from plain Llama"
+    if activation_of(config) not in ACTIVATIONS or getattr(config, "pretraining_tp", 1) != 1:
+        return f"activation {activation_of(config)!r} or tensor-parallel layout differs from its family's"
     decoder = module.get_decoder() if hasattr(module, "get_decoder") else None
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
     layers = getattr(decoder, "layers", None)
     if decoder is None or layers is None:
         return "no decoder layers"
-    linears = [head]
     if not all(hasattr(decoder, name) for name in ("embed_tokens", "norm", "rotary_emb")):
         return "decoder lacks embed_tokens, norm or rotary_emb"
+    windows = layer_windows(config)
+    reason = windows if isinstance(windows, str) else structure_reason(module, family)
+    if reason is not None:
+        return reason
+    linears = [head]
     for block in layers:
         attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
         linears += [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
@@ -164,6 +193,8 @@ def unsupported_reason(module: torch.nn.Module) -> str | None:
     if not any(all(kind(lin) for lin in linears) for kind in (is_float_linear, is_int8_linear, is_weight_int8)):
         return ("projections are neither all plain float Linear layers, nor all int8 dynamically quantised, "
                 "nor all int8 weight-only ones (other quantisation?)")
+    if family.qkv_bias and not all(is_float_linear(lin) for lin in linears):
+        return "quantised projections with biases"
     if any(is_float_linear(lin) and not lin.weight.numel() for lin in linears):
         return "its block weights were released (release_block_weights): only its own fused forward runs it"
     tensors = [*module.parameters()]
@@ -178,7 +209,7 @@ def unsupported_reason(module: torch.nn.Module) -> str | None:
     return None
 
 
-class FusedLlama:
+class FusedForward:
     """``(input_ids (batch, n), KVCache, keep) -> logits (batch, keep or n, vocab)``: the forward of a
     Llama ``*ForCausalLM`` module, exact to float32 rounding (see the module docstring). Build it with
     :meth:`build`, which returns None when the module is not one it reproduces. Build it after the weights
@@ -187,17 +218,26 @@ class FusedLlama:
     def __init__(self, module: torch.nn.Module) -> None:
         config = module.config
         decoder = module.get_decoder()
+        self.family: Family = family_of(module)
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
-        self.scale = self.head_dim ** -0.5
+        count = int(config.num_hidden_layers)
+        layers = list(decoder.layers)[:count]
+        self.scale = float(layers[0].self_attn.scaling)        # head_dim ** -0.5, or Gemma's query_pre_attn_scalar's
         self.embed = decoder.embed_tokens.weight
+        self.embed_scale = float(decoder.embed_tokens.embed_scale) if self.family.scaled_embeddings else None
         self.weight_dtype = self.embed.dtype
         self.rotary = decoder.rotary_emb
-        self.norm, self.norm_eps = decoder.norm.weight.detach().float(), float(decoder.norm.variance_epsilon)
-        count = int(config.num_hidden_layers)
+        self.activation = ACTIVATIONS[activation_of(config)]
+        self.norm = _Norm.of(decoder.norm, self.family.norm_offset)
         self.intermediate = int(config.intermediate_size)
-        self.blocks = [self._block(block) for block in list(decoder.layers)[:count]]
+        # Each layer's window, and the rotary tables it reads: one per layer type where the rotary module has
+        # several (Gemma 3's sliding layers rotate with another base), else the one table for every layer.
+        self.windows = layer_windows(config)
+        kinds = getattr(self.rotary, "layer_types", None)
+        self.rotary_kinds = list(config.layer_types[:count]) if kinds else [None] * count
+        self.blocks = [self._block(block, self.family) for block in layers]
         head = module.get_output_embeddings()
         if head not in _PACKED:
             _PACKED[head] = build_product([head])
@@ -220,7 +260,7 @@ class FusedLlama:
         return [*products, (self.head, hidden)]
 
     @classmethod
-    def build(cls, module: torch.nn.Module) -> "FusedLlama | None":
+    def build(cls, module: torch.nn.Module) -> "FusedForward | None":
         """The fused forward of ``module``, or None when :func:`unsupported_reason` finds a difference,
         packing fails, or the load-time probe (:meth:`self_check`) disagrees (with a warning). The caller
         then keeps transformers' forward."""
@@ -245,7 +285,7 @@ class FusedLlama:
                 cast_module(module, torch.bfloat16)
         trim_heap()              # the probes' temporary products would otherwise stay resident
         if difference is not None:
-            warnings.warn(f"the fused Llama forward differs from transformers' forward by {difference:.2g} "
+            warnings.warn(f"the fused forward differs from transformers' forward by {difference:.2g} "
                           "(relative) on a probe; using transformers' forward", RuntimeWarning, stacklevel=2)
             return None
         return fused
@@ -260,7 +300,8 @@ class FusedLlama:
 
         vocab = int(module.config.vocab_size)
         probe = torch.randint(0, vocab, (1, 5), generator=torch.Generator().manual_seed(0))
-        ours_cache, theirs_cache = OwnCache(module.config), DynamicCache(config=module.config)
+        # Ours holds every key (a sliding-window layer masks the old ones); theirs, what transformers keeps.
+        ours_cache, theirs_cache = OwnCache(), DynamicCache(config=module.config)
         worst = 0.0
         with torch.inference_mode():
             for chunk in (probe[:, :3], probe[:, 3:]):
@@ -273,20 +314,36 @@ class FusedLlama:
         return None if worst <= tolerance else worst
 
     @staticmethod
-    def _block(block: torch.nn.Module) -> _Block:
+    def _block(block: torch.nn.Module, family: Family) -> _Block:
         if block not in _PACKED:
-            attn, mlp = block.self_attn, block.mlp
+            attn, mlp, offset = block.self_attn, block.mlp, family.norm_offset
+            sandwich = family.sandwich_norms
+            # Llama's post_attention_layernorm is the MLP's input norm; a sandwich block names that norm
+            # pre_feedforward_layernorm and normalises attention's output with post_attention_layernorm.
             _PACKED[block] = _Block(
                 qkv=build_product([attn.q_proj, attn.k_proj, attn.v_proj]),
                 out=build_product([attn.o_proj]),
                 gate_up=build_product([mlp.gate_proj, mlp.up_proj]),
                 down=build_product([mlp.down_proj]),
-                attn_norm=block.input_layernorm.weight.detach().float(),
-                mlp_norm=block.post_attention_layernorm.weight.detach().float(),
-                attn_eps=float(block.input_layernorm.variance_epsilon),
-                mlp_eps=float(block.post_attention_layernorm.variance_epsilon),
+                attn_norm=_Norm.of(block.input_layernorm, offset),
+                mlp_norm=_Norm.of(block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm,
+                                  offset),
+                qkv_bias=torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach().float()
+                if family.qkv_bias else None,
+                q_norm=_Norm.of(attn.q_norm, offset) if family.qk_norm else None,
+                k_norm=_Norm.of(attn.k_norm, offset) if family.qk_norm else None,
+                attn_out_norm=_Norm.of(block.post_attention_layernorm, offset) if sandwich else None,
+                mlp_out_norm=_Norm.of(block.post_feedforward_layernorm, offset) if sandwich else None,
             )
         return _PACKED[block]
+
+    def _rotary_tables(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
+        """``{layer kind: (cos, sin)}``, each ``(1, 1, n, head_dim)``, for tokens ``x`` at ``positions (1, n)``."""
+        tables = {}
+        for kind in dict.fromkeys(self.rotary_kinds):
+            cos, sin = self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
+            tables[kind] = (cos.unsqueeze(1), sin.unsqueeze(1))
+        return tables
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, cache: KVCache, keep: int = 0) -> torch.Tensor:
@@ -298,10 +355,11 @@ class FusedLlama:
         past = cache.length
         x = self.embedded(input_ids)                                                # (batch, n, hidden)
         positions = (torch.arange(n) + past).unsqueeze(0)                           # (1, n)
-        cos, sin = (t.unsqueeze(1) for t in self.rotary(x, positions))              # (1, 1, n, head_dim)
-        attention = RowAttention(past, n)
+        tables = self._rotary_tables(x, positions)
+        attentions = {window: RowAttention(past, n, window) for window in set(self.windows)}
         for index, block in enumerate(self.blocks):
-            q, k, v = self._qkv(block, x, cos, sin)
+            attention = attentions[self.windows[index]]
+            q, k, v = self._qkv(block, x, *tables[self.rotary_kinds[index]])
             k, v = cache.append(k, v, index, attention.keys)                        # (batch, kv, >= past+n, d)
             x = self._after_attention(block, x, attention(q, k, v, self.scale))
         if keep:
@@ -324,30 +382,31 @@ class FusedLlama:
         ids = torch.tensor([[t for tokens in token_lists for t in tokens]])        # (1, T)
         x = self.embedded(ids)                                                      # (1, T, hidden)
         position = torch.cat([torch.arange(n) + past for n, past in zip(lengths, pasts)])   # (T,) in its sequence
-        cos, sin = (t.unsqueeze(1) for t in self.rotary(x, position.unsqueeze(0)))  # (1, 1, T, head_dim)
+        tables = self._rotary_tables(x, position.unsqueeze(0))                      # each (1, 1, T, head_dim)
         store = caches[0].store if caches else None
         if store is not None and all(cache.store is store for cache in caches):
             with store.lock:
-                return self._forward_store(x, cos, sin, position, pasts, bounds, caches, store, keep)
-        attentions = [RowAttention(past, n) for past, n in zip(pasts, lengths)]
+                return self._forward_store(x, tables, position, pasts, bounds, caches, store, keep)
+        attentions = {window: [RowAttention(past, n, window) for past, n in zip(pasts, lengths)]
+                      for window in set(self.windows)}
         with contextlib.ExitStack() as held:
             for cache in caches:
                 held.enter_context(cache.exclusive())
             for index, block in enumerate(self.blocks):
-                q, k, v = self._qkv(block, x, cos, sin)                             # (1, heads, T, d)
+                q, k, v = self._qkv(block, x, *tables[self.rotary_kinds[index]])    # (1, heads, T, d)
                 attn = q.new_empty(1, q.shape[2], self.heads, self.head_dim)          # (1, T, heads, d)
-                for b, (cache, attention) in enumerate(zip(caches, attentions)):
+                for b, (cache, attention) in enumerate(zip(caches, attentions[self.windows[index]])):
                     at = slice(bounds[b], bounds[b + 1])
                     keys, values = cache.append(k[:, :, at], v[:, :, at], index, attention.keys)
                     attn[:, at] = attention(q[:, :, at], keys, values, self.scale).transpose(1, 2)
                 x = self._after_attention(block, x, attn.transpose(1, 2))
         return self._kept_logits(x, bounds, keep)
 
-    def _forward_store(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
+    def _forward_store(self, x: torch.Tensor, tables: dict, position: torch.Tensor,
                        pasts: list[int], bounds: list[int], caches: list[SlotCache], arena: KVArena,
                        keep: list[int] | None) -> list[torch.Tensor]:
         """:meth:`forward_packed` on slots of one store, from its embedded tokens ``x``, their rotary
-        ``cos`` / ``sin`` and ``position``, and each sequence's cached length ``pasts``: every new key and
+        ``tables`` and ``position``, and each sequence's cached length ``pasts``: every new key and
         value is written in place by one indexed write per layer; the sequences feeding one token attend
         together over a view of the store (:class:`~speculum.models.hf.forward.attention.SlotRows`), each
         longer block over a view of its slot."""
@@ -356,17 +415,21 @@ class FusedLlama:
         slot = torch.tensor([cache.slot for cache, n in zip(caches, lengths) for _ in range(n)])   # (T,)
         singles = [b for b, n in enumerate(lengths) if n == 1]
         single_rows = torch.tensor([bounds[b] for b in singles], dtype=torch.long)  # their rows in the packing
-        together = SlotRows([caches[b].slot for b in singles], [pasts[b] for b in singles]) if singles else None
-        attentions = {b: RowAttention(pasts[b], n) for b, n in enumerate(lengths) if n > 1}
+        windows = set(self.windows)
+        together = {w: SlotRows([caches[b].slot for b in singles], [pasts[b] for b in singles], w)
+                    for w in windows} if singles else None
+        blocks = {w: {b: RowAttention(pasts[b], n, w) for b, n in enumerate(lengths) if n > 1} for w in windows}
         for index, block in enumerate(self.blocks):
-            q, k, v = self._qkv(block, x, cos, sin)                              # (1, heads, T, d)
+            window = self.windows[index]
+            q, k, v = self._qkv(block, x, *tables[self.rotary_kinds[index]])    # (1, heads, T, d)
             keys, values = arena.keys[index], arena.values[index]
             keys[slot, :, position] = k[0].transpose(0, 1)                       # (T, kv_heads, d)
             values[slot, :, position] = v[0].transpose(0, 1)
             attn = q.new_empty(1, len(slot), self.heads, self.head_dim)          # (1, T, heads, d)
             if together is not None:
-                attn[0, single_rows] = together(q[0, :, single_rows].transpose(0, 1), keys, values, self.scale)
-            for b, attention in attentions.items():
+                attn[0, single_rows] = together[window](q[0, :, single_rows].transpose(0, 1), keys, values,
+                                                        self.scale)
+            for b, attention in blocks[window].items():
                 at, own = slice(bounds[b], bounds[b + 1]), slice(caches[b].slot, caches[b].slot + 1)
                 attn[:, at] = attention(q[:, :, at], keys[own, :, :attention.keys],
                                         values[own, :, :attention.keys], self.scale).transpose(1, 2)
@@ -390,22 +453,32 @@ class FusedLlama:
         return list(logits.split(keep))
 
     def embedded(self, ids: torch.Tensor) -> torch.Tensor:
-        """The float32 embeddings of token ids ``(...,)`` -> ``(..., hidden)`` (bfloat16 tables widened)."""
-        return F.embedding(ids, self.embed).float()
+        """The float32 embeddings of token ids ``(...,)`` -> ``(..., hidden)`` (bfloat16 tables widened, times
+        the family's embedding scale where it has one)."""
+        rows = F.embedding(ids, self.embed).float()
+        return rows if self.embed_scale is None else rows * self.embed_scale
 
     def _qkv(self, block: _Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """Rotated queries and keys, and values, of ``x (batch, n, hidden)``: ``(batch, heads, n, d)``."""
         batch, n, hidden = x.shape
-        h = rms_norm(x, block.attn_norm, block.attn_eps).reshape(batch * n, hidden)
-        return self.split_heads(block.qkv(h).view(batch, n, -1), cos, sin)
+        qkv = block.qkv(block.attn_norm(x).reshape(batch * n, hidden))
+        if block.qkv_bias is not None:
+            qkv = qkv + block.qkv_bias
+        return self.split_heads(qkv.view(batch, n, -1), cos, sin, block)
 
-    def split_heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    def split_heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block: _Block | None = None
+                    ) -> tuple:
         """Rotated queries and keys, and values, ``(batch, heads, n, d)``, of projected rows ``qkv (batch, n,
-        q + k + v features)`` at the positions of the rotary tables ``cos`` / ``sin``."""
+        q + k + v features)`` at the positions of the rotary tables ``cos`` / ``sin`` (each head normalised
+        first where ``block`` has q/k norms)."""
         batch, n, _ = qkv.shape
-        k_end = (self.heads + self.kv_heads) * self.head_dim
-        # Queries and keys rotate together: the same element-wise formula, half the operations.
-        qk = qkv[..., :k_end].view(batch, n, self.heads + self.kv_heads, self.head_dim)
+        q_end, k_end = self.heads * self.head_dim, (self.heads + self.kv_heads) * self.head_dim
+        if block is not None and block.q_norm is not None:
+            qk = torch.cat([block.q_norm(qkv[..., :q_end].view(batch, n, self.heads, self.head_dim)),
+                            block.k_norm(qkv[..., q_end:k_end].view(batch, n, self.kv_heads, self.head_dim))], dim=2)
+        else:
+            # Queries and keys rotate together: the same element-wise formula, half the operations.
+            qk = qkv[..., :k_end].view(batch, n, self.heads + self.kv_heads, self.head_dim)
         cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)                      # (1, n, 1, head_dim)
         rotated = (qk * cos + _rotate_half(qk) * sin).transpose(1, 2)            # (batch, heads + kv, n, d)
         v = qkv[..., k_end:].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -414,12 +487,13 @@ class FusedLlama:
     def _after_attention(self, block: _Block, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The block's output projection and MLP, with their residuals."""
         batch, n, hidden = x.shape
-        x = x + block.out(attn.transpose(1, 2).reshape(batch * n, self.heads * self.head_dim)).view(batch, n, hidden)
-        h = rms_norm(x, block.mlp_norm, block.mlp_eps).reshape(batch * n, hidden)
-        gate, up = block.gate_up(h).chunk(2, dim=-1)
-        return x + block.down(F.silu(gate) * up).view(batch, n, hidden)
+        attended = block.out(attn.transpose(1, 2).reshape(batch * n, self.heads * self.head_dim)).view(batch, n, hidden)
+        x = x + (attended if block.attn_out_norm is None else block.attn_out_norm(attended))
+        gate, up = block.gate_up(block.mlp_norm(x).reshape(batch * n, hidden)).chunk(2, dim=-1)
+        mlp = block.down(self.activation(gate) * up).view(batch, n, hidden)
+        return x + (mlp if block.mlp_out_norm is None else block.mlp_out_norm(mlp))
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         batch, n, hidden = x.shape
-        x = rms_norm(x, self.norm, self.norm_eps)
+        x = self.norm(x)
         return self.head(x.reshape(-1, hidden)).view(batch, n, -1)

@@ -15,7 +15,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from support.hf_tiny import save_tiny_model  # noqa: E402
-from speculum.models.hf.forward.fused_llama import FusedLlama, rms_norm, unsupported_reason  # noqa: E402
+from speculum.models.hf.forward.fused import FusedForward, rms_norm, unsupported_reason  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.drafts.twins import bf16_twin, int8_twin, truncated_draft  # noqa: E402
 
@@ -84,20 +84,20 @@ def test_applies_only_where_it_reproduces_the_forward(pair):
     half = HFModel(bf16_twin(fused).module.to(torch.float16), prepack=False)
     assert "neither float32 nor bfloat16" in unsupported_reason(half.module)
     config = fused.module.config
-    for field, value, words in (("model_type", "mistral", "not llama"), ("attention_bias", True, "biased"),
+    for field, value, words in (("model_type", "gpt2", "not one the fused forward covers"), ("attention_bias", True, "biased"),
                                 ("hidden_act", "gelu", "activation")):
         saved = getattr(config, field)
         setattr(config, field, value)
         try:
             assert words in unsupported_reason(fused.module)
-            assert FusedLlama.build(fused.module) is None
+            assert FusedForward.build(fused.module) is None
         finally:
             setattr(config, field, saved)
 
 
 def test_products_list_every_product_with_its_input_width(pair):
     fused, _ = pair
-    forward = FusedLlama.build(fused.module)
+    forward = FusedForward.build(fused.module)
     products = forward.products()
     config = fused.module.config
     assert len(products) == 4 * config.num_hidden_layers + 1 and products[-1][0] is forward.head
@@ -108,16 +108,16 @@ def test_products_list_every_product_with_its_input_width(pair):
 
 def test_load_time_probe_rejects_a_forward_that_differs(pair, monkeypatch):
     fused, _ = pair
-    built = FusedLlama.build(fused.module)
+    built = FusedForward.build(fused.module)
     assert built is not None and built.self_check(fused.module) is None
     # A fused forward whose math drifted from transformers' (here: a wrong attention scale) is refused at
     # build time, with a warning, and the model keeps transformers' forward.
-    monkeypatch.setattr(FusedLlama, "__init__", _scaled_init)
+    monkeypatch.setattr(FusedForward, "__init__", _scaled_init)
     with pytest.warns(RuntimeWarning, match="differs from transformers' forward"):
-        assert FusedLlama.build(fused.module) is None
+        assert FusedForward.build(fused.module) is None
 
 
-_original_init = FusedLlama.__init__
+_original_init = FusedForward.__init__
 
 
 def _scaled_init(self, module):
