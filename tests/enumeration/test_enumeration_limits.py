@@ -43,8 +43,7 @@ def test_deep_top_k_expands_about_what_best_first_expands(max_len):
     assert blind.seek_index().forwards <= 4.0 * minimum + 64, (blind.seek_index().forwards, minimum)
     # The answer itself is the exact top 3: a fresh index built to the threshold holds the same sequences.
     check = AutoregressiveEnumerable(model, **kwargs)
-    check.seek_index().tree.extend(top[-1][1])
-    check.seek_index()._refresh()
+    check.seek_index().extend_to(top[-1][1])
     assert check.top_k(3) == top
 
 
