@@ -58,8 +58,6 @@ ALLOWED = {
     # Internal state a test inspects, where no caller of the library needs it.
     ("decoding/test_speculative.py", "_pooled"): "the controller's pooled acceptance statistics",
     ("drafts/test_proposers.py", "_lock"): "a clone must not share its original's lock",
-    ("models/hf/test_hf.py", "_fused"): "turns the fused forward off to compare with transformers' own",
-    ("models/hf/test_hf.py", "_shared_caches"): "drops the prefix caches made by the other forward",
 }
 
 ATTRIBUTE_CALLS = {"setattr", "getattr", "delattr", "hasattr"}
