@@ -14,18 +14,18 @@ TESTS = Path(__file__).resolve().parents[1]
 
 # (file under tests/, private name) -> why the test reaches it.
 ALLOWED = {
-    # Other libraries' privates: argparse keeps a parser's actions in ``_actions`` only.
+    # Other libraries' privates, with no public spelling.
     ("project/test_docs.py", "_actions"): "argparse lists a parser's options in its private _actions",
     ("models/test_backends.py", "_actions"): "argparse lists a parser's options in its private _actions",
     ("project/test_docs.py", "_SubParsersAction"): "argparse's subcommand action has no public type",
     ("models/hf/test_grouped.py", "_reverse_permute_weights"):
         "transformers' GGUF loader's own permutation, the reference the rows are checked against",
     # Failure injection and call counting on a private step, where no public seam would serve the source.
-    ("models/test_llamacpp.py", "_decode"): "counts the tokens llama.cpp decodes (no public hook)",
+    ("models/test_llamacpp.py", "_decode"): "records every token llama.cpp decodes (no public hook)",
     ("models/test_model_cache.py", "_file_sha256"): "counts the files hashed: a cache hit must hash none",
     ("models/test_model_cache.py", "_dequantise_into"): "stands in for the GGUF conversion (minutes of work)",
     ("models/test_model_cache.py", "_load_converted"): "stands in for loading the converted model",
-    ("models/test_model_cache.py", "_stamp"): "the stamp a cache entry records, to forge a stale one",
+    ("models/test_model_cache.py", "_stamp"): "forges the stat stamps, as bit rot would leave them",
     ("models/test_load_progress.py", "_dequantise_into"): "stands in for the GGUF conversion (minutes of work)",
     ("models/test_load_progress.py", "_load_converted"): "stands in for loading the converted model",
     ("models/test_load_progress.py", "_load_gguf"): "stands in for loading from the GGUF file",
@@ -41,11 +41,11 @@ ALLOWED = {
     ("serving/test_serve.py", "_waiting"): "holds the engine's queue mutex as its own thread would, to show "
                                            "a shutdown signal never waits for it",
     ("serving/test_serve.py", "_lock"): "holds the engine's lock as its own thread would (as _waiting)",
-    # Private helpers checked directly against a reference: pure functions with no public caller to go through.
-    ("models/test_reference.py", "_gelu"): "checked against the textbook formula",
-    ("models/test_reference.py", "_layer_norm"): "checked against the textbook formula",
-    ("models/test_vocabulary.py", "_unicode_to_byte"): "checked to invert GPT-2's byte-to-unicode table",
-    ("enumeration/test_exposure_estimate.py", "_rank_bracket"): "the bracket's edge cases, one by one",
+    # Private helpers used or checked directly: pure functions whose public callers would hide the case.
+    ("models/test_reference.py", "_gelu"): "the plain-loop reference forward reuses the layer functions",
+    ("models/test_reference.py", "_layer_norm"): "the plain-loop reference forward reuses the layer functions",
+    ("models/test_vocabulary.py", "_unicode_to_byte"): "checked against transformers' bytes_to_unicode",
+    ("enumeration/test_exposure_estimate.py", "_rank_bracket"): "the certified bracket at a float-rounding edge",
     ("serving/test_serve_echo_rounds.py", "_shares"): "the split of a round's budget, checked by itself",
     ("models/hf/test_grouped.py", "_transformers_rows"): "the row order checked against transformers' own",
     ("enumeration/test_constrained_limits.py", "_BudgetedCrawl"):
