@@ -47,11 +47,11 @@ def test_the_text_report_names_every_kernel_and_dtype(capsys):
 def test_without_amx_the_tiles_reason_shows_and_bfloat16_is_not_advised_for_them(capsys, monkeypatch):
     monkeypatch.delenv("SPECULUM_KERNELS", raising=False)       # the CPU's reason, not the switch's
     monkeypatch.setattr(amx_tiles, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    amx_tiles._loaded.cache_clear()
+    amx_tiles.forget()
     try:
         data = json.loads(report(capsys, "--json"))
     finally:
-        amx_tiles._loaded.cache_clear()
+        amx_tiles.forget()
     assert data["kernels"]["bfloat16 on AMX tiles"] == {"runs": False, "why_not": "this CPU has no AMX-BF16 tiles"}
     assert "AMX tiles" not in data["dtypes"]["bfloat16"]["note"]
 
@@ -61,11 +61,11 @@ def fresh_kernels():
     """The kernels' availability computed again for this test (and again after it)."""
     from speculum.models.hf.kernels import gguf_groups
 
-    gguf_groups._loaded.cache_clear()
-    amx_tiles._loaded.cache_clear()
+    gguf_groups.forget()
+    amx_tiles.forget()
     yield
-    gguf_groups._loaded.cache_clear()
-    amx_tiles._loaded.cache_clear()
+    gguf_groups.forget()
+    amx_tiles.forget()
 
 
 def test_a_compiler_failure_shows_its_reason_after_the_colon(capsys, monkeypatch, tmp_path, fresh_kernels):

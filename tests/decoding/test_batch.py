@@ -16,7 +16,8 @@ from speculum.decoding.scheduler import Scheduler
 from speculum.models import MarkovModel, PromptLookup
 from speculum.models.base import Capabilities
 from speculum.validation import InputError
-from test_distribution import DRAFT, LEVEL, RESET, TARGET, block_law_pvalue, exact_block_law, required_blocks
+
+from support.laws import DRAFT, LEVEL, RESET, TARGET, block_law_pvalue, exact_block_law, required_blocks
 
 VOCAB = 12
 

@@ -17,7 +17,7 @@ from speculum.enumeration import AutoregressiveEnumerable
 from speculum.models import MarkovModel, TinyTransformer
 from speculum.models.base import check_prompt, check_token_id, check_token_ids
 
-from test_speculative import plain_greedy
+from support.greedy import plain_greedy
 
 V = 8
 TARGET = MarkovModel.random(V, seed=0, order=2)

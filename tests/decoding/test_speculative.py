@@ -12,6 +12,8 @@ from speculum.decoding import DecodingStats, GammaController, GenerationResult, 
 from speculum.models import MarkovModel
 from speculum.models.base import Capabilities
 
+from support.greedy import plain_greedy
+
 V = 8
 
 
@@ -70,18 +72,6 @@ class CountingSession:
 
     def rollback(self, n):
         self.inner.rollback(n)
-
-
-def plain_greedy(model, prompt, n, eos=None):
-    """Reference greedy decoding, recomputing every row from scratch (no sessions)."""
-    context, out = list(prompt), []
-    for _ in range(n):
-        token = int(np.argmax(model.next_logprobs([context])[0]))
-        out.append(token)
-        context.append(token)
-        if token == eos:
-            break
-    return out
 
 
 class GreedyChainProposer:

@@ -2,7 +2,6 @@
 tokenizations ("7" "7" and "77", "x" "y" and "xy"), token mode and string mode, a regex and a choice set."""
 from __future__ import annotations
 
-import itertools
 import math
 import re
 
@@ -12,38 +11,9 @@ from hypothesis import given, settings, strategies as st
 
 from speculum.enumeration import AutoregressiveEnumerable, Choices, Regex
 from speculum.enumeration.index.strings import max_tokenizations
-from speculum.models import MarkovModel
 from speculum.validation import InputError
 
-VOCAB = ["7", "8", "77", "x", "y", "xy", None]      # id 6 has no text: the eos
-EOS = 6
-PROMPT = [3]
-
-
-def model(seed: int = 0, vocab_size: int = len(VOCAB)) -> MarkovModel:
-    return MarkovModel.random(vocab_size, seed=seed, eos_token_id=EOS)
-
-
-def brute_force(m, pattern: str, *, eos: bool, max_tokens: int):
-    """Every token sequence (eos appended in eos mode) of at most ``max_tokens`` tokens whose text fully
-    matches ``pattern``, with its exact log-prob; and the strings with the sum over their tokenizations."""
-    texts = [t for t in VOCAB if t is not None]
-    body_len = max_tokens - (1 if eos else 0)
-    items = []
-    for n in range(1, body_len + 1):
-        for body in itertools.product(range(len(texts)), repeat=n):
-            text = "".join(VOCAB[t] for t in body)
-            if re.fullmatch(pattern, text):
-                items.append((body + ((EOS,) if eos else ()), text))
-    scores = m.score_sequences([seq for seq, _ in items], prompt=PROMPT) if items else []
-    tokens = sorted(((seq, float(lp)) for (seq, _), lp in zip(items, scores)), key=lambda it: (-it[1], it[0]))
-    strings: dict[str, list[float]] = {}
-    for (seq, text), lp in zip(items, scores):
-        strings.setdefault(text, []).append(float(lp))
-    string_items = sorted(((text, float(np.logaddexp.reduce(lps))) for text, lps in strings.items()),
-                          key=lambda it: (-it[1], it[0].encode()))
-    return tokens, string_items
-
+from support.brute_force import EOS, PROMPT, VOCAB, brute_force, model
 
 CASES = [
     # pattern, eos, max_len (None: the language bounds the length), brute-force token cap

@@ -8,7 +8,7 @@ import pytest
 from speculum.enumeration import Choices, Regex, estimate_rank, estimate_ranks
 from speculum.validation import InputError
 
-from test_constrained import EOS, PROMPT, VOCAB, brute_force, model
+from support.brute_force import EOS, PROMPT, VOCAB, brute_force, model
 
 PATTERN = "[78]{2,3}x"
 

@@ -14,28 +14,11 @@ from speculum.enumeration.enumerable import BandTooLargeError
 from speculum.models import MarkovModel
 from speculum.models.base import Capabilities
 
+from support.brute_force import ranked_support
 from support.counting import CountingModel
 
 
 # ------------------------------------------------------------------------------------------- helpers
-def support(model, *, max_len=None, eos=None, prompt=()):
-    """Every positive-probability continuation with its log-prob (the float sum of its steps, in order)."""
-    if eos is None:
-        candidates = itertools.product(range(model.vocab_size), repeat=max_len)
-    else:
-        candidates = (body + (eos,) for n in range(max_len) for body in
-                      itertools.product([t for t in range(model.vocab_size) if t != eos], repeat=n))
-    out = []
-    for seq in candidates:
-        rows = model.next_logprobs([list(prompt) + list(seq[:j]) for j in range(len(seq))])
-        total = 0.0
-        for j, token in enumerate(seq):
-            total += float(rows[j, token])
-        if math.isfinite(total):
-            out.append((tuple(seq), total))
-    return sorted(out, key=lambda item: (-item[1], item[0]))
-
-
 def assert_every_query(ar, brute, *, lp_tol=0.0):
     """unrank / rank / slice / top_k / threshold / count / mass_above against brute force, every rank."""
     for i, (seq, lp) in enumerate(brute):
@@ -60,19 +43,19 @@ def assert_every_query(ar, brute, *, lp_tol=0.0):
 # --------------------------------------------------------------------------------------- brute force
 def test_markov_every_rank():
     model = MarkovModel.random(5, seed=1)
-    assert_every_query(AutoregressiveEnumerable(model, max_len=4), support(model, max_len=4))
+    assert_every_query(AutoregressiveEnumerable(model, max_len=4), ranked_support(model, max_len=4))
 
 
 def test_markov_order2_with_prompt_every_rank():
     model = MarkovModel.random(4, order=2, seed=7)
     ar = AutoregressiveEnumerable(model, max_len=3, prompt=[2, 1])
-    assert_every_query(ar, support(model, max_len=3, prompt=[2, 1]))
+    assert_every_query(ar, ranked_support(model, max_len=3, prompt=[2, 1]))
 
 
 def test_eos_terminated_markov_every_rank():
     model = MarkovModel.random(5, seed=3, eos_token_id=4)
     ar = AutoregressiveEnumerable(model, eos=True, max_len=5)
-    brute = support(model, eos=4, max_len=5)
+    brute = ranked_support(model, eos=4, max_len=5)
     assert all(seq[-1] == 4 and 4 not in seq[:-1] for seq, _ in brute)
     assert_every_query(ar, brute)
     assert not ar.complete  # max_len cut longer positive-probability continuations
@@ -83,7 +66,7 @@ def test_eos_without_length_cap_uses_budget_only():
     logits[:, 0] += 4.0  # eos=0 likely: short sequences
     model = MarkovModel(logits, np.array([4.0, 0.0, 0.0, 0.0]), eos_token_id=0)
     ar = AutoregressiveEnumerable(model, eos=0)
-    brute = support(model, eos=0, max_len=8)
+    brute = ranked_support(model, eos=0, max_len=8)
     # Every continuation longer than 8 makes 8 non-eos steps in a row.
     stay = max(np.max(1.0 - np.exp(model.transition_logprobs[:, 0])), 1.0 - np.exp(model.initial_logprobs[0]))
     longer_bound = 8 * math.log(stay)
@@ -100,7 +83,7 @@ def test_tiny_transformer_every_rank():
     model = TinyTransformer(5, d_model=16, n_layers=2, seed=0)
     prompt = [1]
     ar = AutoregressiveEnumerable(model, max_len=4, prompt=prompt)
-    brute = support(model, max_len=4, prompt=prompt)
+    brute = ranked_support(model, max_len=4, prompt=prompt)
     # Batched float64 matmuls may differ in the last bits between batch compositions.
     assert_every_query(ar, brute, lp_tol=1e-12)
 
@@ -139,10 +122,10 @@ def test_random_models_match_brute_force(vocab, length, order, seed, tie_levels,
     model = MarkovModel(logits, rng.integers(0, 2, size=vocab).astype(float), order)
     if eos:
         ar = AutoregressiveEnumerable(model, eos=vocab - 1, max_len=length + 1)
-        brute = support(model, eos=vocab - 1, max_len=length + 1)
+        brute = ranked_support(model, eos=vocab - 1, max_len=length + 1)
     else:
         ar = AutoregressiveEnumerable(model, max_len=length)
-        brute = support(model, max_len=length)
+        brute = ranked_support(model, max_len=length)
     if brute:
         assert_every_query(ar, brute)
     else:
@@ -201,7 +184,7 @@ def test_second_query_and_deepening_reuse_the_tree():
 @pytest.mark.parametrize("cap", [1, 2, 3])
 def test_branch_cap_brackets_contain_the_true_count(cap):
     model = MarkovModel.random(5, seed=8)
-    brute = support(model, max_len=3)
+    brute = ranked_support(model, max_len=3)
     lps = np.array([lp for _, lp in brute])
     ar = AutoregressiveEnumerable(model, max_len=3, branch_cap=cap)
     assert ar.capped and not ar.complete
@@ -323,7 +306,7 @@ def test_sparse_hook_builds_the_same_index_as_dense_rows(reserve_bits):
         dense = AutoregressiveEnumerable(CountingModel(markov, record=True), reserve_bits=reserve_bits, **kwargs)
         hooked_model = SparseHookModel(markov)
         hooked = AutoregressiveEnumerable(hooked_model, reserve_bits=reserve_bits, **kwargs)
-        brute = support(markov, **kwargs)
+        brute = ranked_support(markov, **kwargs)
         for i in range(0, len(brute), 7):      # deepen step by step: reserve and re-forward paths
             assert hooked.unrank(i) == dense.unrank(i) == brute[i]
         assert hooked_model.sparse_calls > 0

@@ -14,7 +14,7 @@ from speculum.enumeration.estimation import envelope as envelope_module
 from speculum.enumeration.enumerable import IndexBudgetError
 from speculum.models import MarkovModel
 
-from test_enumeration_exact import support
+from support.brute_force import ranked_support
 
 
 def best_first_forwards(model, threshold: float, **kwargs) -> int:
@@ -43,8 +43,7 @@ def test_deep_top_k_expands_about_what_best_first_expands(max_len):
     assert blind.seek_index().forwards <= 4.0 * minimum + 64, (blind.seek_index().forwards, minimum)
     # The answer itself is the exact top 3: a fresh index built to the threshold holds the same sequences.
     check = AutoregressiveEnumerable(model, **kwargs)
-    check.seek_index().tree.extend(top[-1][1])
-    check.seek_index()._refresh()
+    check.seek_index().extend_to(top[-1][1])
     assert check.top_k(3) == top
 
 
@@ -74,7 +73,7 @@ def test_build_stops_at_the_node_budget_and_the_index_stays_exact():
     interrupted chunk re-forwarded prefixes (deepening past their reserve)."""
     model = MarkovModel.random(4, seed=2)
     kwargs = dict(max_len=6, prompt=[1])
-    brute = support(model, **kwargs)
+    brute = ranked_support(model, **kwargs)
     for budget in (40, 150, 400, 900, 2_000):
         ar = AutoregressiveEnumerable(model, max_nodes=budget, batch_size=7, reserve_bits=0.25, **kwargs)
         hit = False
@@ -150,7 +149,7 @@ def test_beam_finds_real_sequences_no_better_than_the_true_top(seed, eos):
     from speculum.enumeration.index.beam import beam_logprobs
 
     model = MarkovModel.random(4, seed=seed, eos_token_id=3)
-    truth = [lp for _, lp in support(model, max_len=4, eos=eos, prompt=[0])]
+    truth = [lp for _, lp in ranked_support(model, max_len=4, eos=eos, prompt=[0])]
     found, forwards = beam_logprobs(model, prompt=[0], width=5, support=Support(max_len=4, eos=eos))
     assert 0 < len(found) <= 5 and forwards <= 5 * 4
     assert np.all(np.diff(found) <= 0)

@@ -255,7 +255,7 @@ def test_string_mode_counts_each_string_once_and_covers(strings_case):
     sample = sample_format(model, constraint, prompt=PROMPT, samples=400, seed=3, index=index, strings=True)
     for text, lp in zip(sample.items, sample.target_logprob):
         assert lp == pytest.approx(truth[text][1], abs=1e-9)
-    assert any(len(index._queries.tokenizations(text)) > 1 for text in sample.items)
+    assert any(len(index.queries.tokenizations(text)) > 1 for text in sample.items)
     laws = dict(zip(sample.items, sample.proposal_logprob))
     spelled = [text for text in truth if "12" in text or "34" in text or "00" in text]
     assert spelled and any(text in laws for text in spelled)
@@ -274,7 +274,7 @@ def test_the_string_law_sums_to_one_over_strings(strings_case):
     walk = FormatWalk(model, index.support, PROMPT, 512)
     members = {}
     for text in truth:
-        for seq in index._queries.tokenizations(text):
+        for seq in index.queries.tokenizations(text):
             members[seq] = text
     _, laws = path_logprobs(walk, list(members), (1.0, 0.3, 0.0))
     for law in laws.T:

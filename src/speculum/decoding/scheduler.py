@@ -28,7 +28,8 @@ Example:
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -120,6 +121,12 @@ class Scheduler:
     def active(self) -> int:
         """Generations that still emit (including those that end at their first step)."""
         return len(self._decoders) + len(self._finished_at_start)
+
+    @property
+    def decoders(self) -> Mapping[int, Decoder]:
+        """The decoder of each generation that runs blocks, by id (a read-only view; a generation that ends
+        at its first step has none)."""
+        return MappingProxyType(self._decoders)
 
     def add(self, prompt_ids: Sequence[int], *, draft: Any = None, max_new_tokens: int = 64,
             gamma: int | str = 4, temperature: float = 1.0, top_k: int | None = None,

@@ -15,27 +15,15 @@ pytest.importorskip("transformers")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 import speculum  # noqa: E402
-from support.hf_tiny import save_tiny_model  # noqa: E402
+from support.grouped_weights import grouped_tiny, random_blocks  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.drafts.twins import bf16_twin  # noqa: E402
-from speculum.models.hf.kernels.gguf_groups import (_LLAMA_NAMES, GROUPS, GroupedProduct,  # noqa: E402
+from speculum.models.hf.kernels.gguf_groups import (GROUPS, GroupedProduct,  # noqa: E402
                                                     _transformers_rows, attach_groups, grouped_run,
                                                     kernel_unavailable, load_groups, pack, save_groups)
 
 needs_kernel = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"no grouped kernel: {kernel_unavailable()}")
 _GGML = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
-_BLOCK = {"q4_1": 20, "q8_0": 34}
-
-
-def random_blocks(kind: str, rows: int, columns: int, rng: np.random.Generator) -> np.ndarray:
-    """GGUF blocks ``(rows, columns / 32 * block bytes)`` of random quants and float16 scales (and minimums)."""
-    groups = columns // 32
-    blocks = rng.integers(0, 256, size=(rows, groups, _BLOCK[kind]), dtype=np.uint8)
-    scales = (rng.uniform(0.001, 0.05, size=(rows, groups)) * rng.choice([-1, 1], size=(rows, groups)))
-    blocks[..., 0:2] = scales.astype(np.float16)[..., None].view(np.uint8)
-    if kind == "q4_1":
-        blocks[..., 2:4] = (-rng.uniform(0, 0.4, size=(rows, groups))).astype(np.float16)[..., None].view(np.uint8)
-    return blocks.reshape(rows, -1)
 
 
 @settings(max_examples=25, deadline=None)
@@ -83,27 +71,6 @@ def test_query_rows_put_back_as_transformers_does():
         assert np.array_equal(stored[_transformers_rows(rows, heads)], expected)
 
 
-# ---------------------------------------------------------------------------------- a tiny grouped Llama
-def grouped_tiny(folder, kind: str = "q4_1") -> tuple[HFModel, dict]:
-    """The tiny Llama of ``hf_tiny`` with every block weight replaced by random groups of ``kind`` (the head
-    keeps its float32 weight: its rows do not fill records); returns it with the groups by GGUF name."""
-    path = save_tiny_model(folder)
-    model = HFModel.from_pretrained(path, prepack=False)
-    rng = np.random.default_rng(2)
-    groups = {}
-    with torch.no_grad():
-        for index, block in enumerate(model.module.model.layers):
-            for owner in (block.self_attn, block.mlp):
-                for name, gguf_name in _LLAMA_NAMES.items():
-                    layer = getattr(owner, name, None)
-                    if layer is None:
-                        continue
-                    grouped = pack(kind, random_blocks(kind, *layer.weight.shape, rng))
-                    layer.weight.copy_(grouped.expanded())
-                    groups[f"blk.{index}.{gguf_name}.weight"] = grouped
-    return model, groups
-
-
 @needs_kernel
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_tiny_grouped_llama_keeps_every_guarantee(tmp_path, kind):
@@ -126,10 +93,10 @@ def test_tiny_grouped_llama_keeps_every_guarantee(tmp_path, kind):
     batch = speculum.generate_batch(model, [prompt, [1, 7], prompt[:2]], max_new_tokens=12, temperature=0,
                                     eos_token_id=None)
     assert [r.tokens for r in batch][0] == alone          # packed with others: the same tokens
-    assert isinstance(model._fused.blocks[0].qkv.run, GroupedProduct)
+    assert isinstance(model.fused_llama.blocks[0].qkv.run, GroupedProduct)
     # A bfloat16 copy carries the float32 weights' groups on its layers, and must not multiply by them.
     twin = bf16_twin(model)
-    assert twin.fused_forward and not isinstance(twin._fused.blocks[0].qkv.run, GroupedProduct)
+    assert twin.fused_forward and not isinstance(twin.fused_llama.blocks[0].qkv.run, GroupedProduct)
 
 
 @needs_kernel

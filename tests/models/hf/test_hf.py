@@ -356,14 +356,9 @@ def test_smollm_fused_forward_agrees_with_transformers_forward(smollm):
     session.rollback(3)
     fused = session.extend(tokens)
     fused_batch = smollm.next_logprobs([prompt + tokens[:2], prompt + tokens[:5]])
-    fused_model, smollm._fused = smollm._fused, None
-    smollm._shared_caches.clear()          # the reference's prompt is encoded by transformers' forward too
-    try:
-        reference = smollm.start(prompt).extend(tokens)
-        reference_batch = smollm.next_logprobs([prompt + tokens[:2], prompt + tokens[:5]])
-    finally:
-        smollm._fused = fused_model
-        smollm._shared_caches.clear()
+    plain = HFModel(smollm.module, smollm.tokenizer, prepack=False)     # the same module, transformers' forward
+    reference = plain.start(prompt).extend(tokens)
+    reference_batch = plain.next_logprobs([prompt + tokens[:2], prompt + tokens[:5]])
     assert np.abs(fused - reference).max() < 1e-4
     assert np.abs(fused_batch - reference_batch).max() < 1e-4
     assert (fused.argmax(axis=1) == reference.argmax(axis=1)).all()

@@ -119,9 +119,9 @@ def test_a_crashing_tiles_test_is_recorded_with_its_reason(tmp_path, monkeypatch
         return subprocess.CompletedProcess(command, -4, b"", b"")
 
     monkeypatch.setattr(amx_tiles.subprocess, "run", crash)
-    assert "crashed a test process (exit -4)" in amx_tiles._tried(library)
-    assert "crashed a test process (exit -4)" in amx_tiles._tried(library)
-    assert "recorded in" in amx_tiles._tried(library)
+    assert "crashed a test process (exit -4)" in amx_tiles.self_test(library)
+    assert "crashed a test process (exit -4)" in amx_tiles.self_test(library)
+    assert "recorded in" in amx_tiles.self_test(library)
     assert len(calls) == 1
 
 
@@ -183,7 +183,7 @@ def test_a_planted_tiles_pass_does_not_skip_the_child_test(tmp_path, monkeypatch
         return subprocess.CompletedProcess(command, 3, b"", b"")
 
     monkeypatch.setattr(amx_tiles.subprocess, "run", child)
-    assert "not granted" in amx_tiles._tried(library) and len(calls) == 1
+    assert "not granted" in amx_tiles.self_test(library) and len(calls) == 1
 
 
 # ------------------------------------------------------------------------------------------ off

@@ -20,7 +20,7 @@ from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.hf.kernels.gguf_groups import GroupedProduct, kernel_unavailable  # noqa: E402
 from speculum.models.hf.kernels.build import kernels_disabled  # noqa: E402
 from speculum.models.hf.kernels.amx_tiles import tiles_unavailable  # noqa: E402
-from test_grouped import grouped_tiny  # noqa: E402
+from support.grouped_weights import grouped_tiny  # noqa: E402
 
 PROMPT = [1, 5, 9, 4, 7, 7, 2]
 
@@ -41,7 +41,7 @@ def test_float32_target_is_the_same_with_and_without_kernels(tmp_path, monkeypat
     plain, groups = grouped_tiny(tmp_path / "off", kind)                     # the same weights, loaded again
     without = HFModel(plain.module, plain.tokenizer, groups=groups)
     assert without.grouped_layers == 0 and without.fused_forward and without.capabilities.canonical_rows
-    assert not isinstance(without._fused.blocks[0].qkv.run, GroupedProduct)
+    assert not isinstance(without.fused_llama.blocks[0].qkv.run, GroupedProduct)
 
     rows_off = without.start(PROMPT).extend([3, 8])
     rows_on = with_kernels.start(PROMPT).extend([3, 8])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -25,7 +26,6 @@ from support.hf_tiny import save_tiny_model  # noqa: E402
 from speculum.models.base import Feed  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.hf import model as hf_module  # noqa: E402
-from speculum.models.hf.kv.store import KVArena  # noqa: E402
 from speculum.drafts.twins import truncated_draft  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 
@@ -39,12 +39,17 @@ def tiny() -> HFModel:
         return HFModel.from_pretrained(save_tiny_model(Path(folder) / "model"))
 
 
-def small_store(model: HFModel) -> KVArena:
-    """A store for ``model`` that starts with one slot of 2 tokens, so that tests grow it often."""
-    config = model.config
-    return KVArena(layers=config.num_hidden_layers, kv_heads=config.num_key_value_heads,
-                   head_dim=config.hidden_size // config.num_attention_heads, dtype=torch.float32,
-                   first_slots=1, first_capacity=2)
+@contextmanager
+def small_first_buffers(store):
+    """``store`` (empty) starting with one slot of 2 tokens while in the block, so that tests grow it often."""
+    gc.collect()                          # sessions of earlier examples give their slots back
+    assert store.in_use == 0 and store.keys == []
+    sizes = store.first_slots, store.first_capacity
+    store.first_slots, store.first_capacity = 1, 2
+    try:
+        yield store
+    finally:
+        store.first_slots, store.first_capacity = sizes
 
 
 # ----------------------------------------------------------------------- packed forwards over the store
@@ -58,8 +63,7 @@ def test_packed_sessions_on_the_store_equal_their_own_forwards(tiny, requests, s
     of r) and leave after their last round, on a store that grows from one 2-token slot: every row of
     every packed call equals the session's own extend to float32 rounding, and states stay equal."""
     rng = np.random.default_rng(seed)
-    own_store, tiny._arena = tiny._arena, small_store(tiny)
-    try:
+    with small_first_buffers(tiny.kv_store):
         live: dict[int, tuple] = {}
         for round_ in range(6):
             for i, (prompt_length, rounds) in enumerate(requests):
@@ -90,8 +94,6 @@ def test_packed_sessions_on_the_store_equal_their_own_forwards(tiny, requests, s
         live = solo = packed = None
         gc.collect()
         assert tiny.kv_store.in_use == 0 and tiny.kv_store.keys == []
-    finally:
-        tiny._arena = own_store
 
 
 def test_sessions_keep_their_own_caches_beyond_the_store_budget(tiny, monkeypatch):
@@ -213,7 +215,7 @@ def test_scheduler_packs_new_prompts_and_keeps_greedy_outputs(tiny):
 
     def step() -> None:
         nonlocal timed_steps
-        decoders = list(scheduler._decoders.values())
+        decoders = list(scheduler.decoders.values())
         if sum(1 for d in decoders if d.pending) > 1 and not any(d.prefilling for d in decoders):
             timed_steps += 1
         for ident, chunk in scheduler.step():
@@ -222,7 +224,7 @@ def test_scheduler_packs_new_prompts_and_keeps_greedy_outputs(tiny):
     for prompt, arguments in requests:           # one joins before each of the first steps
         request = scheduler.add(prompt, max_new_tokens=15, temperature=0, eos_token_id=None, **arguments)
         order.append(request)
-        assert scheduler._decoders[request].prefilling == (arguments.get("draft") is not draft)
+        assert scheduler.decoders[request].prefilling == (arguments.get("draft") is not draft)
         step()
     while scheduler.active:
         step()

@@ -33,7 +33,7 @@ tokens = st.lists(st.integers(min_value=3, max_value=22), min_size=1, max_size=1
 def tiny(tmp_path_factory):
     model = HFModel.from_pretrained(save_tiny_model(tmp_path_factory.mktemp("rows") / "model", layers=2,
                                                     max_context=256))
-    assert model.capabilities.invariant_extend and model._rows_forward is not None
+    assert model.capabilities.invariant_extend and model.fused_forward
     return model
 
 
@@ -45,7 +45,7 @@ def same(first, second) -> bool:
 @settings(max_examples=25, deadline=None)
 @given(prompts=st.lists(tokens, min_size=1, max_size=5), more=st.lists(tokens, min_size=5, max_size=5))
 def test_packed_rows_are_bitwise_each_sessions_rows_alone(tiny, prompts, more):
-    assert tiny._rows_forward.packs
+    assert tiny.prepare_packing()
     packed = [tiny.start_deferred(p) for p in prompts]
     alone = [tiny.start_deferred(p) for p in prompts]
     for round_tokens in ([[]] * len(prompts), more[: len(prompts)]):
@@ -63,7 +63,7 @@ def test_packed_rows_are_the_models_rows(tiny):
 
 
 def test_a_kernel_whose_rows_depend_on_the_batch_is_caught_and_not_packed(tiny):
-    fused = tiny._fused
+    fused = tiny.fused_llama
     head = fused.head
     def batch_dependent(rows):
         return head(rows) + rows.mean() * 1e-3
@@ -116,7 +116,7 @@ def test_the_real_model_scores_a_batch_as_each_prompt_alone():
     prompts = [context + rng.integers(0, model.vocab_size, int(n)).tolist() for n in rng.integers(1, 12, 8)]
     packed = PromptScorer(model, chunk=16)
     together = packed.score_many(prompts, top=2)
-    assert model._rows_forward.packs
+    assert model.prepare_packing()
     for prompt, scores in zip(prompts, together):
         assert same(scores, PromptScorer(model, chunk=16).score(prompt, top=2))
     assert packed.forwards < 8

@@ -74,7 +74,7 @@ def test_a_bfloat16_product_runs_on_the_tiles_and_refuses_a_wrong_width():
 def test_without_tiles_the_reason_is_given_and_bfloat16_stays_on_onednn(monkeypatch):
     monkeypatch.delenv("SPECULUM_KERNELS", raising=False)       # the CPU's reason, not the switch's
     monkeypatch.setattr(amx_tiles, "cpu_flags", lambda: {"avx2", "fma"})
-    amx_tiles._loaded.cache_clear()
+    amx_tiles.forget()
     try:
         assert amx_tiles.tiles_unavailable() == "this CPU has no AMX-BF16 tiles"
         with pytest.raises(RuntimeError, match="no AMX-BF16"):
@@ -82,7 +82,7 @@ def test_without_tiles_the_reason_is_given_and_bfloat16_stays_on_onednn(monkeypa
         product = build_product([torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)])
         assert not isinstance(product.run, TileProduct) and product.rows_alone
     finally:
-        amx_tiles._loaded.cache_clear()
+        amx_tiles.forget()
 
 
 def test_every_kernel_source_ships_in_the_package():
@@ -111,16 +111,16 @@ def test_the_tiles_are_tried_in_a_child_process_once_and_a_crash_costs_only_a_re
         return run
 
     monkeypatch.setattr(amx_tiles.subprocess, "run", child(-4))          # killed by SIGILL
-    assert "crashed a test process (exit -4)" in amx_tiles._tried(library)
-    assert "crashed a test process (exit -4)" in amx_tiles._tried(library)      # recorded: no second child
+    assert "crashed a test process (exit -4)" in amx_tiles.self_test(library)
+    assert "crashed a test process (exit -4)" in amx_tiles.self_test(library)      # recorded: no second child
     for record in tmp_path.glob("*.failed"):
         record.unlink()                                                   # deleting the record tries again
     monkeypatch.setattr(amx_tiles.subprocess, "run", child(3))
-    assert "not granted or compute wrong sums" in amx_tiles._tried(library)
+    assert "not granted or compute wrong sums" in amx_tiles.self_test(library)
     for record in tmp_path.glob("*.failed"):
         record.unlink()
     monkeypatch.setattr(amx_tiles.subprocess, "run", child(0))
-    assert amx_tiles._tried(library) is None and amx_tiles._tried(library) is None
+    assert amx_tiles.self_test(library) is None and amx_tiles.self_test(library) is None
     assert len(calls) == 3                       # the pass is remembered beside the library: no fourth child
 
 
@@ -128,7 +128,7 @@ def test_the_tiles_are_tried_in_a_child_process_once_and_a_crash_costs_only_a_re
 def test_the_tiles_self_test_passes_in_a_real_child_process():
     from speculum.models.hf.kernels.build import build
 
-    library = build("tiles", amx_tiles._SOURCE)
+    library = build("tiles", amx_tiles.tile_source())
     for passed in library.parent.glob(f"{library.stem}.*.passed"):
         passed.unlink()
-    assert amx_tiles._tried(library) is None
+    assert amx_tiles.self_test(library) is None

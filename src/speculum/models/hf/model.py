@@ -95,8 +95,8 @@ class HFModel(BaseModel):
 
     Attributes: ``vocab_size`` (width of the logits), ``max_context`` (from the config),
     ``eos_token_id``, ``bos_token_id``, ``tokenizer``, ``module``, ``config``, ``dtype``,
-    ``fused_forward`` (the fused Llama forward is in use), ``prepacked_layers`` (Linear layers packed),
-    ``grouped_layers`` (Linear layers multiplied by their weight groups),
+    ``fused_forward`` (the fused Llama forward is in use), ``fused_llama`` (that forward, or None),
+    ``prepacked_layers`` (Linear layers packed), ``grouped_layers`` (Linear layers multiplied by their weight groups),
     ``capabilities`` (packed forwards of many sessions only with the fused forward).
 
     Its sessions (:class:`~speculum.models.hf.session.HFSession`) run through the public calls
@@ -147,6 +147,12 @@ class HFModel(BaseModel):
     def fused_forward(self) -> bool:
         """True when forwards run the fused Llama forward (:mod:`speculum.models.hf.forward.fused`)."""
         return self._fused is not None
+
+    @property
+    def fused_llama(self) -> FusedLlama | None:
+        """The fused Llama forward in use (:class:`~speculum.models.hf.forward.fused_llama.FusedLlama`: its
+        blocks, their products and the head), for inspection; None where :attr:`fused_forward` is False."""
+        return self._fused
 
     def release_unfused_weights(self) -> int:
         """Give back the module's own copies of the block weights the fused forward holds packed (a

@@ -35,7 +35,7 @@ from ...cpu import cpu_flags
 from .build import build, kernels_disabled
 from .cache import read_record, untrusted, write_record
 
-__all__ = ["tile_source", "TileProduct", "tiles_unavailable"]
+__all__ = ["forget", "self_test", "tile_source", "TileProduct", "tiles_unavailable"]
 
 _SOURCE = Path(__file__).with_name("amx_tiles.c")
 _ROWS, _STEP, _COLUMNS = 16, 32, 16       # a tile's rows, inputs per tile dot product, columns per block
@@ -54,6 +54,13 @@ def tiles_unavailable() -> str | None:
     return kernels_disabled() or _loaded()[1]
 
 
+def forget() -> None:
+    """Drop what this process remembers about the tile kernel (loaded, or why not): the next use looks for
+    it, builds it and tries it again, in the cache ``SPECULUM_CACHE`` names then. Products built before
+    keep their kernel."""
+    _loaded.cache_clear()
+
+
 @functools.lru_cache(maxsize=1)
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
@@ -69,7 +76,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
             return None, reason
     if not library.tiles_compiled():
         return None, "the compiler did not target AMX-BF16"
-    reason = _tried(path)
+    reason = self_test(path)
     if reason is not None:
         _log.info("bfloat16 tile products unavailable (%s); using oneDNN", reason)
         return None, reason
@@ -81,7 +88,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     return library, None
 
 
-def _tried(library: Path) -> str | None:
+def self_test(library: Path) -> str | None:
     """None when the tiles computed a small product right in a child process on this system, else why not.
     A sandbox may report AMX and grant the tile state without running it: the first AMX instruction then
     kills the process, here the child. Either outcome is recorded beside the library, per library and

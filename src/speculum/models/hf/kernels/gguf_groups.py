@@ -41,8 +41,8 @@ import torch
 
 from .build import build, kernels_disabled
 
-__all__ = ["kernel_source", "GroupedProduct", "GroupedWeight", "attach_groups", "grouped_run", "kernel_unavailable", "load_groups",
-           "multiply_by_groups", "pack", "read_groups", "save_groups", "GROUPS"]
+__all__ = ["forget", "kernel_source", "GroupedProduct", "GroupedWeight", "attach_groups", "grouped_run",
+           "kernel_unavailable", "load_groups", "multiply_by_groups", "pack", "read_groups", "save_groups", "GROUPS"]
 
 GROUPS = "speculum_groups"        # the attribute of an ``nn.Linear`` holding its GroupedWeight
 LANES = 16                        # output features sharing one record (gguf_groups.c)
@@ -173,6 +173,13 @@ def kernel_unavailable() -> str | None:
     """None when the grouped kernel is built and loaded on this machine, else why not (one line);
     ``SPECULUM_KERNELS=off`` is read at each call."""
     return kernels_disabled() or _loaded()[1]
+
+
+def forget() -> None:
+    """Drop what this process remembers about the grouped kernel (loaded, or why not): the next use looks
+    for it and builds it again, in the cache ``SPECULUM_CACHE`` names then. Products built before keep
+    their kernel."""
+    _loaded.cache_clear()
 
 
 def _kernel() -> ctypes.CDLL | None:
