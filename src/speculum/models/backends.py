@@ -135,7 +135,7 @@ def load_model(
             nothing and also turns off transformers' own progress bars while an embedded model loads from
             its GGUF file. ``load_model`` itself never draws a progress bar.
         prepack: hf backend, float32 on CPU: the fast path, same results to float32 rounding — the fused
-            Llama forward (:mod:`speculum.models.hf.forward.fused`) where it applies, else Linear weights
+            forward (:mod:`speculum.models.hf.forward.fused`) where it applies, else Linear weights
             pre-packed for oneDNN (:mod:`speculum.models.hf.kernels.onednn`); False keeps transformers' forward with
             PyTorch's default kernels, bit for bit what transformers computes.
         verify: embedded models: check the checksum of every cached file even where this machine has

@@ -77,7 +77,7 @@ def test_batched_rows_and_scores_are_transformers(pair):
 
 def test_packed_sequences_equal_each_alone_bitwise(pair):
     fused, _ = pair
-    forward = fused._fused
+    forward = fused.fused
     lists = [[3, 4, 5, 6, 7, 8], [9], [10, 11, 12]]
     alone = [forward(torch.tensor([ids]), fused.new_cache())[0] for ids in lists]
     packed = forward.forward_packed(lists, [fused.new_cache() for _ in lists])

@@ -64,9 +64,9 @@ def test_batched_rows_and_scores_match(pair, prefixes, prompt):
 def test_truncated_draft_shares_packed_blocks_and_matches(pair):
     fused, reference = pair
     draft, reference_draft = truncated_draft(fused, 2), truncated_draft(reference, 2)
-    assert draft.fused_forward and len(draft.fused_llama.blocks) == 2
-    assert all(a is b for a, b in zip(draft.fused_llama.blocks, fused.fused_llama.blocks))   # no second copy
-    assert draft.fused_llama.head is fused.fused_llama.head
+    assert draft.fused_forward and len(draft.fused.blocks) == 2
+    assert all(a is b for a, b in zip(draft.fused.blocks, fused.fused.blocks))   # no second copy
+    assert draft.fused.head is fused.fused.head
     prompt, tokens = [3, 4, 5, 6], [7, 8, 9]
     got = draft.start(prompt).extend(tokens)
     want = reference_draft.start(prompt).extend(tokens)

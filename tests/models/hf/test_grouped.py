@@ -93,10 +93,10 @@ def test_tiny_grouped_llama_keeps_every_guarantee(tmp_path, kind):
     batch = speculum.generate_batch(model, [prompt, [1, 7], prompt[:2]], max_new_tokens=12, temperature=0,
                                     eos_token_id=None)
     assert [r.tokens for r in batch][0] == alone          # packed with others: the same tokens
-    assert isinstance(model.fused_llama.blocks[0].qkv.run, GroupedProduct)
+    assert isinstance(model.fused.blocks[0].qkv.run, GroupedProduct)
     # A bfloat16 copy carries the float32 weights' groups on its layers, and must not multiply by them.
     twin = bf16_twin(model)
-    assert twin.fused_forward and not isinstance(twin.fused_llama.blocks[0].qkv.run, GroupedProduct)
+    assert twin.fused_forward and not isinstance(twin.fused.blocks[0].qkv.run, GroupedProduct)
 
 
 @needs_kernel

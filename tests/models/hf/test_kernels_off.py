@@ -41,7 +41,7 @@ def test_float32_target_is_the_same_with_and_without_kernels(tmp_path, monkeypat
     plain, groups = grouped_tiny(tmp_path / "off", kind)                     # the same weights, loaded again
     without = HFModel(plain.module, plain.tokenizer, groups=groups)
     assert without.grouped_layers == 0 and without.fused_forward and without.capabilities.canonical_rows
-    assert not isinstance(without.fused_llama.blocks[0].qkv.run, GroupedProduct)
+    assert not isinstance(without.fused.blocks[0].qkv.run, GroupedProduct)
 
     rows_off = without.start(PROMPT).extend([3, 8])
     rows_on = with_kernels.start(PROMPT).extend([3, 8])

@@ -109,7 +109,7 @@ def test_a_bfloat16_target_runs_the_fused_forward_with_row_invariant_products(ti
     assert tiny_bf16.fused_forward and tiny_bf16.dtype == torch.bfloat16
     rotary = tiny_bf16.module.model.rotary_emb
     assert rotary.inv_freq.dtype == torch.float32          # angles are not rounded to bfloat16
-    fused = tiny_bf16.fused_llama
+    fused = tiny_bf16.fused
     block = fused.blocks[0]
     hidden = fused.embed.shape[1]
     intermediate = block.gate_up(torch.zeros(1, hidden)).shape[1] // 2

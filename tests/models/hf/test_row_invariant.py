@@ -63,7 +63,7 @@ def test_packed_rows_are_the_models_rows(tiny):
 
 
 def test_a_kernel_whose_rows_depend_on_the_batch_is_caught_and_not_packed(tiny):
-    fused = tiny.fused_llama
+    fused = tiny.fused
     head = fused.head
     def batch_dependent(rows):
         return head(rows) + rows.mean() * 1e-3

@@ -5,7 +5,7 @@
 * ``precision.py`` - the dtypes a target loads in (``float32``, ``bfloat16``, ``float16``, ``int8``);
 * ``logprobs.py`` - the one float64 formula of every log-prob the backend returns;
 * ``threads.py`` - the thread count that follows the cores other processes leave free;
-* ``forward/`` - the fused Llama forward, row attention, packed forwards, the prefix walk;
+* ``forward/`` - the fused forward (Llama, Mistral, Qwen2, Qwen3, Gemma 3), row attention, packed forwards, the prefix walk;
 * ``kernels/`` - the matrix products: each product's kernel, the C kernels and their build, the
   row-independence probe;
 * ``kv/`` - the KV cache protocol, its two kinds, and the store the sessions of a packed forward share.

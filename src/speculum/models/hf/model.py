@@ -85,7 +85,7 @@ class HFModel(BaseModel):
         tokenizer: the matching transformers tokenizer, or None.
         name: a label for messages and benchmarks.
         prepack: the CPU fast path for float32 models, same results to float32 rounding, one more copy
-            of the weights. Llama-architecture models run the fused forward of
+            of the weights. Llama, Mistral, Qwen2, Qwen3 and Gemma 3 models run the fused forward of
             :mod:`speculum.models.hf.forward.fused`; other models run their float32 ``nn.Linear`` layers
             through pre-packed oneDNN weights (:mod:`speculum.models.hf.kernels.onednn`). False keeps
             transformers' forward with PyTorch's default kernels.
@@ -95,7 +95,7 @@ class HFModel(BaseModel):
 
     Attributes: ``vocab_size`` (width of the logits), ``max_context`` (from the config),
     ``eos_token_id``, ``bos_token_id``, ``tokenizer``, ``module``, ``config``, ``dtype``,
-    ``fused_forward`` (the fused Llama forward is in use), ``fused_llama`` (that forward, or None),
+    ``fused_forward`` (the fused forward is in use), ``fused`` (that forward, or None),
     ``prepacked_layers`` (Linear layers packed), ``grouped_layers`` (Linear layers multiplied by their weight groups),
     ``capabilities`` (packed forwards of many sessions only with the fused forward).
 
@@ -145,12 +145,12 @@ class HFModel(BaseModel):
 
     @property
     def fused_forward(self) -> bool:
-        """True when forwards run the fused Llama forward (:mod:`speculum.models.hf.forward.fused`)."""
+        """True when forwards run the fused forward (:mod:`speculum.models.hf.forward.fused`)."""
         return self._fused is not None
 
     @property
-    def fused_llama(self) -> FusedLlama | None:
-        """The fused Llama forward in use (:class:`~speculum.models.hf.forward.fused_llama.FusedLlama`: its
+    def fused(self) -> FusedForward | None:
+        """The fused forward in use (:class:`~speculum.models.hf.forward.fused.FusedForward`: its
         blocks, their products and the head), for inspection; None where :attr:`fused_forward` is False."""
         return self._fused
 
@@ -569,7 +569,7 @@ def _first_id(*candidates: Any) -> int | None:
 
 def _kv_geometry(config: Any) -> tuple[int, int, int]:
     """(layers, kv heads, head dim): the KV store's shape and the memory budgets; conservative guesses when
-    the config is unusual (the store is filled by the fused Llama forward only, whose configs give all three)."""
+    the config is unusual (the store is filled by the fused forward only, whose configs give all three)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     layers = int(getattr(text, "num_hidden_layers", 32))
     heads = int(getattr(text, "num_attention_heads", 32))
