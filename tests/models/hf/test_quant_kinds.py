@@ -189,3 +189,41 @@ def test_read_groups_puts_llama_query_and_key_rows_back(tmp_path):
     for name, (gguf_type, blocks) in written.items():
         expected = processor.process(weights=dequantized(gguf_type, blocks), name=name).weights
         assert torch.equal(groups[name].expanded(), torch.from_numpy(np.ascontiguousarray(expected))), name
+
+
+def tiny_model(model_type: str):
+    """A tiny float32 Qwen2, Qwen3 or Gemma 3 model (two blocks; Gemma 3's head tied to its embedding)."""
+    import transformers
+
+    shape = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    config, model = {"qwen2": (transformers.Qwen2Config(**shape), transformers.Qwen2ForCausalLM),
+                     "qwen3": (transformers.Qwen3Config(**shape, head_dim=16), transformers.Qwen3ForCausalLM),
+                     "gemma3_text": (transformers.Gemma3TextConfig(**shape, head_dim=16),
+                                     transformers.Gemma3ForCausalLM)}[model_type]
+    torch.manual_seed(0)
+    return model(config).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "gemma3_text"])
+def test_attach_groups_to_other_architectures_by_the_same_names(model_type):
+    from speculum.models.hf.kernels.gguf_groups import _LLAMA_NAMES, GROUPS, attach_groups
+
+    module, rng = tiny_model(model_type), np.random.default_rng(11)
+    groups, layers = {}, []
+    with torch.no_grad():
+        for index, block in enumerate(module.model.layers):
+            for owner in (block.self_attn, block.mlp):
+                for name, gguf_name in _LLAMA_NAMES.items():
+                    if hasattr(owner, name):
+                        layer = getattr(owner, name)
+                        groups[f"blk.{index}.{gguf_name}.weight"] = pack("q4_0", moderate_blocks(
+                            "q4_0", *layer.weight.shape, rng))
+                        layer.weight.copy_(groups[f"blk.{index}.{gguf_name}.weight"].expanded())
+                        layers.append(layer)
+        head = "token_embd.weight" if model_type == "gemma3_text" else "output.weight"   # Gemma 3: tied
+        groups[head] = pack("q8_0", moderate_blocks("q8_0", 64, 64, rng))
+        module.get_output_embeddings().weight.copy_(groups[head].expanded())
+    assert attach_groups(module, groups) == 2 * 7 + 1
+    assert all(getattr(layer, GROUPS) is not None for layer in [*layers, module.get_output_embeddings()])

@@ -3,7 +3,8 @@
  * out[r][n] = sum_k x[r][k] * w[n][k], where each weight is rebuilt exactly as the float32 value gguf-py's
  * dequantize gives (gguf_records.py says why each decode is exact):
  *   q4_1, q5_1: w = fma(scale, q, minimum) (q in 0..15 or 0..31; scale * q is exact, one rounding),
- *   q4_0, q5_0, q6_k, q8_0: w = scale * (q - offset) (offset 8, 16, 32, 0; Q6_K's scale is per 16 inputs).
+ *   q4_0, q5_0, q6_k, q8_0: w = scale * (q - offset) (offset 8, 16, 32, 0; Q6_K's scale is per 16 inputs),
+ *   the records holding q - offset in two's complement (4, 5, 6 or 8 bits), decoded sign-extended.
  * Only the bytes of the records are read (5 to 9 bits a weight, scales widened to float32, instead of 32): a
  * decode step is bound by memory bandwidth, so fewer bytes is a faster step.
  *
@@ -12,6 +13,7 @@
  * 16..31; q4_1, q5_1: then the minimums), then the quantised weights, input-major. q8_0: int8 [kk][lane]. The
  * others: byte [kk][lane] holds input kk (low nibble) and kk + 16 (high); q5_*: then a uint16 per input whose bit
  * `lane` is the quant's bit 4; q6_k: then a uint32 per input whose bits 2 lane, 2 lane + 1 are its bits 4, 5.
+ * q4_0, q5_0 and q6_k store q XOR offset: the bits of q - offset in two's complement.
  *
  * Every output element is accumulated in one fixed order, whatever the number of rows and the thread split:
  * two fused multiply-add chains over the inputs of the group's first and second half, added at the end.
@@ -44,24 +46,34 @@ static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static inline vec vset1(float a) { return _mm512_set1_ps(a); }
 static inline vec to_float(ivec q) { return _mm512_cvtepi32_ps(q); }
-static inline ivec minus(ivec q, int offset) { return _mm512_sub_epi32(q, _mm512_set1_epi32(offset)); }
 /* The 16 lanes' quants of inputs kk (low nibbles) and kk + 16 (high) from their 16 bytes. */
 static inline void nibbles(const uint8_t *p, ivec *lo, ivec *hi) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     *lo = _mm512_and_si512(b, _mm512_set1_epi32(15));
     *hi = _mm512_srli_epi32(b, 4);
 }
+/* The same for nibbles holding 4-bit two's complement values: sign-extended. */
+static inline void signed_nibbles(const uint8_t *p, ivec *lo, ivec *hi) {
+    const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_srai_epi32(_mm512_slli_epi32(b, 28), 28);
+    *hi = _mm512_srai_epi32(b, 4);
+}
 static inline ivec signed_bytes(const int8_t *q) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)); }
-/* q | 16 in the lanes whose bit is set in `bits` (bit `lane`). */
+/* q + 16 in the lanes whose bit is set in `bits` (bit `lane`): an unsigned fifth bit. */
 static inline ivec fifth_bit(ivec q, uint16_t bits) {
     return _mm512_mask_or_epi32(q, (__mmask16)bits, q, _mm512_set1_epi32(16));
 }
-/* q | (bits 2 lane, 2 lane + 1 of `bits`) << 4. */
-static inline ivec high_pair(ivec q, uint32_t bits) {
-    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i all = _mm512_set1_epi32((int)bits);
-    const __m512i pair = _mm512_and_si512(_mm512_srlv_epi32(all, shifts), _mm512_set1_epi32(3));
-    return _mm512_or_si512(q, _mm512_slli_epi32(pair, 4));
+/* q - 16 in those lanes: a two's complement fifth bit (the sign). */
+static inline ivec sign_bit(ivec q, uint16_t bits) {
+    return _mm512_mask_sub_epi32(q, (__mmask16)bits, q, _mm512_set1_epi32(16));
+}
+/* q + 16 * (bits 2 lane, 2 lane + 1 of `bits`, a two's complement pair): the pair is shifted to the top and
+ * back down arithmetically, landing as its signed value times 16 above 4 bits of the lower lanes' pairs,
+ * which the and drops before q fills them (one ternary-logic op: (f & ~15) | q). */
+static inline ivec signed_pair(ivec q, uint32_t bits) {
+    const __m512i shifts = _mm512_setr_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i f = _mm512_srai_epi32(_mm512_sllv_epi32(_mm512_set1_epi32((int)bits), shifts), 26);
+    return _mm512_ternarylogic_epi32(f, q, _mm512_set1_epi32(-16), 0xEC);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define ROWS_A_PASS 4
@@ -77,10 +89,6 @@ static inline vec vadd(vec a, vec b) { vec v = {_mm256_add_ps(a.a, b.a), _mm256_
 static inline vec vmul(vec a, vec b) { vec v = {_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)}; return v; }
 static inline vec vset1(float a) { vec v = {_mm256_set1_ps(a), _mm256_set1_ps(a)}; return v; }
 static inline vec to_float(ivec q) { vec v = {_mm256_cvtepi32_ps(q.a), _mm256_cvtepi32_ps(q.b)}; return v; }
-static inline ivec minus(ivec q, int offset) {
-    const __m256i o = _mm256_set1_epi32(offset);
-    ivec v = {_mm256_sub_epi32(q.a, o), _mm256_sub_epi32(q.b, o)}; return v;
-}
 static inline void nibbles(const uint8_t *p, ivec *lo, ivec *hi) {
     const __m128i b = _mm_loadu_si128((const __m128i *)p);
     const __m256i first = _mm256_cvtepu8_epi32(b), second = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
@@ -90,27 +98,46 @@ static inline void nibbles(const uint8_t *p, ivec *lo, ivec *hi) {
     *lo = l;
     *hi = h;
 }
+static inline void signed_nibbles(const uint8_t *p, ivec *lo, ivec *hi) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    const __m256i first = _mm256_cvtepi8_epi32(b), second = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+    ivec l = {_mm256_srai_epi32(_mm256_slli_epi32(first, 28), 28),
+              _mm256_srai_epi32(_mm256_slli_epi32(second, 28), 28)};
+    ivec h = {_mm256_srai_epi32(first, 4), _mm256_srai_epi32(second, 4)};
+    *lo = l;
+    *hi = h;
+}
 static inline ivec signed_bytes(const int8_t *q) {
     ivec v = {_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)),
               _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)))};
     return v;
 }
-static inline ivec fifth_bit(ivec q, uint16_t bits) {
+/* 16 in the lanes whose bit is set in `bits`, else 0. */
+static inline ivec sixteens(uint16_t bits) {
     const __m256i all = _mm256_set1_epi32(bits), sixteen = _mm256_set1_epi32(16);
     const __m256i first = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     const __m256i second = _mm256_setr_epi32(256, 512, 1024, 2048, 4096, 8192, 16384, 32768);
-    const __m256i set_a = _mm256_cmpeq_epi32(_mm256_and_si256(all, first), first);
-    const __m256i set_b = _mm256_cmpeq_epi32(_mm256_and_si256(all, second), second);
-    ivec v = {_mm256_or_si256(q.a, _mm256_and_si256(set_a, sixteen)),
-              _mm256_or_si256(q.b, _mm256_and_si256(set_b, sixteen))};
+    ivec v = {_mm256_and_si256(_mm256_cmpeq_epi32(_mm256_and_si256(all, first), first), sixteen),
+              _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_and_si256(all, second), second), sixteen)};
     return v;
 }
-static inline ivec high_pair(ivec q, uint32_t bits) {
-    const __m256i all = _mm256_set1_epi32((int)bits), three = _mm256_set1_epi32(3);
-    const __m256i first = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    const __m256i second = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);
-    ivec v = {_mm256_or_si256(q.a, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(all, first), three), 4)),
-              _mm256_or_si256(q.b, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(all, second), three), 4))};
+static inline ivec fifth_bit(ivec q, uint16_t bits) {
+    const ivec s = sixteens(bits);
+    ivec v = {_mm256_or_si256(q.a, s.a), _mm256_or_si256(q.b, s.b)};
+    return v;
+}
+static inline ivec sign_bit(ivec q, uint16_t bits) {
+    const ivec s = sixteens(bits);
+    ivec v = {_mm256_sub_epi32(q.a, s.a), _mm256_sub_epi32(q.b, s.b)};
+    return v;
+}
+static inline ivec signed_pair(ivec q, uint32_t bits) {
+    const __m256i all = _mm256_set1_epi32((int)bits), high = _mm256_set1_epi32(-16);
+    const __m256i first = _mm256_setr_epi32(30, 28, 26, 24, 22, 20, 18, 16);
+    const __m256i second = _mm256_setr_epi32(14, 12, 10, 8, 6, 4, 2, 0);
+    const __m256i fa = _mm256_srai_epi32(_mm256_sllv_epi32(all, first), 26);
+    const __m256i fb = _mm256_srai_epi32(_mm256_sllv_epi32(all, second), 26);
+    ivec v = {_mm256_or_si256(_mm256_and_si256(fa, high), q.a), _mm256_or_si256(_mm256_and_si256(fb, high), q.b)};
     return v;
 }
 #else
@@ -136,28 +163,28 @@ static inline __attribute__((always_inline)) void weights_at(const int kind, con
     const int second_set = kind == Q4_1 || kind == Q5_1 || kind == Q6_K;     /* minimums, or second scales */
     const uint8_t *pairs = at + (second_set ? 2 : 1) * SCALES;
     ivec ql, qh;
-    nibbles(pairs + kk * LANES, &ql, &qh);
+    if (kind == Q4_0) signed_nibbles(pairs + kk * LANES, &ql, &qh);
+    else nibbles(pairs + kk * LANES, &ql, &qh);
     if (kind == Q5_0 || kind == Q5_1) {
         uint16_t low_bits, high_bits;
         memcpy(&low_bits, pairs + NIBBLES + kk * 2, 2);
         memcpy(&high_bits, pairs + NIBBLES + (kk + 16) * 2, 2);
-        ql = fifth_bit(ql, low_bits);
-        qh = fifth_bit(qh, high_bits);
+        ql = kind == Q5_0 ? sign_bit(ql, low_bits) : fifth_bit(ql, low_bits);
+        qh = kind == Q5_0 ? sign_bit(qh, high_bits) : fifth_bit(qh, high_bits);
     } else if (kind == Q6_K) {
         uint32_t low_bits, high_bits;
         memcpy(&low_bits, pairs + NIBBLES + kk * 4, 4);
         memcpy(&high_bits, pairs + NIBBLES + (kk + 16) * 4, 4);
-        ql = high_pair(ql, low_bits);
-        qh = high_pair(qh, high_bits);
+        ql = signed_pair(ql, low_bits);
+        qh = signed_pair(qh, high_bits);
     }
     if (kind == Q4_1 || kind == Q5_1) {
         const vec scale = vload(scales), minimum = vload(scales + LANES);
         *lo = vfma(scale, to_float(ql), minimum);
         *hi = vfma(scale, to_float(qh), minimum);
-    } else {
-        const int offset = kind == Q4_0 ? 8 : kind == Q5_0 ? 16 : 32;
-        *lo = vmul(vload(scales), to_float(minus(ql, offset)));
-        *hi = vmul(vload(scales + (kind == Q6_K ? LANES : 0)), to_float(minus(qh, offset)));
+    } else {       /* ql, qh are q - offset already */
+        *lo = vmul(vload(scales), to_float(ql));
+        *hi = vmul(vload(scales + (kind == Q6_K ? LANES : 0)), to_float(qh));
     }
 }
 

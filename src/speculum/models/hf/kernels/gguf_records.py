@@ -27,7 +27,8 @@ The K types come in super-blocks of 256 inputs; their 32-input sub-blocks (Q4_K,
 groups, and Q6_K's 16-input sub-blocks are the halves of a group, each with its own scale (two scales a
 record). The quants of 5 and 6 bits are stored as the low nibble pairs of ``q4_*`` records plus a plane of
 the high bits: for each input, one bit (``q5_*``, a uint16) or two bits (``q6_k``, a uint32) per lane, lane
-``l`` at bit ``l`` or ``2 l``.
+``l`` at bit ``l`` or ``2 l``. The kinds decoded as ``scale * (q - offset)`` store ``q XOR offset``, the bits of
+``q - offset`` in two's complement: the kernel sign-extends them, with no subtraction.
 """
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ class GroupedWeight:
                 quants = quants | (((bits >> (2 * lane)) & 3) << 4).int()
             if self.kind in ("q4_1", "q5_1"):
                 weights = quants.float() * floats(0, 1) + floats(_SCALES, 1)
-            else:
+            else:       # stored as q XOR offset
+                quants = quants ^ _OFFSET[self.kind]
                 scales = floats(0, 2 if two else 1).repeat_interleave(16 if two else 32, dim=2)
                 weights = (quants - _OFFSET[self.kind]).float() * scales
         return weights.permute(0, 3, 1, 2).reshape(self.out_features, self.in_features)
@@ -124,7 +126,10 @@ def pack(gguf_type: str, blocks: np.ndarray) -> GroupedWeight:
         values = values.astype(np.float32).reshape(lanes, LANES, groups, -1).transpose(0, 2, 3, 1)
         return np.ascontiguousarray(values).view(np.uint8).reshape(lanes, groups, -1)
 
+    # q XOR offset: the bits of q - offset in two's complement, which the kernel sign-extends.
     quants = quants.reshape(lanes, LANES, groups, GROUP)
+    if kind in ("q4_0", "q5_0", "q6_k"):
+        quants = quants ^ np.uint8(_OFFSET[kind])
     parts = [lane_minor(scales.reshape(rows, -1))]
     if minimums is not None:
         parts.append(lane_minor(minimums.reshape(rows, -1)))
