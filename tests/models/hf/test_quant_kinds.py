@@ -15,8 +15,8 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("safetensors")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from speculum.models.hf.kernels.gguf_groups import (GroupedProduct, grouped_run, kernel_source,  # noqa: E402
-                                                    kernel_unavailable, load_groups, read_groups)
+from speculum.models.hf.kernels.gguf_groups import (GroupedProduct, GroupedProducts, grouped_run,  # noqa: E402
+                                                    kernel_source, kernel_unavailable, load_groups, read_groups)
 from speculum.models.hf.kernels.gguf_records import _GGUF_BLOCK, RECORD_BYTES, pack  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"no grouped kernel: {kernel_unavailable()}")
@@ -227,3 +227,48 @@ def test_attach_groups_to_other_architectures_by_the_same_names(model_type):
         module.get_output_embeddings().weight.copy_(groups[head].expanded())
     assert attach_groups(module, groups) == 2 * 7 + 1
     assert all(getattr(layer, GROUPS) is not None for layer in [*layers, module.get_output_embeddings()])
+
+
+@needs_kernel
+def test_layers_of_different_kinds_share_a_product_one_call_a_kind():
+    """A fused product over layers of several GGUF types (a Q4_K_M file's Q4_K query and key, Q6_K value):
+    the outputs side by side, each rebuilt exactly, rows alone."""
+    rng = np.random.default_rng(12)
+    weights = [pack(t, moderate_blocks(t, rows, 256, rng)) for t, rows in
+               (("q4_k", 32), ("q4_k", 16), ("q6_k", 16), ("q4_0", 16))]
+    run = grouped_run(weights)
+    assert isinstance(run, GroupedProducts) and run.kind == "q4_1+q6_k+q4_0" and run.out_features == 80
+    check_product(run, torch.cat([w.expanded() for w in weights]), rng)
+
+
+@needs_kernel
+def test_a_tiny_llama_of_mixed_kinds_keeps_every_guarantee(tmp_path):
+    """Query and key of one kind, value and the MLP of others: every block projection multiplies by its
+    groups, and greedy tokens are transformers' own."""
+    import speculum
+    from support.hf_tiny import save_tiny_model
+    from speculum.models.hf import HFModel
+    from speculum.models.hf.kernels.gguf_groups import _LLAMA_NAMES
+
+    plain = HFModel.from_pretrained(save_tiny_model(tmp_path / "tiny"), prepack=False)
+    types = {"q_proj": "q4_0", "k_proj": "q4_0", "v_proj": "q8_0", "o_proj": "q5_1", "gate_proj": "q5_0",
+             "up_proj": "q4_1", "down_proj": "q5_0"}
+    rng, groups = np.random.default_rng(13), {}
+    with torch.no_grad():
+        for index, block in enumerate(plain.module.model.layers):
+            for owner in (block.self_attn, block.mlp):
+                for name, gguf_name in _LLAMA_NAMES.items():
+                    if hasattr(owner, name):
+                        layer = getattr(owner, name)
+                        grouped = pack(types[name], moderate_blocks(types[name], *layer.weight.shape, rng))
+                        layer.weight.copy_(grouped.expanded())
+                        groups[f"blk.{index}.{gguf_name}.weight"] = grouped
+    model = HFModel(plain.module, plain.tokenizer, groups=groups)
+    assert model.grouped_layers == 7 * 3 and model.capabilities.canonical_rows
+    assert isinstance(model._fused.blocks[0].qkv.run, GroupedProducts)
+    assert isinstance(model._fused.blocks[0].gate_up.run, GroupedProducts)
+    prompt = [1, 5, 9, 4]
+    reference = speculum.generate(plain, prompt, max_new_tokens=10, temperature=0, eos_token_id=None).tokens
+    assert speculum.generate(model, prompt, max_new_tokens=10, temperature=0, eos_token_id=None).tokens == reference
+    batch = speculum.generate_batch(model, [prompt, [1, 7]], max_new_tokens=10, temperature=0, eos_token_id=None)
+    assert batch[0].tokens == reference

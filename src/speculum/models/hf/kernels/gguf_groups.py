@@ -42,8 +42,8 @@ import torch
 from .build import build, kernels_disabled
 from .gguf_records import GGUF_KINDS, GROUP, LANES, RECORD_BYTES, GroupedWeight, pack
 
-__all__ = ["kernel_source", "GroupedProduct", "GroupedWeight", "attach_groups", "grouped_run", "kernel_unavailable", "load_groups",
-           "multiply_by_groups", "pack", "read_groups", "save_groups", "GROUPS"]
+__all__ = ["kernel_source", "GroupedProduct", "GroupedProducts", "GroupedWeight", "attach_groups", "grouped_run",
+           "kernel_unavailable", "load_groups", "multiply_by_groups", "pack", "read_groups", "save_groups", "GROUPS"]
 
 GROUPS = "speculum_groups"        # the attribute of an ``nn.Linear`` holding its GroupedWeight
 _SOURCE = Path(__file__).with_name("gguf_groups.c")
@@ -73,33 +73,63 @@ class GroupedProduct:
         return out
 
 
-def grouped_run(weights: list[GroupedWeight]) -> GroupedProduct | None:
-    """The product computing the concatenated outputs of ``weights`` (one kind, one input width), or None
-    where they cannot share a kernel call or the kernel is unavailable."""
+class GroupedProducts:
+    """``rows (m, in_features) float32 -> (m, out_features)``: several :class:`GroupedProduct` (one per run of
+    layers of one kind) side by side, for a fused product whose layers' records differ in kind (a Q4_K_M
+    file's query and key are Q4_K, its value Q6_K). Each part is row-canonical, so their concatenation is."""
+
+    __slots__ = ("parts", "kind", "in_features", "out_features")
+
+    def __init__(self, parts: list[GroupedProduct]) -> None:
+        self.parts = parts
+        self.kind = "+".join(part.kind for part in parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(part.out_features for part in parts)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(rows) for part in self.parts], dim=1)
+
+
+def grouped_run(weights: list[GroupedWeight]) -> GroupedProduct | GroupedProducts | None:
+    """The product computing the concatenated outputs of ``weights`` (one input width): one kernel call
+    where they are of one kind, else one call per run of consecutive weights of one kind. None where the
+    widths differ or the kernel is unavailable."""
     library = _kernel()
-    kinds, widths = {w.kind for w in weights}, {w.in_features for w in weights}
-    if library is None or len(kinds) != 1 or len(widths) != 1:
+    if library is None or not weights or len({w.in_features for w in weights}) != 1:
         return None
+    runs: list[list[GroupedWeight]] = []
+    for weight in weights:
+        if runs and runs[-1][0].kind == weight.kind:
+            runs[-1].append(weight)
+        else:
+            runs.append([weight])
+    parts = [_one_call(library, run) for run in runs]
+    return parts[0] if len(parts) == 1 else GroupedProducts(parts)
+
+
+def _one_call(library: ctypes.CDLL, weights: list[GroupedWeight]) -> GroupedProduct:
     # Lane blocks are independent: concatenated records are the concatenated outputs' records.
     records = weights[0].records if len(weights) == 1 else torch.cat([w.records for w in weights])
-    kind = kinds.pop()
-    return GroupedProduct(getattr(library, f"{kind}_product"), kind, records.contiguous(), widths.pop(),
+    kind = weights[0].kind
+    return GroupedProduct(getattr(library, f"{kind}_product"), kind, records.contiguous(), weights[0].in_features,
                           sum(w.out_features for w in weights))
 
 
-def multiply_by_groups(layers: list) -> GroupedProduct | None:
+def multiply_by_groups(layers: list) -> GroupedProduct | GroupedProducts | None:
     """:func:`grouped_run` of the groups attached to float32 ``layers`` (None unless every layer has
-    groups, of one kind). Each layer's groups then become a view of the product's records: one copy of
-    the bytes in memory."""
+    groups). Each layer's groups then become a view of its kernel call's records: one copy of the bytes in
+    memory."""
     # A copy cast to another dtype carries the float32 weights' groups, and must not use them.
     groups = [getattr(layer, GROUPS, None) if layer.weight.dtype == torch.float32 else None for layer in layers]
     run = grouped_run(groups) if all(g is not None for g in groups) else None
     if run is not None:
-        offset = 0
-        for layer, weight in zip(layers, groups):
-            count = weight.records.shape[0]
-            setattr(layer, GROUPS, replace(weight, records=run.records[offset:offset + count]))
-            offset += count
+        pending = iter(zip(layers, groups))
+        for part in run.parts if isinstance(run, GroupedProducts) else [run]:
+            offset = 0
+            while offset < part.records.shape[0]:
+                layer, weight = next(pending)
+                count = weight.records.shape[0]
+                setattr(layer, GROUPS, replace(weight, records=part.records[offset:offset + count]))
+                offset += count
     return run
 
 
