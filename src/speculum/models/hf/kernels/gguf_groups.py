@@ -16,8 +16,9 @@ products stay on oneDNN with the expanded weights (:func:`kernel_unavailable` sa
 ``SPECULUM_KERNELS=off``.
 
 :func:`read_groups` packs the groups of a Llama, Gemma 3, Qwen2 or Qwen3 GGUF file (the embedded model caches
-them beside its converted checkpoint); :func:`attach_groups` checks that each layer's groups expand to the float32 weight
-the module holds, bit for bit, and attaches them to that layer; the fused forward then multiplies by them.
+them beside its converted checkpoint); :func:`attach_groups` checks that each layer's groups expand to the
+float32 weight the module holds, bit for bit, and attaches them to that layer; the fused forward (of Llama
+models; the others keep transformers' forward, which does not read them) then multiplies by them.
 Guarantee: EXACT weights; the products are float32 sums of exact products in a fixed order.
 
 Example:
@@ -264,12 +265,13 @@ def _checked_groups(name: str, shape: str, records: torch.Tensor) -> GroupedWeig
 
 
 def attach_groups(module: torch.nn.Module, groups: dict[str, GroupedWeight]) -> int:
-    """Attach to each float32 Linear of a Llama, Gemma 3, Qwen2 or Qwen3 ``module`` its weight's groups (by GGUF tensor name, from
-    :func:`read_groups` of the file the module was converted from); returns how many layers got them (0
-    where the kernel is unavailable). A layer gets its groups only where their first and last 16 rows
-    expand bit for bit to the weight the layer holds (a file of another model, or rows in another order,
-    is left out). The module's own forward is unchanged; the fused forward built afterwards multiplies by
-    the groups. A tied head (Gemma 3) is matched to ``token_embd``."""
+    """Attach to each float32 Linear of a Llama, Gemma 3, Qwen2 or Qwen3 ``module`` its weight's groups (by
+    GGUF tensor name, the same in the four: from :func:`read_groups` of the file the module was converted
+    from); returns how many layers got them (0 where the kernel is unavailable). A layer gets its groups
+    only where their first and last 16 rows expand bit for bit to the weight the layer holds (a file of
+    another model, or rows in another order, is left out). The module's own forward is unchanged; the
+    fused forward built afterwards (Llama) multiplies by the groups. A head without ``output.weight`` (tied,
+    as Gemma 3's) is matched to ``token_embd``."""
     if not groups or kernel_unavailable() is not None or \
             getattr(getattr(module, "config", None), "model_type", None) not in _MODEL_TYPES:
         return 0
