@@ -167,6 +167,11 @@ def _progress_callback(progress: Any) -> ProgressCallback | None:
     return progress
 
 
+# GGUF architectures whose weight groups the fused forward multiplies by (the families it covers; Mistral
+# files are written as llama).
+_GROUPED_ARCHITECTURES = frozenset({"llama", "gemma3", "qwen2", "qwen3"})
+
+
 def _load_embedded(key: str, *, dtype: str, prepack: bool, progress: ProgressCallback | None,
                    verify: bool) -> Any:
     """An embedded model through the checkpoint cache (:func:`speculum.models.checkpoints.load_cached`)."""
@@ -179,14 +184,14 @@ def _load_gguf_file(gguf: Path, architecture: str, *, dtype: str, prepack: bool,
     """A GGUF file of the user's, converted once into the cache under a name that follows its content
     (:func:`~speculum.models.gguf_files.cache_key`), exactly as an embedded model is."""
     return _load_through_cache(gguf, cache_key(gguf), gguf.name, dtype=dtype, prepack=prepack, progress=progress,
-                               verify=verify, groups=architecture == "llama")
+                               verify=verify, groups=architecture in _GROUPED_ARCHITECTURES)
 
 
 def _load_through_cache(gguf: Path, key: str, name: str, *, dtype: str, prepack: bool,
                         progress: ProgressCallback | None, verify: bool, groups: bool = True) -> Any:
     """The model of the GGUF file ``gguf``, converted once into the cache folder ``key`` (its conversion
     reported under ``name``), with the file's weight groups for the float32 products where they load
-    (``groups``: a Llama file, the family the fused forward multiplies by them)."""
+    (``groups``: a file of a family the fused forward multiplies by them)."""
 
     def write(folder: Path) -> None:
         if progress is None:

@@ -1,5 +1,6 @@
-"""Float32 products from GGUF weight groups (Q4_1, Q8_0): exact weights, rows that do not depend on their
-neighbours, the fused forward's guarantees on top of them, and a clear fallback where no kernel builds."""
+"""Float32 products from GGUF weight groups (Q4_1, Q8_0; ``test_quant_kinds`` has every type read): exact
+weights, rows that do not depend on their neighbours, the fused forward's guarantees on top of them, and a
+clear fallback where no kernel builds."""
 from __future__ import annotations
 
 import os
@@ -38,8 +39,8 @@ def test_records_expand_to_what_gguf_dequantizes(kind, lanes, groups, seed):
 def test_pack_refuses_rows_that_do_not_fill_records():
     with pytest.raises(ValueError, match="does not fill"):
         pack("q4_1", random_blocks("q4_1", 16, 64, np.random.default_rng(0))[:15])
-    with pytest.raises(ValueError, match="q4_1 and q8_0"):
-        pack("q6_k", np.zeros((16, 210), np.uint8))
+    with pytest.raises(ValueError, match="not 'q3_k'"):
+        pack("q3_k", np.zeros((16, 110), np.uint8))
 
 
 @needs_kernel
@@ -122,7 +123,7 @@ def test_groups_round_trip_through_their_file(tmp_path):
 
 
 @pytest.mark.parametrize("records, meta, problem", [
-    (torch.zeros(1, 2, 320, dtype=torch.uint8), "q6_k,16,64", "kind"),
+    (torch.zeros(1, 2, 320, dtype=torch.uint8), "q3_k,16,64", "kind"),
     (torch.zeros(1, 2, 320, dtype=torch.uint8), "q4_1,24,64", "multiple of 16"),
     (torch.zeros(1, 2, 320, dtype=torch.uint8), "q4_1,16,48", "multiple of 32"),
     (torch.zeros(1, 2, 80, dtype=torch.float32), "q4_1,16,64", "uint8"),

@@ -10,7 +10,8 @@ forward that calls them.
 * ``probe.py`` - the row-independence probe every product passes before it is trusted;
 * ``onednn.py`` - float32 and bfloat16 on oneDNN weights packed once (also ``prepack_linears`` for
   models that keep transformers' forward);
-* ``gguf_groups.py`` + ``gguf_groups.c`` - float32 products read from GGUF Q4_1 / Q8_0 weight groups;
+* ``gguf_groups.py`` + ``gguf_groups.c`` - float32 products read from GGUF weight groups (Q4_0 to Q8_0,
+  Q4_K, Q5_K, Q6_K); ``gguf_records.py`` - those groups packed as the kernel's records;
 * ``amx_tiles.py`` + ``amx_tiles.c`` - bfloat16 products on AMX tiles;
 * ``int8_weights.py`` - int8 weight-only products (the ``int8`` target);
 * ``build.py`` - compiling the C kernels for this CPU; ``cache.py`` - where the built kernels are kept.

@@ -1,12 +1,12 @@
-"""Float32 products read from a GGUF file's weight groups (Q4_1, Q8_0), de-quantised inside the product.
+"""Float32 products read from a GGUF file's weight groups, de-quantised inside the product.
 
 Why: a single-token decode step reads every weight once, so its time is the bytes of the weights over the
-memory bandwidth. The embedded model's float32 checkpoint is its GGUF file's Q4_1 and Q8_0 groups
-expanded: 32 bits a weight holding what 4.5 or 8.5 bits hold. Multiplying float32 rows by the groups
-themselves, each weight rebuilt as its float32 value inside the kernel (``scale * q + minimum``, exact),
-computes the same products from 3.5-5.3x fewer bytes (the records widen the scales to float32: 6 bits a
-weight for Q4_1, 9 for Q8_0). The only difference from a float32 matrix kernel on the expanded weights is
-the order of the summation.
+memory bandwidth. A float32 checkpoint converted from a GGUF file is its quantised groups expanded: 32 bits
+a weight holding what 4.5 to 8.5 bits hold. Multiplying float32 rows by the groups themselves, each weight
+rebuilt as its float32 value inside the kernel, computes the same products from 3.5-6.4x fewer bytes. The
+types read: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, packed into records of 5 to 9 bits a weight
+(:mod:`~speculum.models.hf.kernels.gguf_records` has each kind's layout, cost and why its decode is exact).
+The only difference from a float32 matrix kernel on the expanded weights is the order of the summation.
 
 How: ``gguf_groups.c`` (AVX2 with FMA, or AVX-512) is compiled with the machine's C compiler on first use, for
 this CPU, and cached (:mod:`~speculum.models.hf.kernels.build`); it runs on PyTorch's OpenMP threads. Each output
@@ -15,9 +15,10 @@ element is summed in one fixed order whatever the number of rows (ROW-CANONICAL)
 products stay on oneDNN with the expanded weights (:func:`kernel_unavailable` says why), as they do with
 ``SPECULUM_KERNELS=off``.
 
-:func:`read_groups` packs the groups of a Llama GGUF file (the embedded model caches them beside its
-converted checkpoint); :func:`attach_groups` checks that each layer's groups expand to the float32 weight
-the module holds, bit for bit, and attaches them to that layer; the fused forward then multiplies by them.
+:func:`read_groups` packs the groups of a Llama, Gemma 3, Qwen2 or Qwen3 GGUF file (the embedded model caches
+them beside its converted checkpoint); :func:`attach_groups` checks that each layer's groups expand to the
+float32 weight the module holds, bit for bit, and attaches them to that layer; the fused forward (of Llama
+models; the others keep transformers' forward, which does not read them) then multiplies by them.
 Guarantee: EXACT weights; the products are float32 sums of exact products in a fixed order.
 
 Example:
@@ -32,7 +33,7 @@ import logging
 import os
 import subprocess
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -40,71 +41,14 @@ import numpy as np
 import torch
 
 from .build import build, kernels_disabled
+from .gguf_records import GGUF_KINDS, GROUP, LANES, RECORD_BYTES, GroupedWeight, pack
 
-__all__ = ["forget", "kernel_source", "GroupedProduct", "GroupedWeight", "attach_groups", "grouped_run",
-           "kernel_unavailable", "load_groups", "multiply_by_groups", "pack", "read_groups", "save_groups", "GROUPS"]
+__all__ = ["forget", "kernel_source", "GroupedProduct", "GroupedProducts", "GroupedWeight", "attach_groups",
+           "grouped_run", "kernel_unavailable", "load_groups", "multiply_by_groups", "pack", "read_groups", "save_groups", "GROUPS"]
 
 GROUPS = "speculum_groups"        # the attribute of an ``nn.Linear`` holding its GroupedWeight
-LANES = 16                        # output features sharing one record (gguf_groups.c)
-GROUP = 32                        # inputs sharing one scale (GGUF Q4_1 and Q8_0)
-RECORD_BYTES = {"q4_1": 2 * LANES * 4 + 16 * LANES, "q8_0": LANES * 4 + 32 * LANES}
-_GGUF_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}      # one group of 32 weights in the GGUF file
 _SOURCE = Path(__file__).with_name("gguf_groups.c")
 _log = logging.getLogger("speculum")
-
-
-@dataclass(frozen=True)
-class GroupedWeight:
-    """A weight ``(out_features, in_features)`` as packed group records (see ``gguf_groups.c`` for the layout)."""
-
-    kind: str                  # "q4_1" or "q8_0"
-    records: torch.Tensor      # uint8 (out_features / 16, in_features / 32, RECORD_BYTES[kind])
-    out_features: int
-    in_features: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.records.numel()
-
-    def expanded(self) -> torch.Tensor:
-        """The float32 weight ``(out_features, in_features)`` the records hold, each value exact."""
-        blocks, groups = self.records.shape[:2]
-        scales = self.records[..., :LANES * 4].contiguous().view(torch.float32)          # (blocks, groups, 16)
-        if self.kind == "q4_1":
-            minimums = self.records[..., LANES * 4:2 * LANES * 4].contiguous().view(torch.float32)
-            pairs = self.records[..., 2 * LANES * 4:].reshape(blocks, groups, 16, LANES)
-            quants = torch.cat([pairs & 15, pairs >> 4], dim=2).float()                   # (b, g, 32, 16)
-            weights = quants * scales[:, :, None] + minimums[:, :, None]
-        else:
-            quants = self.records[..., LANES * 4:].contiguous().view(torch.int8).reshape(blocks, groups, 32, LANES)
-            weights = quants.float() * scales[:, :, None]
-        return weights.permute(0, 3, 1, 2).reshape(self.out_features, self.in_features)
-
-
-def pack(kind: str, blocks: np.ndarray) -> GroupedWeight:
-    """Records of GGUF blocks ``(out_features, in_features / 32 * block bytes)`` uint8 of ``kind``."""
-    if kind not in _GGUF_BLOCK_BYTES:
-        raise ValueError(f"grouped products support q4_1 and q8_0, not {kind!r}")
-    out_features = blocks.shape[0]
-    groups = blocks.shape[1] // _GGUF_BLOCK_BYTES[kind]
-    if out_features % LANES or blocks.shape[1] % _GGUF_BLOCK_BYTES[kind]:
-        raise ValueError(f"a {kind} weight of {out_features} rows x {blocks.shape[1]} bytes does not fill records")
-    lanes = out_features // LANES
-    blocks = np.ascontiguousarray(blocks).reshape(lanes, LANES, groups, _GGUF_BLOCK_BYTES[kind])
-
-    def per_lane(part: np.ndarray) -> np.ndarray:      # (lanes, 16, groups, n) -> (lanes, groups, n * 16)
-        return part.transpose(0, 2, 3, 1).reshape(lanes, groups, -1)
-
-    def floats(part: np.ndarray) -> np.ndarray:        # float16 scales as float32 bytes, lane-minor
-        values = np.ascontiguousarray(part).view(np.float16)[..., 0].astype(np.float32)   # (lanes, 16, groups)
-        return np.ascontiguousarray(values.transpose(0, 2, 1)).view(np.uint8)            # (lanes, groups, 64)
-
-    if kind == "q4_1":
-        parts = [floats(blocks[..., 0:2]), floats(blocks[..., 2:4]), per_lane(blocks[..., 4:20])]
-    else:
-        parts = [floats(blocks[..., 0:2]), per_lane(blocks[..., 2:34])]
-    records = np.concatenate(parts, axis=-1)
-    return GroupedWeight(kind, torch.from_numpy(np.ascontiguousarray(records)), out_features, groups * GROUP)
 
 
 class GroupedProduct:
@@ -130,33 +74,63 @@ class GroupedProduct:
         return out
 
 
-def grouped_run(weights: list[GroupedWeight]) -> GroupedProduct | None:
-    """The product computing the concatenated outputs of ``weights`` (one kind, one input width), or None
-    where they cannot share a kernel call or the kernel is unavailable."""
+class GroupedProducts:
+    """``rows (m, in_features) float32 -> (m, out_features)``: several :class:`GroupedProduct` (one per run of
+    layers of one kind) side by side, for a fused product whose layers' records differ in kind (a Q4_K_M
+    file's query and key are Q4_K, its value Q6_K). Each part is row-canonical, so their concatenation is."""
+
+    __slots__ = ("parts", "kind", "in_features", "out_features")
+
+    def __init__(self, parts: list[GroupedProduct]) -> None:
+        self.parts = parts
+        self.kind = "+".join(part.kind for part in parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(part.out_features for part in parts)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(rows) for part in self.parts], dim=1)
+
+
+def grouped_run(weights: list[GroupedWeight]) -> GroupedProduct | GroupedProducts | None:
+    """The product computing the concatenated outputs of ``weights`` (one input width): one kernel call
+    where they are of one kind, else one call per run of consecutive weights of one kind. None where the
+    widths differ or the kernel is unavailable."""
     library = _kernel()
-    kinds, widths = {w.kind for w in weights}, {w.in_features for w in weights}
-    if library is None or len(kinds) != 1 or len(widths) != 1:
+    if library is None or not weights or len({w.in_features for w in weights}) != 1:
         return None
+    runs: list[list[GroupedWeight]] = []
+    for weight in weights:
+        if runs and runs[-1][0].kind == weight.kind:
+            runs[-1].append(weight)
+        else:
+            runs.append([weight])
+    parts = [_one_call(library, run) for run in runs]
+    return parts[0] if len(parts) == 1 else GroupedProducts(parts)
+
+
+def _one_call(library: ctypes.CDLL, weights: list[GroupedWeight]) -> GroupedProduct:
     # Lane blocks are independent: concatenated records are the concatenated outputs' records.
     records = weights[0].records if len(weights) == 1 else torch.cat([w.records for w in weights])
-    kind = kinds.pop()
-    return GroupedProduct(getattr(library, f"{kind[:2]}_product"), kind, records.contiguous(), widths.pop(),
+    kind = weights[0].kind
+    return GroupedProduct(getattr(library, f"{kind}_product"), kind, records.contiguous(), weights[0].in_features,
                           sum(w.out_features for w in weights))
 
 
-def multiply_by_groups(layers: list) -> GroupedProduct | None:
+def multiply_by_groups(layers: list) -> GroupedProduct | GroupedProducts | None:
     """:func:`grouped_run` of the groups attached to float32 ``layers`` (None unless every layer has
-    groups, of one kind). Each layer's groups then become a view of the product's records: one copy of
-    the bytes in memory."""
+    groups). Each layer's groups then become a view of its kernel call's records: one copy of the bytes in
+    memory."""
     # A copy cast to another dtype carries the float32 weights' groups, and must not use them.
     groups = [getattr(layer, GROUPS, None) if layer.weight.dtype == torch.float32 else None for layer in layers]
     run = grouped_run(groups) if all(g is not None for g in groups) else None
     if run is not None:
-        offset = 0
-        for layer, weight in zip(layers, groups):
-            count = weight.records.shape[0]
-            setattr(layer, GROUPS, replace(weight, records=run.records[offset:offset + count]))
-            offset += count
+        pending = iter(zip(layers, groups))
+        for part in run.parts if isinstance(run, GroupedProducts) else [run]:
+            offset = 0
+            while offset < part.records.shape[0]:
+                layer, weight = next(pending)
+                count = weight.records.shape[0]
+                setattr(layer, GROUPS, replace(weight, records=part.records[offset:offset + count]))
+                offset += count
     return run
 
 
@@ -196,7 +170,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
             reason = " ".join(str(exc).split())
             _log.info("grouped float32 products unavailable (%s); using oneDNN on the expanded weights", reason)
             return None, reason
-    for kind in ("q4", "q8"):
+    for kind in RECORD_BYTES:
         function = getattr(library, f"{kind}_product")
         function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                              ctypes.c_void_p, ctypes.c_int]
@@ -205,6 +179,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
 
 
 # ------------------------------------------------------------------------------------------ GGUF groups
+_MODEL_TYPES = ("llama", "gemma3", "gemma3_text", "qwen2", "qwen3")     # the same GGUF tensor names
 _LLAMA_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                 "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 _FILE = "groups.safetensors"
@@ -212,30 +187,38 @@ _MARKER = "speculum"      # the metadata entry every groups file carries (not a 
 
 
 def read_groups(gguf_path: str | os.PathLike) -> dict[str, GroupedWeight]:
-    """The Q4_1 and Q8_0 matrices of a Llama GGUF file as records, by tensor name, each with its rows in
-    transformers' order: query and key rows are stored permuted for the file's rotary layout, and are put
-    back as transformers' GGUF loader puts them (~2 s for SmolLM2, most of it reading the metadata)."""
+    """The matrices of a GGUF file whose type has a record kind (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+    Q6_K) as records, by tensor name, each with its rows in transformers' order. In a Llama file
+    (``general.architecture`` "llama") the query and key rows are stored permuted for the file's rotary
+    layout, and are put back as transformers' GGUF loader puts them; it permutes no other architecture's
+    rows (~2 s for SmolLM2, most of it reading the metadata)."""
     import gguf  # the [llm] extra, with torch
 
     reader = gguf.GGUFReader(str(gguf_path))
 
-    def field(name: str) -> int | None:
+    def field(name: str) -> int | str | None:
         value = reader.fields.get(name)
-        return None if value is None else int(value.parts[value.data[0]][0])
+        if value is None:
+            return None
+        part = value.parts[value.data[0]]
+        return bytes(part).decode() if value.types and value.types[0] == gguf.GGUFValueType.STRING else int(part[0])
 
-    heads = field("llama.attention.head_count")
-    kv_heads = field("llama.attention.head_count_kv") or heads
+    architecture = field("general.architecture")
+    heads = kv_heads = None
+    if architecture == "llama":       # transformers' LlamaTensorProcessor, the only one that permutes these rows
+        heads = field("llama.attention.head_count")
+        kv_heads = field("llama.attention.head_count_kv") or heads
     groups = {}
     for tensor in reader.tensors:
-        kind = tensor.tensor_type.name.lower()
-        if kind not in _GGUF_BLOCK_BYTES or len(tensor.data.shape) != 2:
+        gguf_type = tensor.tensor_type.name.lower()
+        if gguf_type not in GGUF_KINDS or len(tensor.data.shape) != 2:
             continue
         blocks = np.asarray(tensor.data)
         permuted = heads if ".attn_q." in tensor.name else kv_heads if ".attn_k." in tensor.name else None
         if permuted:
             blocks = blocks[_transformers_rows(blocks.shape[0], permuted)]
         try:
-            groups[tensor.name] = pack(kind, blocks)
+            groups[tensor.name] = pack(gguf_type, blocks)
         except ValueError:      # rows not a multiple of 16: that matrix stays on oneDNN
             continue
     return groups
@@ -289,14 +272,15 @@ def _checked_groups(name: str, shape: str, records: torch.Tensor) -> GroupedWeig
 
 
 def attach_groups(module: torch.nn.Module, groups: dict[str, GroupedWeight]) -> int:
-    """Attach to each float32 Linear of a Llama ``module`` its weight's groups (by GGUF tensor name, from
-    :func:`read_groups` of the file the module was converted from); returns how many layers got them (0
-    where the kernel is unavailable). A layer gets its groups only where their first and last 16 rows
-    expand bit for bit to the weight the layer holds (a file of another model, or rows in another order,
-    is left out). The module's own forward is unchanged; the fused forward built afterwards multiplies by
-    the groups."""
+    """Attach to each float32 Linear of a Llama, Gemma 3, Qwen2 or Qwen3 ``module`` its weight's groups (by
+    GGUF tensor name, the same in the four: from :func:`read_groups` of the file the module was converted
+    from); returns how many layers got them (0 where the kernel is unavailable). A layer gets its groups
+    only where their first and last 16 rows expand bit for bit to the weight the layer holds (a file of
+    another model, or rows in another order, is left out). The module's own forward is unchanged; the
+    fused forward built afterwards (Llama) multiplies by the groups. A head without ``output.weight`` (tied,
+    as Gemma 3's) is matched to ``token_embd``."""
     if not groups or kernel_unavailable() is not None or \
-            getattr(getattr(module, "config", None), "model_type", None) != "llama":
+            getattr(getattr(module, "config", None), "model_type", None) not in _MODEL_TYPES:
         return 0
     targets: list[tuple[torch.nn.Module, str]] = []
     for index, block in enumerate(module.get_decoder().layers):

@@ -10,8 +10,8 @@ can, and :class:`RowProduct` records whether that holds on this machine's kernel
 
 Kinds:
 
-* float32 from weight groups (:mod:`~speculum.models.hf.kernels.gguf_groups`: layers whose GGUF Q4_1 /
-  Q8_0 groups are attached): the groups de-quantised inside the product, each output summed in one fixed
+* float32 from weight groups (:mod:`~speculum.models.hf.kernels.gguf_groups`: layers whose GGUF
+  groups are attached): the groups de-quantised inside the product, each output summed in one fixed
   order;
 * float32: oneDNN on a weight packed once; more than :data:`~speculum.models.hf.kernels.probe.PROBE_ROWS`
   rows are split into calls of at most that many (the row counts the probe covers), and where a lone row
