@@ -162,3 +162,32 @@ def test_layer_windows_read_layer_types_and_refuse_unknown_attention():
     assert layer_windows(gemma) == [5, None, 5]
     gemma.layer_types = ["chunked_attention"] * 3
     assert "chunked_attention" in layer_windows(gemma)
+
+
+@settings(max_examples=30, deadline=None)
+@given(heads=st.integers(1, 8), kv_heads=st.integers(1, 4), head_dim=st.sampled_from([8, 64, 256]),
+       rows=st.integers(1, 40), seed=st.integers(0, 2 ** 31))
+def test_one_norm_of_every_head_then_its_weight_is_each_heads_norm_bitwise(heads, kv_heads, head_dim, rows, seed):
+    """The fused forward normalises queries and keys in one call, then weights each head's row: bitwise
+    what each head's own RMSNorm with its weight gives."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, rows, heads + kv_heads, head_dim, generator=generator) * 3
+    query_weight, key_weight = torch.randn(2, head_dim, generator=generator)
+    each = torch.cat([F.rms_norm(x[:, :, :heads], (head_dim,), query_weight, 1e-6),
+                      F.rms_norm(x[:, :, heads:], (head_dim,), key_weight, 1e-6)], dim=2)
+    weights = torch.cat([query_weight.expand(heads, -1), key_weight.expand(kv_heads, -1)])
+    assert torch.equal(F.rms_norm(x, (head_dim,), None, 1e-6) * weights, each)
+
+
+@settings(max_examples=20, deadline=None)
+@given(positions=st.lists(st.integers(0, 600), min_size=1, max_size=20))
+def test_rotary_rows_from_the_table_are_the_rotary_modules_rows_bitwise(pair, positions):
+    fused, _ = pair
+    forward = fused.fused
+    at = torch.tensor([positions])
+    x = torch.zeros(1, len(positions), 32)
+    tabled, direct = forward._rotary_tables(x, at), forward._rotary_call(x, at)
+    assert tabled.keys() == direct.keys()
+    assert all(torch.equal(a, b) for kind in tabled for a, b in zip(tabled[kind], direct[kind]))

@@ -89,6 +89,10 @@ _SELF_CHECK_TOLERANCE_BF16_OWN = 2e-1
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
+# Most positions whose rotary tables a forward keeps (2 x this x head_dim floats per layer kind); past them each
+# forward computes its own.
+_ROTARY_TABLE_POSITIONS = 8192
+
 RELEASED = "_speculum_weights_released"   # set on a module whose block weights live only in packed form
 
 
@@ -117,8 +121,7 @@ class _Block:
     attn_norm: _Norm           # before attention
     mlp_norm: _Norm            # before the MLP
     qkv_bias: torch.Tensor | None = None      # (q + k + v features,): Qwen2
-    q_norm: _Norm | None = None               # each query head's (head_dim,), then each key head's: Gemma 3, Qwen3
-    k_norm: _Norm | None = None
+    qk_norm: _Norm | None = None              # each query head's, then each key head's: (heads + kv, head_dim)
     attn_out_norm: _Norm | None = None        # after attention, before its residual add: Gemma 3
     mlp_out_norm: _Norm | None = None         # after the MLP, before its residual add: Gemma 3
 
@@ -128,6 +131,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     + eps))`` in one call of PyTorch's ``rms_norm``, bitwise what transformers' module computes in five
     (tested)."""
     return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def _head_norms(attn: torch.nn.Module, offset: float) -> _Norm:
+    """The query and key norms of ``attn`` as one: weights ``(heads + kv heads, head_dim)``, one row per head."""
+    query, key = _Norm.of(attn.q_norm, offset), _Norm.of(attn.k_norm, offset)
+    if query.eps != key.eps:
+        raise RuntimeError("query and key norms with different epsilons")      # build() keeps transformers'
+    heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
+    return _Norm(torch.cat([query.weight.expand(heads, -1), key.weight.expand(kv_heads, -1)]), query.eps)
+
+
+def _rope_types(config: Any) -> set:
+    """The rotary types a config names (one, or one per layer kind: Gemma 3)."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    nested = [v for v in parameters.values() if isinstance(v, dict)] if isinstance(parameters, dict) else []
+    return {str(p.get("rope_type", p.get("type", "default"))) for p in nested or [parameters]}
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -237,6 +256,8 @@ class FusedForward:
         self.windows = layer_windows(config)
         kinds = getattr(self.rotary, "layer_types", None)
         self.rotary_kinds = list(config.layer_types[:count]) if kinds else [None] * count
+        self._rotary_static = not {"dynamic", "longrope"} & _rope_types(config)
+        self._rotary_rows: tuple[int, dict] | None = None        # (positions held, tables), see _rotary_tables
         self.blocks = [self._block(block, self.family) for block in layers]
         head = module.get_output_embeddings()
         if head not in _PACKED:
@@ -330,15 +351,36 @@ class FusedForward:
                                   offset),
                 qkv_bias=torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach().float()
                 if family.qkv_bias else None,
-                q_norm=_Norm.of(attn.q_norm, offset) if family.qk_norm else None,
-                k_norm=_Norm.of(attn.k_norm, offset) if family.qk_norm else None,
+                qk_norm=_head_norms(attn, offset) if family.qk_norm else None,
                 attn_out_norm=_Norm.of(block.post_attention_layernorm, offset) if sandwich else None,
                 mlp_out_norm=_Norm.of(block.post_feedforward_layernorm, offset) if sandwich else None,
             )
         return _PACKED[block]
 
     def _rotary_tables(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
-        """``{layer kind: (cos, sin)}``, each ``(1, 1, n, head_dim)``, for tokens ``x`` at ``positions (1, n)``."""
+        """``{layer kind: (cos, sin)}``, each ``(1, 1, n, head_dim)``, for tokens ``x`` at ``positions (1, n)``.
+
+        Rows of tables computed once for the first positions (grown by doubling up to
+        :data:`_ROTARY_TABLE_POSITIONS`): each entry is an element-wise function of its position, so a row
+        read from the table is bitwise the row the rotary module computes for that position alone; a forward
+        saves one rotary call per layer kind. Rotary types that rescale with the sequence's length
+        (``dynamic``, ``longrope``) are computed per forward."""
+        end = int(positions.max()) + 1
+        tables = self._rotary_rows
+        if tables is None or end > tables[0]:
+            if not self._rotary_static or end > _ROTARY_TABLE_POSITIONS:
+                return self._rotary_call(x, positions)
+            length = min(max(end, 2 * (tables[0] if tables else 0), 256), _ROTARY_TABLE_POSITIONS)
+            tables = (length, self._rotary_call(x, torch.arange(length).unsqueeze(0)))
+            self._rotary_rows = tables
+        first = int(positions[0, 0])
+        if positions.shape[1] == end - first:                    # one run of positions: a view
+            return {kind: (cos[:, :, first:end], sin[:, :, first:end]) for kind, (cos, sin) in tables[1].items()}
+        at = positions[0]
+        return {kind: (cos[:, :, at], sin[:, :, at]) for kind, (cos, sin) in tables[1].items()}
+
+    def _rotary_call(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
+        """:meth:`_rotary_tables` from the rotary module itself."""
         tables = {}
         for kind in dict.fromkeys(self.rotary_kinds):
             cos, sin = self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
@@ -472,13 +514,12 @@ class FusedForward:
         q + k + v features)`` at the positions of the rotary tables ``cos`` / ``sin`` (each head normalised
         first where ``block`` has q/k norms)."""
         batch, n, _ = qkv.shape
-        q_end, k_end = self.heads * self.head_dim, (self.heads + self.kv_heads) * self.head_dim
-        if block is not None and block.q_norm is not None:
-            qk = torch.cat([block.q_norm(qkv[..., :q_end].view(batch, n, self.heads, self.head_dim)),
-                            block.k_norm(qkv[..., q_end:k_end].view(batch, n, self.kv_heads, self.head_dim))], dim=2)
-        else:
-            # Queries and keys rotate together: the same element-wise formula, half the operations.
-            qk = qkv[..., :k_end].view(batch, n, self.heads + self.kv_heads, self.head_dim)
+        k_end = (self.heads + self.kv_heads) * self.head_dim
+        # Queries and keys are normalised and rotate together: the same row-wise formulas, fewer operations.
+        qk = qkv[..., :k_end].view(batch, n, self.heads + self.kv_heads, self.head_dim)
+        if block is not None and block.qk_norm is not None:
+            # Weighted after the norm: bitwise what the norm with each head's weight gives (tested).
+            qk = F.rms_norm(qk, qk.shape[-1:], None, block.qk_norm.eps) * block.qk_norm.weight
         cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)                      # (1, n, 1, head_dim)
         rotated = (qk * cos + _rotate_half(qk) * sin).transpose(1, 2)            # (batch, heads + kv, n, d)
         v = qkv[..., k_end:].view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
