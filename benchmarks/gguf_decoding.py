@@ -63,6 +63,38 @@ def transformers_tokens(module, prompt: list[int], count: int) -> list[int]:
     return ids[0, len(prompt):].tolist()
 
 
+def step_breakdown(model, rounds: int = 30) -> dict:
+    """ms of one decode step's forward, and of its products alone (each at one row): the blocks' and the
+    head's. The rest is attention, norms, rotations and the Python between them."""
+    forward = model.fused
+    if forward is None:
+        return {}
+
+    def best(run) -> float:
+        run()
+        times = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+        return 1000 * statistics.median(times)
+
+    products = forward.products()
+    blocks = sum(best(lambda p=p, x=torch.randn(1, w): p(x)) for p, w in products[:-1])
+    head, width = products[-1]
+    head_ms = best(lambda: head(torch.randn(1, width)))
+    cache = model.new_cache()
+    forward(torch.tensor([model.encode(PROMPT, chat=False)]), cache)
+
+    def step() -> None:
+        forward(torch.tensor([[5]]), cache)
+        cache.trim(1)
+
+    whole = best(step)
+    return {"forward_ms": whole, "block_products_ms": blocks, "head_product_ms": head_ms,
+            "rest_ms": whole - blocks - head_ms}
+
+
 def timed(run, *args) -> tuple[float, list[int]]:
     started = time.perf_counter()
     out = run(*args)
@@ -106,6 +138,7 @@ def main() -> int:
         "grouped_layers": model.grouped_layers, "tokens": args.tokens, "rounds": args.rounds,
         "ms_per_token": ms, "speculum_speedup": {name: ms[name] / ms["speculum"] for name in ms},
         "first_16_agree_with_speculum": {name: firsts[name] == firsts["speculum"] for name in firsts},
+        "speculum_step": step_breakdown(model),
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -115,6 +148,9 @@ def main() -> int:
     for name in ms:
         print(f"  {name:<13} {ms[name]:7.2f} ms/token   speculum {ms[name] / ms['speculum']:5.2f}x faster"
               f"   first 16 greedy tokens = speculum's: {firsts[name] == firsts['speculum']}")
+    if report["speculum_step"]:
+        print("  speculum's step: " + ", ".join(f"{k[:-3].replace('_', ' ')} {v:.2f} ms"
+                                                for k, v in report["speculum_step"].items()))
     return 0
 
 

@@ -65,32 +65,106 @@ def inspect_gguf(path: Path) -> GGUFInfo:
     reach past its end (a truncated download)."""
     if not is_gguf_file(path):
         raise InputError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-    import gguf  # the [llm] extra: llama.cpp's own reader of the format
-
     size = os.path.getsize(path)
     try:
-        reader = gguf.GGUFReader(path)
-        architecture = _text_field(reader, "general.architecture")
-        name = _text_field(reader, "general.name") or path.stem
-        end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
-        types: dict[str, int] = {}
-        for tensor in reader.tensors:
-            types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
-    except Exception as exc:  # noqa: BLE001  (the reader fails in many ways on a damaged file)
+        header = _read_header(path)
+    except Exception as exc:  # noqa: BLE001  (a damaged file fails the parse in many ways)
         raise InputError(f"{path} is not a complete GGUF file (truncated or damaged: "
                          f"{' '.join(str(exc).split()) or type(exc).__name__})") from None
+    architecture = header.texts.get("general.architecture", "")
     if not architecture:
         raise InputError(f"{path} has no general.architecture: it does not say what model it holds")
-    if end > size:
-        raise InputError(f"{path} is truncated: its tensors need {end:,} bytes, the file has {size:,}")
-    return GGUFInfo(path, architecture, name, types, len(reader.tensors))
+    if header.end > size:
+        raise InputError(f"{path} is truncated: its tensors need {header.end:,} bytes, the file has {size:,}")
+    return GGUFInfo(path, architecture, header.texts.get("general.name") or path.stem, header.tensor_types,
+                    header.tensors)
 
 
-def _text_field(reader, key: str) -> str:
-    field = reader.fields.get(key)
-    if field is None or not field.parts:
-        return ""
-    return bytes(field.parts[-1]).decode("utf-8", errors="replace")
+@dataclass(frozen=True)
+class _Header:
+    texts: dict[str, str]            # the string-valued metadata
+    tensor_types: dict[str, int]     # storage type name -> tensor count
+    tensors: int
+    end: int                         # the byte just past the last tensor's data
+
+
+# GGUF metadata value types (the format's spec): fixed sizes, and the two variable-length kinds.
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def _read_header(path: Path) -> _Header:
+    """The metadata's strings and the tensor table of a GGUF (version 2 or 3) file, read by walking its
+    header: gguf-py's reader builds an object for every entry of every array (a 262k-token vocabulary
+    takes seconds), while only the strings and the tensor table are needed here."""
+    import mmap
+
+    import gguf  # the [llm] extra: llama.cpp's own table of the storage types' block sizes
+
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        position = 4
+
+        def number(width: int) -> int:
+            nonlocal position
+            if position + width > len(data):
+                raise ValueError(f"the header ends at byte {len(data):,}, inside a field")
+            value = int.from_bytes(data[position:position + width], "little")
+            position += width
+            return value
+
+        def text() -> str:
+            nonlocal position
+            length = number(8)
+            if position + length > len(data):
+                raise ValueError(f"a string of {length:,} bytes runs past the end of the file")
+            value = data[position:position + length].decode("utf-8", errors="replace")
+            position += length
+            return value
+
+        def skip(kind: int) -> None:
+            nonlocal position
+            if kind == _STRING:
+                length = number(8)           # read first: ``position += number(8)`` would lose the 8
+                position += length
+            elif kind == _ARRAY:
+                item, count = number(4), number(8)
+                if item in _SIZES:
+                    position += _SIZES[item] * count
+                else:
+                    for _ in range(count):
+                        skip(item)
+            elif kind in _SIZES:
+                position += _SIZES[kind]
+            else:
+                raise ValueError(f"unknown metadata value type {kind}")
+
+        version = number(4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (versions 2 and 3 are read)")
+        tensor_count, field_count = number(8), number(8)
+        texts: dict[str, str] = {}
+        alignment = 32
+        for _ in range(field_count):
+            key, kind = text(), number(4)
+            if kind == _STRING:
+                texts[key] = text()
+            elif key == "general.alignment" and kind in _SIZES:
+                alignment = number(_SIZES[kind])
+            else:
+                skip(kind)
+        types: dict[str, int] = {}
+        end = 0
+        for _ in range(tensor_count):
+            text()
+            dims = [number(8) for _ in range(number(4))]
+            kind = gguf.GGMLQuantizationType(number(4))
+            offset = number(8)
+            block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+            elements = int(np.prod(dims, dtype=np.int64))
+            end = max(end, offset + elements // block * block_bytes)
+            types[kind.name] = types.get(kind.name, 0) + 1
+        start = -(-position // alignment) * alignment           # tensor data follows the table, aligned
+        return _Header(texts, types, tensor_count, start + end if tensor_count else position)
 
 
 def unreadable_reason(info: GGUFInfo) -> str | None:

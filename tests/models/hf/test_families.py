@@ -184,10 +184,14 @@ def test_one_norm_of_every_head_then_its_weight_is_each_heads_norm_bitwise(heads
 @settings(max_examples=20, deadline=None)
 @given(positions=st.lists(st.integers(0, 600), min_size=1, max_size=20))
 def test_rotary_rows_from_the_table_are_the_rotary_modules_rows_bitwise(pair, positions):
+    """Any positions (packed sequences: runs in any order), and a run read as a view."""
     fused, _ = pair
     forward = fused.fused
     at = torch.tensor([positions])
     x = torch.zeros(1, len(positions), 32)
     tabled, direct = forward._rotary_tables(x, at), forward._rotary_call(x, at)
     assert tabled.keys() == direct.keys()
+    assert all(torch.equal(a, b) for kind in tabled for a, b in zip(tabled[kind], direct[kind]))
+    run = torch.arange(len(positions))[None] + positions[0]
+    tabled, direct = forward._rotary_tables(x, run, run=True), forward._rotary_call(x, run)
     assert all(torch.equal(a, b) for kind in tabled for a, b in zip(tabled[kind], direct[kind]))

@@ -357,8 +357,9 @@ class FusedForward:
             )
         return _PACKED[block]
 
-    def _rotary_tables(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
-        """``{layer kind: (cos, sin)}``, each ``(1, 1, n, head_dim)``, for tokens ``x`` at ``positions (1, n)``.
+    def _rotary_tables(self, x: torch.Tensor, positions: torch.Tensor, run: bool = False) -> dict:
+        """``{layer kind: (cos, sin)}``, each ``(1, 1, n, head_dim)``, for tokens ``x`` at ``positions (1, n)``
+        (``run``: they are one run ``p, p + 1, ...``, read as a view).
 
         Rows of tables computed once for the first positions (grown by doubling up to
         :data:`_ROTARY_TABLE_POSITIONS`): each entry is an element-wise function of its position, so a row
@@ -373,8 +374,8 @@ class FusedForward:
             length = min(max(end, 2 * (tables[0] if tables else 0), 256), _ROTARY_TABLE_POSITIONS)
             tables = (length, self._rotary_call(x, torch.arange(length).unsqueeze(0)))
             self._rotary_rows = tables
-        first = int(positions[0, 0])
-        if positions.shape[1] == end - first:                    # one run of positions: a view
+        if run:
+            first = int(positions[0, 0])
             return {kind: (cos[:, :, first:end], sin[:, :, first:end]) for kind, (cos, sin) in tables[1].items()}
         at = positions[0]
         return {kind: (cos[:, :, at], sin[:, :, at]) for kind, (cos, sin) in tables[1].items()}
@@ -397,7 +398,7 @@ class FusedForward:
         past = cache.length
         x = self.embedded(input_ids)                                                # (batch, n, hidden)
         positions = (torch.arange(n) + past).unsqueeze(0)                           # (1, n)
-        tables = self._rotary_tables(x, positions)
+        tables = self._rotary_tables(x, positions, run=True)
         attentions = {window: RowAttention(past, n, window) for window in set(self.windows)}
         for index, block in enumerate(self.blocks):
             attention = attentions[self.windows[index]]
