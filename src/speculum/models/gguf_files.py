@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import mmap
 import os
 import re
 from dataclasses import dataclass
@@ -97,8 +98,6 @@ def _read_header(path: Path) -> _Header:
     """The metadata's strings and the tensor table of a GGUF (version 2 or 3) file, read by walking its
     header: gguf-py's reader builds an object for every entry of every array (a 262k-token vocabulary
     takes seconds), while only the strings and the tensor table are needed here."""
-    import mmap
-
     import gguf  # the [llm] extra: llama.cpp's own table of the storage types' block sizes
 
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:

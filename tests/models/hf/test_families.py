@@ -189,9 +189,8 @@ def test_rotary_rows_from_the_table_are_the_rotary_modules_rows_bitwise(pair, po
     forward = fused.fused
     at = torch.tensor([positions])
     x = torch.zeros(1, len(positions), 32)
-    tabled, direct = forward._rotary_tables(x, at), forward._rotary_call(x, at)
-    assert tabled.keys() == direct.keys()
-    assert all(torch.equal(a, b) for kind in tabled for a, b in zip(tabled[kind], direct[kind]))
     run = torch.arange(len(positions))[None] + positions[0]
-    tabled, direct = forward._rotary_tables(x, run, run=True), forward._rotary_call(x, run)
-    assert all(torch.equal(a, b) for kind in tabled for a, b in zip(tabled[kind], direct[kind]))
+    for at, tabled in ((at, forward.rotary_tables(x, at)), (run, forward.rotary_tables(x, run, run=True))):
+        for kind, rows in tabled.items():
+            direct = forward.rotary(x, at) if kind is None else forward.rotary(x, at, kind)
+            assert all(torch.equal(a, b.unsqueeze(1)) for a, b in zip(rows, direct))

@@ -17,17 +17,25 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from speculum.models.hf.kernels.gguf_groups import (GroupedProduct, GroupedProducts, grouped_run,  # noqa: E402
                                                     kernel_source, kernel_unavailable, load_groups, read_groups)
-from speculum.models.hf.kernels.gguf_records import _GGUF_BLOCK, RECORD_BYTES, pack  # noqa: E402
+from speculum.models.hf.kernels.gguf_records import RECORD_BYTES, pack  # noqa: E402
+from support.grouped_weights import LLAMA_GGUF_NAMES  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"no grouped kernel: {kernel_unavailable()}")
 TYPES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
 _WITH_MINIMUM = {"q4_1", "q5_1", "q4_k", "q5_k"}          # a second float16 (m, dmin) at bytes 2..4
 
 
+def gguf_block(gguf_type: str) -> tuple[int, int]:
+    """(weights, bytes) of one GGUF block of ``gguf_type``, from gguf-py's table."""
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_type.upper()]]
+
+
 def random_blocks(gguf_type: str, rows: int, columns: int, rng: np.random.Generator) -> np.ndarray:
     """Valid GGUF blocks ``(rows, bytes)`` of ``gguf_type``: random quant and scale bytes, and float16 scales
     (and minimums) drawn from every finite float16 (subnormal, zero, the largest, either sign)."""
-    per_block, block_bytes = _GGUF_BLOCK[gguf_type]
+    per_block, block_bytes = gguf_block(gguf_type)
     count = columns // per_block
     blocks = rng.integers(0, 256, size=(rows, count, block_bytes), dtype=np.uint8)
 
@@ -110,7 +118,7 @@ def test_kernel_rebuilds_every_float16_scale_exactly(gguf_type, seed):
 def moderate_blocks(gguf_type: str, rows: int, columns: int, rng: np.random.Generator) -> np.ndarray:
     """:func:`random_blocks` with scales and minimums of -0.05..0.05 (sums of a sensible size)."""
     blocks = random_blocks(gguf_type, rows, columns, rng)
-    per_block, block_bytes = _GGUF_BLOCK[gguf_type]
+    per_block, block_bytes = gguf_block(gguf_type)
     blocks = blocks.reshape(rows, -1, block_bytes)
 
     def halves() -> np.ndarray:
@@ -208,14 +216,14 @@ def tiny_model(model_type: str):
 @needs_kernel
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "gemma3_text"])
 def test_attach_groups_to_other_architectures_by_the_same_names(model_type):
-    from speculum.models.hf.kernels.gguf_groups import _LLAMA_NAMES, GROUPS, attach_groups
+    from speculum.models.hf.kernels.gguf_groups import GROUPS, attach_groups
 
     module, rng = tiny_model(model_type), np.random.default_rng(11)
     groups, layers = {}, []
     with torch.no_grad():
         for index, block in enumerate(module.model.layers):
             for owner in (block.self_attn, block.mlp):
-                for name, gguf_name in _LLAMA_NAMES.items():
+                for name, gguf_name in LLAMA_GGUF_NAMES.items():
                     if hasattr(owner, name):
                         layer = getattr(owner, name)
                         groups[f"blk.{index}.{gguf_name}.weight"] = pack("q4_0", moderate_blocks(
@@ -248,7 +256,6 @@ def test_a_tiny_llama_of_mixed_kinds_keeps_every_guarantee(tmp_path):
     import speculum
     from support.hf_tiny import save_tiny_model
     from speculum.models.hf import HFModel
-    from speculum.models.hf.kernels.gguf_groups import _LLAMA_NAMES
 
     plain = HFModel.from_pretrained(save_tiny_model(tmp_path / "tiny"), prepack=False)
     types = {"q_proj": "q4_0", "k_proj": "q4_0", "v_proj": "q8_0", "o_proj": "q5_1", "gate_proj": "q5_0",
@@ -257,7 +264,7 @@ def test_a_tiny_llama_of_mixed_kinds_keeps_every_guarantee(tmp_path):
     with torch.no_grad():
         for index, block in enumerate(plain.module.model.layers):
             for owner in (block.self_attn, block.mlp):
-                for name, gguf_name in _LLAMA_NAMES.items():
+                for name, gguf_name in LLAMA_GGUF_NAMES.items():
                     if hasattr(owner, name):
                         layer = getattr(owner, name)
                         grouped = pack(types[name], moderate_blocks(types[name], *layer.weight.shape, rng))
@@ -265,8 +272,8 @@ def test_a_tiny_llama_of_mixed_kinds_keeps_every_guarantee(tmp_path):
                         groups[f"blk.{index}.{gguf_name}.weight"] = grouped
     model = HFModel(plain.module, plain.tokenizer, groups=groups)
     assert model.grouped_layers == 7 * 3 and model.capabilities.canonical_rows
-    assert isinstance(model._fused.blocks[0].qkv.run, GroupedProducts)
-    assert isinstance(model._fused.blocks[0].gate_up.run, GroupedProducts)
+    assert isinstance(model.fused.blocks[0].qkv.run, GroupedProducts)
+    assert isinstance(model.fused.blocks[0].gate_up.run, GroupedProducts)
     prompt = [1, 5, 9, 4]
     reference = speculum.generate(plain, prompt, max_new_tokens=10, temperature=0, eos_token_id=None).tokens
     assert speculum.generate(model, prompt, max_new_tokens=10, temperature=0, eos_token_id=None).tokens == reference

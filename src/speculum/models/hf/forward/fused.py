@@ -257,7 +257,7 @@ class FusedForward:
         kinds = getattr(self.rotary, "layer_types", None)
         self.rotary_kinds = list(config.layer_types[:count]) if kinds else [None] * count
         self._rotary_static = not {"dynamic", "longrope"} & _rope_types(config)
-        self._rotary_rows: tuple[int, dict] | None = None        # (positions held, tables), see _rotary_tables
+        self._rotary_rows: tuple[int, dict] | None = None        # (positions held, tables), see rotary_tables
         self.blocks = [self._block(block, self.family) for block in layers]
         head = module.get_output_embeddings()
         if head not in _PACKED:
@@ -357,7 +357,7 @@ class FusedForward:
             )
         return _PACKED[block]
 
-    def _rotary_tables(self, x: torch.Tensor, positions: torch.Tensor, run: bool = False) -> dict:
+    def rotary_tables(self, x: torch.Tensor, positions: torch.Tensor, run: bool = False) -> dict:
         """``{layer kind: (cos, sin)}``, each ``(1, 1, n, head_dim)``, for tokens ``x`` at ``positions (1, n)``
         (``run``: they are one run ``p, p + 1, ...``, read as a view).
 
@@ -365,7 +365,8 @@ class FusedForward:
         :data:`_ROTARY_TABLE_POSITIONS`): each entry is an element-wise function of its position, so a row
         read from the table is bitwise the row the rotary module computes for that position alone; a forward
         saves one rotary call per layer kind. Rotary types that rescale with the sequence's length
-        (``dynamic``, ``longrope``) are computed per forward."""
+        (``dynamic``, ``longrope``) are computed per forward. ROW-CANONICAL: a position's rows are the same
+        in any call."""
         end = int(positions.max()) + 1
         tables = self._rotary_rows
         if tables is None or end > tables[0]:
@@ -381,7 +382,7 @@ class FusedForward:
         return {kind: (cos[:, :, at], sin[:, :, at]) for kind, (cos, sin) in tables[1].items()}
 
     def _rotary_call(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
-        """:meth:`_rotary_tables` from the rotary module itself."""
+        """:meth:`rotary_tables` from the rotary module itself."""
         tables = {}
         for kind in dict.fromkeys(self.rotary_kinds):
             cos, sin = self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
@@ -398,7 +399,7 @@ class FusedForward:
         past = cache.length
         x = self.embedded(input_ids)                                                # (batch, n, hidden)
         positions = (torch.arange(n) + past).unsqueeze(0)                           # (1, n)
-        tables = self._rotary_tables(x, positions, run=True)
+        tables = self.rotary_tables(x, positions, run=True)
         attentions = {window: RowAttention(past, n, window) for window in set(self.windows)}
         for index, block in enumerate(self.blocks):
             attention = attentions[self.windows[index]]
@@ -425,7 +426,7 @@ class FusedForward:
         ids = torch.tensor([[t for tokens in token_lists for t in tokens]])        # (1, T)
         x = self.embedded(ids)                                                      # (1, T, hidden)
         position = torch.cat([torch.arange(n) + past for n, past in zip(lengths, pasts)])   # (T,) in its sequence
-        tables = self._rotary_tables(x, position.unsqueeze(0))                      # each (1, 1, T, head_dim)
+        tables = self.rotary_tables(x, position.unsqueeze(0))                      # each (1, 1, T, head_dim)
         store = caches[0].store if caches else None
         if store is not None and all(cache.store is store for cache in caches):
             with store.lock:
