@@ -10,7 +10,8 @@ Steps (each skipped where its output exists, under ``$SPECULUM_CACHE/large-model
    ``benchmarks/peers.py``), then to Q4_K_M with ``llama_model_quantize`` (llama-cpp-python's own);
 3. ``measure``: in a fresh process each, ms a greedy token (``gguf_decoding.py``'s difference of a long and a
    one-token run) and the resident memory after loading and decoding: speculum's float32 target over the
-   file's groups, and llama.cpp on the file; then speculum's verification cost curve (products and the whole
+   file's groups with the unpacked weights given back (as ``speculum serve`` does), and llama.cpp on the
+   file; then speculum's verification cost curve (products and the whole
    forward at 1, 2, 4, 8, 16 rows against 1 row). Random weights say nothing about acceptance, so the
    curve gives the acceptance at which a block of k drafted tokens breaks even: the verified forward of
    k + 1 rows must emit more tokens than its cost in single steps.
@@ -89,9 +90,17 @@ def convert(hf: Path, f16: Path, q4: Path) -> None:
     f16.unlink(missing_ok=True)
 
 
-def resident_mb() -> float:
+def peak_resident_mb() -> float:
     """The process's peak resident memory, MB (what it needed to load and decode)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def resident_mb() -> float:
+    """The process's resident memory now, MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def measure_one(kind: str, gguf: str, tokens: int) -> dict:
@@ -104,6 +113,7 @@ def measure_one(kind: str, gguf: str, tokens: int) -> dict:
 
     if kind == "speculum":
         model = load_model(gguf, progress=False)
+        model.release_unfused_weights()          # what `speculum serve` does: one copy of the weights
         prompt, run, handle = model.encode(PROMPT, chat=False), speculum_tokens, model
     else:
         import llama_cpp
@@ -123,7 +133,8 @@ def measure_one(kind: str, gguf: str, tokens: int) -> dict:
         started = time.perf_counter()
         run(handle, prompt, tokens)
         costs.append((time.perf_counter() - started - one) / (tokens - 1))
-    report = {"ms_per_token": 1000 * statistics.median(costs), "peak_resident_mb": resident_mb()}
+    report = {"ms_per_token": 1000 * statistics.median(costs), "resident_mb": resident_mb(),
+              "peak_resident_mb": peak_resident_mb()}
     if kind == "speculum":
         report["fused_forward"], report["grouped_layers"] = model.fused_forward, model.grouped_layers
         report["cost_curve"] = cost_curve(model, np)
@@ -201,7 +212,8 @@ def main() -> int:
     for kind in ("speculum", "llama.cpp"):
         runs = report[kind]
         print(f"  {kind:<10} {min(r['ms_per_token'] for r in runs):7.1f} ms/token (best of {len(runs)} processes)"
-              f"   peak resident {max(r['peak_resident_mb'] for r in runs):6.0f} MB")
+              f"   resident {max(r['resident_mb'] for r in runs):6.0f} MB (peak "
+              f"{max(r['peak_resident_mb'] for r in runs):.0f} MB)")
     curve = report["speculum"][-1]["cost_curve"]
     print("  speculum's cost of k rows / 1 row: products " +
           ", ".join(f"{k}: {v:.2f}" for k, v in curve["products"].items()) + "; whole forward " +
