@@ -247,6 +247,11 @@ def test_layers_of_different_kinds_share_a_product_one_call_a_kind():
     run = grouped_run(weights)
     assert isinstance(run, GroupedProducts) and run.kind == "q4_1+q6_k+q4_0" and run.out_features == 80
     check_product(run, torch.cat([w.expanded() for w in weights]), rng)
+    # The row probe's sample: each part's first outputs, bitwise those of the whole product.
+    rows = torch.from_numpy(rng.standard_normal((5, 256)).astype(np.float32))
+    whole, sample = run(rows), run.first_outputs(16)
+    assert sample.out_features == 48
+    assert torch.equal(sample(rows), torch.cat([whole[:, :16], whole[:, 48:64], whole[:, 64:80]], dim=1))
 
 
 @needs_kernel

@@ -50,6 +50,7 @@ from .probe import PROBE_ROWS, probed_once
 __all__ = ["RowProduct", "build_product", "is_float_linear", "is_int8_linear", "is_weight_int8", "product_paths"]
 
 _BF16_ROWS_A_CALL = 32      # most rows a bfloat16 kernel call multiplies
+_GROUPED_PROBE_OUTPUTS = 512  # outputs of a grouped product the row probe multiplies (32 lane blocks)
 
 
 class RowProduct:
@@ -153,7 +154,10 @@ def build_product(layers: list) -> RowProduct:
     if all(is_float_linear(layer) for layer in layers):
         run = multiply_by_groups(layers)
         if run is not None:
-            return RowProduct(run, probed_once(f"grouped {run.kind}", (run.out_features, run.in_features), run))
+            # Probed on its first outputs: the kernel's path depends on the rows and the input width, not on
+            # how many lane blocks follow (a 262k-row head would cost seconds a load).
+            sample = run.first_outputs(_GROUPED_PROBE_OUTPUTS)
+            return RowProduct(run, probed_once(f"grouped {run.kind}", (sample.out_features, run.in_features), sample))
         weight = torch.cat([layer.weight for layer in layers])
         return _bf16_product(weight) if weight.dtype == torch.bfloat16 else _float32_product(weight)
     if all(is_weight_int8(layer) for layer in layers):
