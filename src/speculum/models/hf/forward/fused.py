@@ -28,7 +28,8 @@ rather than up to near-ties.
 The int8 twin (``speculum.drafts.twins``: every Linear int8 dynamically quantised) runs it too: its products call
 the twin's own ``quantized::linear_dynamic`` ops on the same inputs, so its log-probs equal the twin's
 transformers forward, at less cost per draft step (not row-canonical: its activation scale is the batch's).
-Mixed or other quantisation and biases keep transformers' forward.
+Mixed or other quantisation keeps transformers' forward, as do biases beyond the family's (Qwen2's, on float
+weights).
 
 A bfloat16 module (the ``bfloat16`` target, the bf16 twin) runs it with bfloat16 weights and float32
 everywhere else: each product's rows are rounded to bfloat16 and multiplied by oneDNN (AMX or AVX-512 BF16
@@ -68,7 +69,7 @@ from ..kv.cache import KVCache, OwnCache, SlotCache
 from ..kv.store import KVArena
 from ..precision import cast_module
 from .attention import RowAttention, SlotRows, keys_needed
-from .families import ACTIVATIONS, FAMILIES, Family, activation_of, family_of, has_bias, layer_windows, structure_reason
+from .families import ACTIVATIONS, FAMILIES, Family, activation_of, family_of, layer_windows, structure_reason
 
 __all__ = ["FusedForward", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]
 
