@@ -13,7 +13,6 @@ pytest.importorskip("gguf")
 from speculum.models.hf.kernels.gguf_records import pack  # noqa: E402
 from speculum.models.hf.kernels.probe import gives_rows_alone  # noqa: E402
 from speculum.models.hf.kernels.q8_groups import q8_run, q8_unavailable, quantised_rows  # noqa: E402
-from support.grouped_weights import random_blocks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(q8_unavailable() is not None, reason=f"8-bit kernel unavailable: {q8_unavailable()}")
 
@@ -35,37 +34,59 @@ def reference_quantised(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def reference_product(weight, rows: np.ndarray) -> np.ndarray:
-    """The C source's formula in numpy float32: per group in order, ``out += (scale * d) * I`` and for q4_1
-    ``out += (minimum * d) * S``, with I the exact integer dot product of the group's quants."""
+    """The C source's formula in numpy float32: per group in order, ``out += (scale * d) * I`` (and for q4_1,
+    q5_1 ``out += (minimum * d) * S``; for q6_k one term per 16 inputs), with I the exact integer dot product
+    of the group's quants (minus offset * S where the weight is ``scale * (q - offset)``)."""
     records = weight.records.numpy()
     blocks, groups = records.shape[:2]
-    floats = records[..., :128].copy().view(np.float32).reshape(blocks, groups, -1, 16)
-    scale = floats[:, :, 0]                                                   # (blocks, groups, 16)
-    if weight.kind == "q8_0":
-        quants = records[..., 64:].copy().view(np.int8).reshape(blocks, groups, 32, 16).astype(np.int64)
-    else:
-        start = 128 if weight.kind == "q4_1" else 64
-        pairs = records[..., start:start + 256].reshape(blocks, groups, 16, 16).astype(np.int64)
-        quants = np.concatenate([pairs & 15, pairs >> 4], axis=2)
-        if weight.kind == "q4_0":
-            quants = (quants ^ 8) - 8
+    two = weight.kind in ("q4_1", "q5_1", "q6_k")
+    floats = records[..., :128 if two else 64].copy().view(np.float32).reshape(blocks, groups, -1, 16)
+    quants = _signed_quants(weight.kind, records[..., 128 if two else 64:])       # (blocks, groups, 32, 16)
     q, d, sums = reference_quantised(rows)
     xq = q.astype(np.int64).reshape(rows.shape[0], groups, 32)
     out = np.zeros((rows.shape[0], blocks, 16), np.float32)
     for g in range(groups):
-        integer = np.einsum("rk,bkl->rbl", xq[:, g], quants[:, g]).astype(np.float32)
-        out = out + (scale[None, :, g] * d[:, g, None, None]) * integer
-        if weight.kind == "q4_1":
-            minimum = floats[:, g, 1]
-            out = out + (minimum[None] * d[:, g, None, None]) * sums[:, g, None, None].astype(np.float32)
+        halves = [slice(0, 16), slice(16, 32)] if weight.kind == "q6_k" else [slice(0, 32)]
+        for half, inputs in enumerate(halves):
+            integer = np.einsum("rk,bkl->rbl", xq[:, g, inputs], quants[:, g, inputs]).astype(np.float32)
+            out = out + (floats[None, :, g, half] * d[:, g, None, None]) * integer
+        if weight.kind in ("q4_1", "q5_1"):
+            out = out + (floats[None, :, g, 1] * d[:, g, None, None]) * sums[:, g, None, None].astype(np.float32)
     return out.reshape(rows.shape[0], -1)
 
 
-def _blocks(kind: str, rows: int, columns: int, rng: np.random.Generator) -> np.ndarray:
-    if kind == "q4_0":      # a Q4_0 block is a Q4_1 block without the minimum: 18 bytes
-        q41 = random_blocks("q4_1", rows, columns, rng).reshape(rows, -1, 20)
-        return np.concatenate([q41[..., :2], q41[..., 4:]], axis=-1).reshape(rows, -1)
-    return random_blocks(kind, rows, columns, rng)
+def _signed_quants(kind: str, quants: np.ndarray) -> np.ndarray:
+    """The integer weights of records (gguf_records.py's layout): q, or q - offset where the weight is
+    ``scale * (q - offset)``, as int64 ``(blocks, groups, 32 inputs, 16 lanes)``."""
+    blocks, groups = quants.shape[:2]
+    if kind == "q8_0":
+        return quants.copy().view(np.int8).reshape(blocks, groups, 32, 16).astype(np.int64)
+    pairs = quants[..., :256].reshape(blocks, groups, 16, 16).astype(np.int64)
+    values = np.concatenate([pairs & 15, pairs >> 4], axis=2)
+    lane = np.arange(16)
+    if kind in ("q5_0", "q5_1"):
+        values |= ((quants[..., 256:].copy().view(np.uint16).astype(np.int64)[..., None] >> lane) & 1) << 4
+    if kind == "q6_k":
+        values |= ((quants[..., 256:].copy().view(np.uint32).astype(np.int64)[..., None] >> (2 * lane)) & 3) << 4
+    bits = {"q4_0": 4, "q5_0": 5, "q6_k": 6}.get(kind)
+    if bits is None:
+        return values
+    return values - ((values >> (bits - 1)) << bits)        # stored q XOR offset: q - offset, sign-extended
+
+
+# GGUF block (weights, bytes) and the float16 fields of each type (scale, minimum / dmin).
+_GGUF = {"q4_0": (32, 18, (0,)), "q4_1": (32, 20, (0, 2)), "q5_0": (32, 22, (0,)), "q5_1": (32, 24, (0, 2)),
+         "q8_0": (32, 34, (0,)), "q4_k": (256, 144, (0, 2)), "q5_k": (256, 176, (0, 2)), "q6_k": (256, 210, (208,))}
+
+
+def _blocks(gguf_type: str, rows: int, columns: int, rng: np.random.Generator) -> np.ndarray:
+    """Random GGUF blocks of ``gguf_type``: random quants, small float16 scales (and minimums)."""
+    per_block, size, halves = _GGUF[gguf_type]
+    blocks = rng.integers(0, 256, size=(rows, columns // per_block, size), dtype=np.uint8)
+    for at in halves:
+        values = rng.uniform(0.001, 0.05 if per_block == 32 else 0.004, size=blocks.shape[:2])
+        blocks[..., at:at + 2] = values.astype(np.float16)[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def test_rows_are_quantised_as_llama_cpp_rounds():
@@ -78,17 +99,18 @@ def test_rows_are_quantised_as_llama_cpp_rounds():
     expected = reference_quantised(rows)
     assert np.array_equal(q.numpy(), expected[0])
     assert np.array_equal(d.numpy(), expected[1])
-    assert np.array_equal(sums.numpy(), expected[2])
+    assert np.array_equal(sums.numpy(), expected[0].astype(np.int32).reshape(7, 4, 2, 16).sum(axis=-1))
+    assert np.array_equal(sums.numpy().sum(axis=-1), expected[2])
     assert int(q.abs().max()) == 127 and not q[1, :32].any()
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
-def test_product_is_the_stated_formula_close_to_float32_and_row_alone(kind):
+@pytest.mark.parametrize("gguf_type", list(_GGUF))
+def test_product_is_the_stated_formula_close_to_float32_and_row_alone(gguf_type):
     rng = np.random.default_rng(1)
-    weight = pack(kind, _blocks(kind, 48, 160, rng))
+    weight = pack(gguf_type, _blocks(gguf_type, 48, 256, rng))
     product = q8_run([weight])
     expanded = weight.expanded()
-    whole = torch.randn(max(ROW_COUNTS), 160, generator=torch.Generator().manual_seed(3))
+    whole = torch.randn(max(ROW_COUNTS), 256, generator=torch.Generator().manual_seed(3))
     for count in ROW_COUNTS:
         rows = whole[:count]
         out = product(rows)
@@ -96,7 +118,7 @@ def test_product_is_the_stated_formula_close_to_float32_and_row_alone(kind):
         assert torch.equal(out, product(whole)[:count])
         exact = rows @ expanded.T
         assert float((out - exact).abs().max()) <= 2e-2 * float(exact.abs().max())
-    assert gives_rows_alone(product, 160, torch.Generator().manual_seed(0))
+    assert gives_rows_alone(product, 256, torch.Generator().manual_seed(0))
 
 
 def test_layers_of_two_kinds_run_side_by_side():
@@ -107,5 +129,5 @@ def test_layers_of_two_kinds_run_side_by_side():
     rows = torch.randn(3, 64)
     assert product.kind == "q4_1+q8_0"
     assert torch.equal(product(rows), torch.cat([q8_run([w])(rows) for w in weights], dim=1))
-    with pytest.raises(ValueError, match="not q6_k"):
-        q8_run([pack("q6_k", np.zeros((16, 210), np.uint8))])
+    with pytest.raises(ValueError, match="one input width"):
+        q8_run([weights[0], pack("q8_0", _blocks("q8_0", 16, 32, rng))])

@@ -3,21 +3,25 @@
  *
  * Rows: quantise_rows() cuts each row into blocks of 32 inputs and, for each block, keeps
  *   d = amax / 127 (float32; amax the largest |x| of the block), q = roundf(x * (1 / d)) in -127..127
- *   (round half away from zero; d = 0 gives q = 0), and S = the sum of the block's q (an int32),
- * as llama.cpp's quantize_row_q8_1_ref, except that d stays float32 (llama.cpp rounds it to float16). A
- * row's quants are a function of that row alone.
+ *   (round half away from zero; d = 0 gives q = 0), and the sums of q over its inputs 0..15 and 16..31 (int32),
+ * as llama.cpp's quantize_row_q8_1_ref, except that d stays float32 (llama.cpp rounds it to float16) and the
+ * sum comes in two halves (Q6_K's scales are per 16 inputs). A row's quants are a function of that row alone.
  *
- * Weights: records of 16 output lanes x 32 inputs (gguf_records.py), their quants repacked by q8_records.py
- * so that the 4 weights one 32-bit lane of VNNI's vpdpbusd multiplies are adjacent: 8 "quads" per group, quad
- * k holding inputs 4k .. 4k + 3, byte [lane][i]. q4_0, q4_1: 4 chunks of 64 bytes, chunk v's low nibbles quad v,
- * its high nibbles quad 4 + v, the raw quants 0..15; q8_0: 8 quads of int8.
+ * Weights: records of 16 output lanes x 32 inputs (gguf_records.py), their quants repacked (q8_groups.py) so
+ * that the 4 weights one 32-bit lane of VNNI's vpdpbusd multiplies are adjacent: 8 "quads" a group, quad k
+ * holding inputs 4k .. 4k + 3 of the 16 lanes, byte p = 4 lane + i. After the scales (and minimums, or Q6_K's
+ * second scales): q8_0: 8 quads of int8. The others: 4 chunks of 64 bytes, chunk v's low nibbles the low 4 bits
+ * of quad v, its high nibbles those of quad 4 + v (the raw quants: 0..15, 0..31 or 0..63); q5_0, q5_1: then a
+ * plane of 64 bytes whose byte p has bit k = bit 4 of quad k; q6_k: that plane, then one for bit 5.
  *
- * Each output, for row r, lane n, summed over the groups g in order, from 0:
- *   I = sum_k wq[n][k] * xq[r][k] over the group's 32 inputs (int32, exact; minus offset * S for q4_0,
- *       whose weights are q - 8),
- *   out += (scale[n] * d) * (float)I                 (q4_0, q8_0)
- *   out += (scale[n] * d) * (float)I, then out += (minimum[n] * d) * (float)S     (q4_1: w = scale * q + min)
- * every product and sum rounded to float32 as written (no fused multiply-add: -ffp-contract=off). I is below
+ * Each output, for row r, lane n, summed over the groups g in order, from 0, with S = S_lo + S_hi:
+ *   I = sum_k wq[n][k] * xq[r][k] over the group's 32 inputs (int32, exact), minus offset * S for the kinds
+ *       whose weight is scale * (q - offset) (q4_0: 8, q5_0: 16); then
+ *   q4_0, q5_0, q8_0:  out += (scale[n] * d) * (float)I
+ *   q4_1, q5_1:        out += (scale[n] * d) * (float)I, then out += (minimum[n] * d) * (float)S
+ *   q6_k (q - 32, a scale per 16 inputs): I_lo, I_hi over inputs 0..15 and 16..31, each minus 32 * S_lo or
+ *                      32 * S_hi; out += (scale_lo[n] * d) * (float)I_lo, then out += (scale_hi[n] * d) * (float)I_hi
+ * every product and sum rounded to float32 as written (no fused multiply-add: -ffp-contract=off). |I| is below
  * 2^24, so (float)I is exact. The order does not depend on the number of rows, their position or the thread
  * split: a row's outputs never depend on the rows multiplied with it (ROW-CANONICAL).
  */
@@ -30,9 +34,12 @@
 #define SCALES (LANES * 4)                      /* one float32 a lane */
 #define Q4_0_RECORD (SCALES + 256)
 #define Q4_1_RECORD (2 * SCALES + 256)
+#define Q5_0_RECORD (SCALES + 256 + 64)
+#define Q5_1_RECORD (2 * SCALES + 256 + 64)
+#define Q6_K_RECORD (2 * SCALES + 256 + 128)
 #define Q8_0_RECORD (SCALES + 512)
 
-enum { Q4_0, Q4_1, Q8_0 };
+enum { Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0 };
 
 /* ------------------------------------------------------------------------------------------ the rows */
 
@@ -48,7 +55,7 @@ static inline int round_away(float v)
 }
 
 /* Rows (rows, in_features) -> quants (rows, in_features) int8, scales (rows, in_features / 32) float32, sums
- * (rows, in_features / 32) int32. */
+ * (rows, in_features / 32, 2) int32 (inputs 0..15, 16..31 of each block). */
 void quantise_rows(const float *x, int64_t rows, int64_t in_features, int8_t *q, float *d, int32_t *sums,
                    int threads)
 {
@@ -63,14 +70,15 @@ void quantise_rows(const float *x, int64_t rows, int64_t in_features, int8_t *q,
         }
         const float scale = amax / 127.0f;
         const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-        int32_t sum = 0;
+        int32_t sum[2] = {0, 0};
         for (int j = 0; j < GROUP; j++) {
             const int v = round_away(xb[j] * inverse);
             q[b * GROUP + j] = (int8_t)v;
-            sum += v;
+            sum[j / 16] += v;
         }
         d[b] = scale;
-        sums[b] = sum;
+        sums[2 * b] = sum[0];
+        sums[2 * b + 1] = sum[1];
     }
 }
 
@@ -84,6 +92,12 @@ static inline ivec iload(const uint8_t *p) { return _mm512_loadu_si512((const vo
 static inline ivec low_nibbles(ivec b) { return _mm512_and_si512(b, _mm512_set1_epi8(15)); }
 static inline ivec high_nibbles(ivec b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(15)); }
 static inline ivec izero(void) { return _mm512_setzero_si512(); }
+/* q with `value` added in the bytes whose bit `bit` of `plane` is set. */
+static inline ivec plane_bit(ivec q, ivec plane, int bit, int value)
+{
+    const __mmask64 set = _mm512_test_epi8_mask(plane, _mm512_set1_epi8((char)(1 << bit)));
+    return _mm512_mask_add_epi8(q, set, q, _mm512_set1_epi8((char)value));
+}
 /* u8 weights times 4 s8 inputs (broadcast), added in each 32-bit lane. */
 static inline ivec dot_u8(ivec acc, ivec w, int32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4)); }
 /* int8 weights: VNNI takes unsigned weights, so w + 128 (w XOR 0x80) is multiplied; the caller subtracts 128 S. */
@@ -107,6 +121,12 @@ static inline ivec iload(const uint8_t *p) { return _mm256_loadu_si256((const __
 static inline ivec low_nibbles(ivec b) { return _mm256_and_si256(b, _mm256_set1_epi8(15)); }
 static inline ivec high_nibbles(ivec b) { return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(15)); }
 static inline ivec izero(void) { return _mm256_setzero_si256(); }
+static inline ivec plane_bit(ivec q, ivec plane, int bit, int value)
+{
+    const __m256i mask = _mm256_set1_epi8((char)(1 << bit));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(plane, mask), mask);
+    return _mm256_add_epi8(q, _mm256_and_si256(set, _mm256_set1_epi8((char)value)));
+}
 /* maddubs adds pairs of u8 x s8 products into int16 (at most 2 x 128 x 127 here: no saturation), madd the
  * pairs of int16 into int32. */
 static inline ivec dot_u8(ivec acc, ivec w, int32_t x4)
@@ -145,11 +165,19 @@ static inline __attribute__((always_inline)) void quads(const int kind, const ui
         for (int k = 0; k < 8; k++) w[k] = q8_weights(iload(at + SCALES + k * 64 + part * bytes));
         return;
     }
-    const uint8_t *chunks = at + (kind == Q4_1 ? 2 : 1) * SCALES;
+    const uint8_t *chunks = at + (kind == Q4_1 || kind == Q5_1 || kind == Q6_K ? 2 : 1) * SCALES;
     for (int v = 0; v < 4; v++) {
         const ivec b = iload(chunks + v * 64 + part * bytes);
         w[v] = low_nibbles(b);
         w[4 + v] = high_nibbles(b);
+    }
+    if (kind == Q5_0 || kind == Q5_1 || kind == Q6_K) {
+        const ivec fifth = iload(chunks + 256 + part * bytes);
+        for (int k = 0; k < 8; k++) w[k] = plane_bit(w[k], fifth, k, 16);
+    }
+    if (kind == Q6_K) {
+        const ivec sixth = iload(chunks + 320 + part * bytes);
+        for (int k = 0; k < 8; k++) w[k] = plane_bit(w[k], sixth, k, 32);
     }
 }
 
@@ -169,27 +197,39 @@ static inline __attribute__((always_inline)) void lanes(const int kind, const in
         const fvec scale = fload(scales + part * WIDTH);
         for (int r = 0; r < rows; r++) {
             const int8_t *xq = q + r * in_features + g * GROUP;
-            ivec isum = izero();
+            ivec low = izero(), high = izero();          /* inputs 0..15, 16..31 */
             for (int k = 0; k < 8; k++) {
                 int32_t x4;
                 memcpy(&x4, xq + 4 * k, 4);
-                isum = kind == Q8_0 ? dot_s8(isum, w[k], x4) : dot_u8(isum, w[k], x4);
+                if (kind == Q8_0) low = dot_s8(low, w[k], x4);
+                else if (kind == Q6_K && k >= 4) high = dot_u8(high, w[k], x4);
+                else low = dot_u8(low, w[k], x4);
             }
             const float dr = d[r * groups + g];
-            const int32_t sr = sums[r * groups + g];
-            if (kind == Q4_0) isum = isub(isum, 8 * sr);
-            if (kind == Q8_0 && Q8_OFFSET) isum = isub(isum, Q8_OFFSET * sr);
-            acc[r] = fadd(acc[r], fmul(fmul(scale, fset1(dr)), to_float(isum)));
-            if (kind == Q4_1) {
+            const int32_t s_low = sums[2 * (r * groups + g)], s_high = sums[2 * (r * groups + g) + 1];
+            const int32_t sr = s_low + s_high;
+            if (kind == Q4_0) low = isub(low, 8 * sr);
+            if (kind == Q5_0) low = isub(low, 16 * sr);
+            if (kind == Q8_0 && Q8_OFFSET) low = isub(low, Q8_OFFSET * sr);
+            if (kind == Q6_K) {
+                low = isub(low, 32 * s_low);
+                high = isub(high, 32 * s_high);
+            }
+            acc[r] = fadd(acc[r], fmul(fmul(scale, fset1(dr)), to_float(low)));
+            if (kind == Q4_1 || kind == Q5_1) {
                 const fvec minimum = fload(scales + LANES + part * WIDTH);
                 acc[r] = fadd(acc[r], fmul(fmul(minimum, fset1(dr)), fset1((float)sr)));
+            }
+            if (kind == Q6_K) {
+                const fvec second = fload(scales + LANES + part * WIDTH);
+                acc[r] = fadd(acc[r], fmul(fmul(second, fset1(dr)), to_float(high)));
             }
         }
     }
     for (int r = 0; r < rows; r++) fstore(out + r * out_features + part * WIDTH, acc[r]);
 }
 
-#define CASE(n) case n: lanes(kind, record, n, q + r0 * in_features, d + r0 * groups, sums + r0 * groups, \
+#define CASE(n) case n: lanes(kind, record, n, q + r0 * in_features, d + r0 * groups, sums + 2 * r0 * groups, \
                               in_features, block, part, out + r0 * out_features + b * LANES, out_features); break;
 #if ROWS_A_PASS == 8
 #define PASSES CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
@@ -218,6 +258,9 @@ void name(const int8_t *q, const float *d, const int32_t *sums, int64_t rows, in
 
 PRODUCT(q4_0_q8_product, Q4_0, Q4_0_RECORD)
 PRODUCT(q4_1_q8_product, Q4_1, Q4_1_RECORD)
+PRODUCT(q5_0_q8_product, Q5_0, Q5_0_RECORD)
+PRODUCT(q5_1_q8_product, Q5_1, Q5_1_RECORD)
+PRODUCT(q6_k_q8_product, Q6_K, Q6_K_RECORD)
 PRODUCT(q8_0_q8_product, Q8_0, Q8_0_RECORD)
 
 /* Which vector path this library was compiled with: 512 (AVX-512 VNNI) or 256 (AVX2). */

@@ -16,7 +16,8 @@ multiplies are adjacent. The C source states each output's float formula and its
 Guarantee: EXACT for itself and ROW-CANONICAL (a row's quants depend on that row alone, the integer sums
 are exact, and the per-group float terms are added in one fixed order, whatever the rows beside it and
 the thread count); APPROXIMATE relative to float32 (the activations carry 8 bits a block: a relative error
-of about 1e-2 of an output's scale). Record kinds: ``q4_0``, ``q4_1`` (Q4_1, Q4_K) and ``q8_0``.
+of about 1e-2 of an output's scale). Record kinds: all of :mod:`~speculum.models.hf.kernels.gguf_records`'s
+(GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
 
 Example:
     >>> product = q8_run([grouped_weight])                 # doctest: +SKIP
@@ -31,6 +32,7 @@ import logging
 import subprocess
 import threading
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -38,53 +40,80 @@ import torch
 from .build import build, kernels_disabled
 from .gguf_records import GROUP, LANES, RECORD_BYTES, GroupedWeight
 
-__all__ = ["Q8_KINDS", "Q8Product", "Q8Products", "q8_run", "q8_unavailable", "quantised_rows", "repack",
+__all__ = ["forget", "Q8_KINDS", "Q8Product", "Q8Products", "q8_run", "q8_unavailable", "quantised_rows", "repack",
            "q8_source", "vector_bits"]
 
-Q8_KINDS = ("q4_0", "q4_1", "q8_0")          # record kinds the integer kernel multiplies
+Q8_KINDS = ("q4_0", "q4_1", "q5_0", "q5_1", "q6_k", "q8_0")     # record kinds the integer kernel multiplies
 _SOURCE = Path(__file__).with_name("q8_groups.c")
 _SCALES = LANES * 4
+_OFFSET = {"q4_0": 8, "q5_0": 16, "q6_k": 32}     # the float32 records hold q XOR offset (gguf_records.py)
 _log = logging.getLogger("speculum")
 
 
 def repack(weight: GroupedWeight) -> torch.Tensor:
     """The records of ``weight`` (:mod:`~speculum.models.hf.kernels.gguf_records`) with their quants reordered
-    for the integer kernel, scales and minimums kept: ``(lane blocks, groups, record bytes)`` uint8.
+    for the integer kernel, scales and minimums kept: ``(lane blocks, groups, record bytes)`` uint8, as many
+    bytes as the float32 kernel's records.
 
     The 32 x 16 quants of a record become 8 quads (inputs ``4k .. 4k + 3``) of ``[lane][4]`` bytes, what one
-    ``vpdpbusd`` multiplies: q4_0 / q4_1 as 4 chunks of 64 bytes whose low nibbles hold quad ``v`` and high
-    nibbles quad ``4 + v`` (the raw quants 0..15: q4_0's records hold ``q XOR 8``), q8_0 as 8 quads of int8."""
+    ``vpdpbusd`` multiplies: q8_0 as 8 quads of int8; the others as their raw quants (0 .. 2^bits - 1), in 4
+    chunks of 64 bytes whose low nibbles hold quad ``v`` and high nibbles quad ``4 + v``, then for 5 and 6 bits
+    one plane of 64 bytes per high bit, bit ``k`` of byte ``p`` that bit of quad ``k`` (``q8_groups.c``)."""
     if weight.kind not in Q8_KINDS:
         raise ValueError(f"8-bit products multiply {', '.join(Q8_KINDS)} records, not {weight.kind}")
     records = weight.records.numpy().reshape(*weight.records.shape[:2], RECORD_BYTES[weight.kind])
-    start = (2 if weight.kind == "q4_1" else 1) * _SCALES
-    quants = records[..., start:]
+    start = (2 if weight.kind in ("q4_1", "q5_1", "q6_k") else 1) * _SCALES
     blocks, groups = records.shape[:2]
-    if weight.kind == "q8_0":       # [kk][lane] with kk = 4k + i -> [k][lane][i]
-        quants = quants.reshape(blocks, groups, 8, 4, LANES).transpose(0, 1, 2, 4, 3)
-    else:                           # byte [kk][lane] holds inputs kk and kk + 16: kk = 4v + i -> [v][lane][i]
-        quants = quants.reshape(blocks, groups, 4, 4, LANES).transpose(0, 1, 2, 4, 3)
-        if weight.kind == "q4_0":
-            quants = quants ^ np.uint8(0x88)
-    quants = quants.reshape(blocks, groups, -1)
-    return torch.from_numpy(np.ascontiguousarray(np.concatenate([records[..., :start], quants], axis=-1)))
+    raw = _raw_quants(weight.kind, records[..., start:])                          # (blocks, groups, 32, 16)
+    quads = raw.reshape(blocks, groups, 8, 4, LANES).transpose(0, 1, 2, 4, 3).reshape(blocks, groups, 8, 64)
+    if weight.kind == "q8_0":
+        parts = [quads.reshape(blocks, groups, 512)]
+    else:
+        parts = [((quads[:, :, :4] & 15) | ((quads[:, :, 4:] & 15) << 4)).reshape(blocks, groups, 256)]
+        weights = np.arange(8, dtype=np.uint16).reshape(1, 1, 8, 1)
+        for bit in (4, 5)[:{"q5_0": 1, "q5_1": 1, "q6_k": 2}.get(weight.kind, 0)]:
+            parts.append((((quads.astype(np.uint16) >> bit) & 1) << weights).sum(axis=2).astype(np.uint8))
+    packed = np.concatenate([records[..., :start], *[part.astype(np.uint8) for part in parts]], axis=-1)
+    assert packed.shape[-1] == RECORD_BYTES[weight.kind]
+    return torch.from_numpy(np.ascontiguousarray(packed))
+
+
+def _raw_quants(kind: str, quants: np.ndarray) -> np.ndarray:
+    """A record's quant bytes (after its scales) -> its quants ``(blocks, groups, 32 inputs, 16 lanes)``: int8
+    for q8_0, else uint8 0 .. 2^bits - 1 (what GGUF stores, before any offset)."""
+    blocks, groups = quants.shape[:2]
+    if kind == "q8_0":
+        return quants.reshape(blocks, groups, 32, LANES).view(np.int8)
+    pairs = quants[..., :256].reshape(blocks, groups, 16, LANES)
+    raw = np.concatenate([pairs & 15, pairs >> 4], axis=2).astype(np.uint32)       # input kk, then kk + 16
+    lane = np.arange(LANES, dtype=np.uint32)
+    if kind in ("q5_0", "q5_1"):
+        plane = np.ascontiguousarray(quants[..., 256:]).view(np.uint16).astype(np.uint32)[..., None]
+        raw |= ((plane >> lane) & 1) << 4
+    elif kind == "q6_k":
+        plane = np.ascontiguousarray(quants[..., 256:]).view(np.uint32)[..., None]
+        raw |= ((plane >> (2 * lane)) & 3) << 4
+    return (raw ^ _OFFSET.get(kind, 0)).astype(np.uint8)
 
 
 def quantised_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``rows (m, in)`` float32 as the kernel multiplies them: quants ``(m, in)`` int8, scales ``(m, in / 32)``
-    float32 and quant sums ``(m, in / 32)`` int32, each block of 32 inputs of each row by itself (see the
-    C source). Raises RuntimeError where the kernel is unavailable."""
+    float32 and the sums of each block's quants over its inputs 0..15 and 16..31 ``(m, in / 32, 2)`` int32,
+    each block of 32 inputs of each row by itself (see the C source). Raises RuntimeError where the kernel is
+    unavailable."""
     library = _kernel()
     if library is None:
         raise RuntimeError(f"8-bit products unavailable: {q8_unavailable()}")
-    rows = rows.contiguous()
+    return _quantised(library.quantise_rows, rows.contiguous(), torch.get_num_threads())
+
+
+def _quantised(quantise: Callable, rows: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, width = rows.shape
     q = torch.empty(m, width, dtype=torch.int8)
     d = torch.empty(m, width // GROUP, dtype=torch.float32)
-    sums = torch.empty(m, width // GROUP, dtype=torch.int32)
+    sums = torch.empty(m, width // GROUP, 2, dtype=torch.int32)
     if m:
-        library.quantise_rows(rows.data_ptr(), m, width, q.data_ptr(), d.data_ptr(), sums.data_ptr(),
-                              torch.get_num_threads())
+        quantise(rows.data_ptr(), m, width, q.data_ptr(), d.data_ptr(), sums.data_ptr(), threads)
     return q, d, sums
 
 
@@ -108,10 +137,7 @@ class Q8Product:
         m, threads = rows.shape[0], torch.get_num_threads()
         out = rows.new_empty(m, self.out_features)
         if m:
-            q = torch.empty(m, self.in_features, dtype=torch.int8)
-            d = torch.empty(m, self.in_features // GROUP, dtype=torch.float32)
-            sums = torch.empty(m, self.in_features // GROUP, dtype=torch.int32)
-            self._quantise(rows.data_ptr(), m, self.in_features, q.data_ptr(), d.data_ptr(), sums.data_ptr(), threads)
+            q, d, sums = _quantised(self._quantise, rows, threads)
             self._function(q.data_ptr(), d.data_ptr(), sums.data_ptr(), m, self.in_features, self.records.data_ptr(),
                            self.out_features, out.data_ptr(), threads)
         return out
@@ -173,6 +199,12 @@ def vector_bits() -> int | None:
     """The kernel's vector path: 512 (AVX-512 VNNI) or 256 (AVX2); None where it is unavailable."""
     library = _kernel()
     return None if library is None else int(library.q8_vector_bits())
+
+
+def forget() -> None:
+    """Drop what this process remembers about the 8-bit kernel (loaded, or why not): the next use looks for it
+    and builds it again. Products built before keep their kernel."""
+    _loaded.cache_clear()
 
 
 def _kernel() -> ctypes.CDLL | None:
