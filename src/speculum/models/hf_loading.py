@@ -151,6 +151,7 @@ def load_hf_model(
         return _load_gguf_file(path.resolve(), info.architecture, dtype=dtype, prepack=prepack, progress=report,
                                verify=verify)
     if path.exists():
+        # A model directory has no weight groups: q8 refuses it (HFModel names why).
         return HFModel.from_pretrained(path, dtype=dtype, prepack=prepack)
     if os.sep in str(name_or_path) or str(name_or_path).startswith("."):
         raise FileNotFoundError(f"model path {str(name_or_path)!r} does not exist")
@@ -211,7 +212,11 @@ def _load_through_cache(gguf: Path, key: str, name: str, *, dtype: str, prepack:
             raise
         progress(ConversionProgress(name, "done", len(CONVERSION_STAGES)))
 
-    groups = _weight_groups(gguf, key, verify=verify) if groups and prepack and dtype == "float32" else None
+    groups = _weight_groups(gguf, key, verify=verify) if groups and prepack and dtype in ("float32", "q8") else None
+    if dtype == "q8" and groups is None:
+        from .hf.precision import Q8_REFUSAL  # the [llm] extra
+
+        raise InputError(Q8_REFUSAL if prepack else "q8 runs on the fused forward: prepack=False has none")
     return load_cached(
         cache_dir() / f"{key}-float32", gguf, write=write, verify=verify,
         load=lambda folder: _load_converted(folder, name, dtype=dtype, prepack=prepack, groups=groups),

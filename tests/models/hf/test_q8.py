@@ -3,6 +3,8 @@ GGUF weight groups with integer dot products. Its products are checked against a
 formula the C source states (bit for bit), against float32 (close), and row by row (each row alone)."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -10,9 +12,17 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
+import speculum  # noqa: E402
+from speculum.drafts import PromptLookup  # noqa: E402
+from speculum.drafts.twins import int8_twin, truncated_draft  # noqa: E402
+from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.hf.kernels.gguf_records import pack  # noqa: E402
 from speculum.models.hf.kernels.probe import gives_rows_alone  # noqa: E402
-from speculum.models.hf.kernels.q8_groups import q8_run, q8_unavailable, quantised_rows  # noqa: E402
+from speculum.models.hf.kernels.q8_groups import Q8Product, q8_run, q8_unavailable, quantised_rows  # noqa: E402
+from speculum.models.hf.precision import DTYPES, dtype_advice, parse_dtype, prepare_module  # noqa: E402
+from speculum.validation import InputError  # noqa: E402
+from support.grouped_weights import grouped_tiny  # noqa: E402
+from support.hf_tiny import save_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(q8_unavailable() is not None, reason=f"8-bit kernel unavailable: {q8_unavailable()}")
 
@@ -131,3 +141,53 @@ def test_layers_of_two_kinds_run_side_by_side():
     assert torch.equal(product(rows), torch.cat([q8_run([w])(rows) for w in weights], dim=1))
     with pytest.raises(ValueError, match="one input width"):
         q8_run([weights[0], pack("q8_0", _blocks("q8_0", 16, 32, rng))])
+
+
+# ------------------------------------------------------------------------------------------ the q8 target
+
+def _q8_tiny(folder):
+    """The tiny Llama with random Q4_1 blocks and a Q8_0 head, as a ``q8`` model (and its float32 twin)."""
+    grouped, groups = grouped_tiny(folder, "q4_1", head="q8_0")
+    module = prepare_module(copy.deepcopy(grouped.module), "q8")
+    return HFModel(module, grouped.tokenizer, groups=groups), HFModel(grouped.module, grouped.tokenizer, groups=groups)
+
+
+def test_tiny_q8_model_runs_every_product_on_8_bit_rows_and_keeps_greedy_output(tmp_path):
+    model, float32 = _q8_tiny(tmp_path)
+    assert model.fused is not None and model.capabilities.canonical_rows
+    kinds = [product.run.kind for product, _ in model.fused.products()]
+    assert set(kinds) == {"q4_1", "q8_0"} and kinds[-1] == "q8_0"
+    assert type(model.fused.products()[0][0].run) is Q8Product
+    prompt = [1, 4, 5, 6, 4, 5, 6, 4, 5]
+    ours, theirs = model.start(prompt).next_logprobs(), float32.start(prompt).next_logprobs()
+    assert not np.array_equal(ours, theirs)                                 # another target ...
+    assert float(np.abs(np.exp(ours) - np.exp(theirs)).sum()) < 0.1        # ... close to float32
+    plain = speculum.generate(model, prompt, max_new_tokens=24, temperature=0).tokens
+    assert speculum.generate(model, prompt, draft=PromptLookup(), max_new_tokens=24, temperature=0).tokens == plain
+    # Twins are float-activation targets of their own; a truncated draft shares the q8 blocks.
+    for draft in (int8_twin(model), truncated_draft(model, 1)):
+        assert speculum.generate(model, prompt, draft=draft, max_new_tokens=24, temperature=0).tokens == plain
+
+
+def test_q8_refuses_a_model_without_weight_groups(tmp_path):
+    grouped, groups = grouped_tiny(tmp_path / "blocks")         # the head has no groups
+    with pytest.raises(InputError, match="q8 multiplies a GGUF file's weight groups"):
+        HFModel(prepare_module(grouped.module, "q8"), grouped.tokenizer, groups=groups)
+    folder = save_tiny_model(tmp_path / "plain")
+    with pytest.raises(InputError, match="q8 multiplies a GGUF file's weight groups"):
+        speculum.load_model(str(folder), dtype="q8", progress=False)
+
+
+def test_q8_is_a_dtype_advised_by_vnni():
+    assert "q8" in DTYPES and parse_dtype("q8") == torch.float32
+    assert dtype_advice("q8", frozenset({"avx2", "avx512f", "avx512_vnni"})) is None
+    assert "VNNI" in dtype_advice("q8", frozenset({"avx2", "fma"}))
+
+
+@pytest.mark.slow
+def test_embedded_model_as_q8_keeps_greedy_output_under_prompt_lookup():
+    model = speculum.load_model(dtype="q8", progress=False)
+    assert model.capabilities.canonical_rows and model.grouped_layers == 30 * 7 + 1
+    prompt = model.encode("List the days of the week: Monday, Tuesday, Wednesday, Thursday, then the days again:")
+    plain = speculum.generate(model, prompt, max_new_tokens=40, temperature=0).tokens
+    assert speculum.generate(model, prompt, draft=PromptLookup(), max_new_tokens=40, temperature=0).tokens == plain
