@@ -26,6 +26,7 @@
  * split: a row's outputs never depend on the rows multiplied with it (ROW-CANONICAL).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 
@@ -256,12 +257,37 @@ void name(const int8_t *q, const float *d, const int32_t *sums, int64_t rows, in
     }                                                                                                        \
 }
 
+/* Float32 rows quantised (quantise_rows) into a buffer of this call, then multiplied: one call a product, as a
+ * decode step makes ~120 of them. Returns 0, or -1 where the buffer cannot be allocated. */
+#define ROWS_PRODUCT(name, product)                                                                          \
+int name(const float *x, int64_t rows, int64_t in_features, const uint8_t *packed, int64_t out_features,     \
+         float *out, int threads)                                                                            \
+{                                                                                                            \
+    const int64_t groups = in_features / GROUP;                                                              \
+    /* quants (rows x in_features bytes: a multiple of 32), scales, then sums: each 4-byte aligned */        \
+    uint8_t *scratch = malloc((size_t)(rows * in_features + rows * groups * 12));                            \
+    if (scratch == NULL) return -1;                                                                          \
+    int8_t *q = (int8_t *)scratch;                                                                           \
+    float *d = (float *)(scratch + rows * in_features);                                                      \
+    int32_t *sums = (int32_t *)(scratch + rows * in_features + rows * groups * 4);                           \
+    quantise_rows(x, rows, in_features, q, d, sums, threads);                                                \
+    product(q, d, sums, rows, in_features, packed, out_features, out, threads);                              \
+    free(scratch);                                                                                           \
+    return 0;                                                                                                \
+}
+
 PRODUCT(q4_0_q8_product, Q4_0, Q4_0_RECORD)
 PRODUCT(q4_1_q8_product, Q4_1, Q4_1_RECORD)
 PRODUCT(q5_0_q8_product, Q5_0, Q5_0_RECORD)
 PRODUCT(q5_1_q8_product, Q5_1, Q5_1_RECORD)
 PRODUCT(q6_k_q8_product, Q6_K, Q6_K_RECORD)
 PRODUCT(q8_0_q8_product, Q8_0, Q8_0_RECORD)
+ROWS_PRODUCT(q4_0_rows, q4_0_q8_product)
+ROWS_PRODUCT(q4_1_rows, q4_1_q8_product)
+ROWS_PRODUCT(q5_0_rows, q5_0_q8_product)
+ROWS_PRODUCT(q5_1_rows, q5_1_q8_product)
+ROWS_PRODUCT(q6_k_rows, q6_k_q8_product)
+ROWS_PRODUCT(q8_0_rows, q8_0_q8_product)
 
 /* Which vector path this library was compiled with: 512 (AVX-512 VNNI) or 256 (AVX2). */
 int q8_vector_bits(void) { return WIDTH * 32; }

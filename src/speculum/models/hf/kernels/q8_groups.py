@@ -32,7 +32,6 @@ import logging
 import subprocess
 import threading
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -104,28 +103,26 @@ def quantised_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     library = _kernel()
     if library is None:
         raise RuntimeError(f"8-bit products unavailable: {q8_unavailable()}")
-    return _quantised(library.quantise_rows, rows.contiguous(), torch.get_num_threads())
-
-
-def _quantised(quantise: Callable, rows: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = rows.contiguous()
     m, width = rows.shape
     q = torch.empty(m, width, dtype=torch.int8)
     d = torch.empty(m, width // GROUP, dtype=torch.float32)
     sums = torch.empty(m, width // GROUP, 2, dtype=torch.int32)
     if m:
-        quantise(rows.data_ptr(), m, width, q.data_ptr(), d.data_ptr(), sums.data_ptr(), threads)
+        library.quantise_rows(rows.data_ptr(), m, width, q.data_ptr(), d.data_ptr(), sums.data_ptr(),
+                              torch.get_num_threads())
     return q, d, sums
 
 
 class Q8Product:
-    """``rows (m, in_features) float32 -> (m, out_features)``: the rows quantised, then one kernel call over
-    ``records`` (repacked records of one kind, concatenated)."""
+    """``rows (m, in_features) float32 -> (m, out_features)``: one kernel call, which quantises the rows and
+    multiplies them by ``records`` (repacked records of one kind, concatenated)."""
 
-    __slots__ = ("kind", "records", "in_features", "out_features", "_function", "_quantise")
+    __slots__ = ("kind", "records", "in_features", "out_features", "_function")
 
     def __init__(self, library: ctypes.CDLL, kind: str, records: torch.Tensor, in_features: int,
                  out_features: int) -> None:
-        self._function, self._quantise = getattr(library, f"{kind}_q8_product"), library.quantise_rows
+        self._function = getattr(library, f"{kind}_rows")
         self.kind, self.records = kind, records
         self.in_features, self.out_features = in_features, out_features
 
@@ -134,12 +131,10 @@ class Q8Product:
         if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != self.in_features:
             raise ValueError(f"8-bit product: expected float32 rows of {self.in_features}, got {rows.dtype} "
                              f"{tuple(rows.shape)}")
-        m, threads = rows.shape[0], torch.get_num_threads()
-        out = rows.new_empty(m, self.out_features)
-        if m:
-            q, d, sums = _quantised(self._quantise, rows, threads)
-            self._function(q.data_ptr(), d.data_ptr(), sums.data_ptr(), m, self.in_features, self.records.data_ptr(),
-                           self.out_features, out.data_ptr(), threads)
+        out = rows.new_empty(rows.shape[0], self.out_features)
+        if rows.shape[0] and self._function(rows.data_ptr(), rows.shape[0], self.in_features, self.records.data_ptr(),
+                                            self.out_features, out.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"8-bit product: no memory for {rows.shape[0]} quantised rows")
         return out
 
 
@@ -225,8 +220,8 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     library.quantise_rows.argtypes = [pointer, size, size, pointer, pointer, pointer, ctypes.c_int]
     library.quantise_rows.restype = None
     for kind in Q8_KINDS:
-        function = getattr(library, f"{kind}_q8_product")
-        function.argtypes = [pointer, pointer, pointer, size, size, pointer, size, pointer, ctypes.c_int]
-        function.restype = None
+        function = getattr(library, f"{kind}_rows")
+        function.argtypes = [pointer, size, size, pointer, size, pointer, ctypes.c_int]
+        function.restype = ctypes.c_int
     library.q8_vector_bits.argtypes, library.q8_vector_bits.restype = [], ctypes.c_int
     return library, None
