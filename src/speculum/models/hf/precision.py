@@ -146,7 +146,8 @@ def dtype_advice(dtype: str, flags: frozenset[str] | None = None) -> str | None:
         if q8_unavailable() is not None:
             return f"its compiled kernel does not run here ({q8_unavailable()}): q8 models are refused"
         if flags and "avx512_vnni" not in flags:
-            return "this CPU has no AVX-512 VNNI: 8-bit products use AVX2's maddubs, about half VNNI's rate"
+            return ("this CPU has no AVX-512 VNNI: 8-bit products run on AVX2's maddubs, fewer products a cycle, "
+                    "and may not beat float32's")
         return None
     if dtype == "int8":
         return ("PyTorch's CPU kernel for int8 weight-only products (_weight_int8pack_mm) is slower than its float32 "
