@@ -131,6 +131,19 @@ def test_product_is_the_stated_formula_close_to_float32_and_row_alone(gguf_type)
     assert gives_rows_alone(product, 256, torch.Generator().manual_seed(0))
 
 
+def test_products_do_not_depend_on_the_thread_count():
+    weight = pack("q4_1", _blocks("q4_1", 64, 128, np.random.default_rng(5)))
+    product, rows = q8_run([weight]), torch.randn(37, 128)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = product(rows)
+        torch.set_num_threads(2)
+        assert torch.equal(product(rows), alone)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_layers_of_two_kinds_run_side_by_side():
     rng = np.random.default_rng(4)
     weights = [pack("q4_1", _blocks("q4_1", 32, 64, rng)), pack("q8_0", _blocks("q8_0", 16, 64, rng)),
