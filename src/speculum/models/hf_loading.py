@@ -214,9 +214,13 @@ def _load_through_cache(gguf: Path, key: str, name: str, *, dtype: str, prepack:
 
     groups = _weight_groups(gguf, key, verify=verify) if groups and prepack and dtype in ("float32", "q8") else None
     if dtype == "q8" and groups is None:
-        from .hf.precision import Q8_REFUSAL  # the [llm] extra
+        from .hf.kernels.gguf_groups import kernel_unavailable  # the [llm] extra
+        from .hf.kernels.q8_groups import q8_unavailable  # (as above)
+        from .hf.precision import Q8_REFUSAL  # (as above)
 
-        raise InputError(Q8_REFUSAL if prepack else "q8 runs on the fused forward: prepack=False has none")
+        unavailable = kernel_unavailable() or q8_unavailable()
+        raise InputError("q8 runs on the fused forward: prepack=False has none" if not prepack else
+                         f"q8 needs its compiled kernels: {unavailable}" if unavailable else Q8_REFUSAL)
     return load_cached(
         cache_dir() / f"{key}-float32", gguf, write=write, verify=verify,
         load=lambda folder: _load_converted(folder, name, dtype=dtype, prepack=prepack, groups=groups),

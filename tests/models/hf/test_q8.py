@@ -191,6 +191,13 @@ def test_q8_refuses_a_model_without_weight_groups(tmp_path):
         speculum.load_model(str(folder), dtype="q8", progress=False)
 
 
+def test_q8_without_its_kernels_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("SPECULUM_KERNELS", "off")
+    with pytest.raises(InputError, match="q8 needs its compiled kernels: compiled kernels are off"):
+        speculum.load_model(dtype="q8", progress=False)
+    assert "does not run here" in dtype_advice("q8")
+
+
 def test_q8_is_a_dtype_advised_by_vnni():
     assert "q8" in DTYPES and parse_dtype("q8") == torch.float32
     assert dtype_advice("q8", frozenset({"avx2", "avx512f", "avx512_vnni"})) is None

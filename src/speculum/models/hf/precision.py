@@ -140,7 +140,8 @@ def dtype_advice(dtype: str, flags: frozenset[str] | None = None) -> str | None:
     """Why ``dtype`` may run slower than float32 on this CPU (None: no reason known). bfloat16 products
     pay where the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX); float16 where it has AVX-512 FP16
     or AMX-FP16; without them PyTorch converts every weight on the fly. int8's weight-only kernel is a
-    reference implementation in PyTorch's CPU build, slower than float32 on every CPU. q8's integer products pay most with AVX-512 VNNI."""
+    reference implementation in PyTorch's CPU build, slower than float32 on every CPU. q8's integer products
+    pay most with AVX-512 VNNI; without its compiled kernel q8 is refused."""
     flags = cpu_flags() if flags is None else flags
     if dtype == "q8":
         if q8_unavailable() is not None:
