@@ -185,8 +185,8 @@ def build_product(layers: list, q8: bool = False) -> RowProduct:
 
 def product_paths() -> dict[str, Any]:
     """What decides this machine's product paths: ``kernels_off`` (why the compiled kernels are off, else
-    None), ``grouped``, ``q8`` and ``tiles`` (each kernel's release, :func:`~speculum.models.hf.kernels.build.library_release`,
-    where it runs here, else None) and ``cpu_flags`` (those of :data:`~speculum.models.cpu.KERNEL_FLAGS` this
+    None), ``grouped``, ``q8`` and ``tiles`` (each kernel's release,
+    :func:`~speculum.models.hf.kernels.build.library_release`, where it runs here, else None) and ``cpu_flags`` (those of :data:`~speculum.models.cpu.KERNEL_FLAGS` this
     CPU has: they pick PyTorch's kernels too). Two processes with equal reports and thread counts multiply
     every kind of product above on the same kernels."""
     return {"kernels_off": kernels_disabled(),
