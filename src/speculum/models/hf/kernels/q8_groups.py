@@ -8,10 +8,12 @@ integer products (AVX-512 VNNI ``vpdpbusd``, or AVX2 ``maddubs``): several times
 module does the same, as a target of its own.
 
 How: ``q8_groups.c`` (AVX-512 VNNI, else AVX2) is compiled on first use for this CPU and cached
-(:mod:`~speculum.models.hf.kernels.build`). :class:`Q8Product` quantises each row by itself (one C call:
-per block of 32 inputs ``d = amax / 127``, ``q = roundf(x / d)``, the sum of the ``q``), then multiplies
-by the weight records, repacked once (:func:`repack`) so that the 4 weights one 32-bit lane of ``vpdpbusd``
-multiplies are adjacent. The C source states each output's float formula and its order.
+(:mod:`~speculum.models.hf.kernels.build`). :class:`Q8Product` makes one C call, which quantises each row
+by itself (per block of 32 inputs ``d = amax / 127``, ``q = roundf(x / d)``, the sums of the ``q``) and
+multiplies it by the weight records, repacked once (:func:`repack`) so that the 4 weights one 32-bit lane
+of ``vpdpbusd`` multiplies are adjacent. The C source states each output's float formula and its order.
+The repacked records are a second copy of the groups beside the ones attached to the layers (which
+:func:`~speculum.models.hf.precision.q8_refusal` reads when a draft shares the blocks).
 
 Guarantee: EXACT for itself and ROW-CANONICAL (a row's quants depend on that row alone, the integer sums
 are exact, and the per-group float terms are added in one fixed order, whatever the rows beside it and
