@@ -18,6 +18,9 @@ from support.hf_tiny import save_tiny_model  # noqa: E402
 from speculum.cli import main  # noqa: E402
 from speculum.models.hf.precision import DTYPES  # noqa: E402
 
+# q8 multiplies a GGUF file's weight groups: a model directory has none, and is refused (test_cli_dtypes.py).
+DIRECTORY_DTYPES = [dtype for dtype in DTYPES if dtype != "q8"]
+
 WORDS = ["1", "2", "3", "12", "23", "x", "y"]
 PROMPT = "x y"
 
@@ -35,7 +38,7 @@ def run_json(capsys, argv: list[str]) -> dict:
     return json.loads(captured.out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", DIRECTORY_DTYPES)
 def test_generate_runs_with_every_dtype(capsys, tiny_dir, dtype):
     reply = run_json(capsys, ["generate", PROMPT, "--target", tiny_dir, "--dtype", dtype, "--raw",
                               "--max-new-tokens", "5", "--json"])
@@ -44,7 +47,7 @@ def test_generate_runs_with_every_dtype(capsys, tiny_dir, dtype):
     assert all(math.isfinite(x) and x <= 1e-6 for x in reply["token_logprobs"])
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", DIRECTORY_DTYPES)
 def test_enumerate_runs_with_every_dtype(capsys, tiny_dir, dtype):
     reply = run_json(capsys, ["enumerate", PROMPT, "--target", tiny_dir, "--dtype", dtype, "--raw",
                               "--length", "2", "--top-k", "4", "--json"])
@@ -53,7 +56,7 @@ def test_enumerate_runs_with_every_dtype(capsys, tiny_dir, dtype):
     assert scores == sorted(scores, reverse=True)
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", DIRECTORY_DTYPES)
 def test_rank_runs_with_every_dtype(capsys, tiny_dir, dtype):
     reply = run_json(capsys, ["rank", PROMPT, "--target", tiny_dir, "--dtype", dtype, "--raw",
                               "--text", "1 2", "--json"])
@@ -61,7 +64,7 @@ def test_rank_runs_with_every_dtype(capsys, tiny_dir, dtype):
     assert all(item["rank"] >= 0 and math.isfinite(item["log_prob"]) for item in items)
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", DIRECTORY_DTYPES)
 def test_audit_runs_with_every_dtype(capsys, tmp_path, tiny_dir, dtype):
     canaries = tmp_path / "canaries.txt"
     canaries.write_text("12 3\n2 2 1\n")
@@ -107,7 +110,7 @@ def _answer_one_completion(monkeypatch) -> dict:
     return answer
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", DIRECTORY_DTYPES)
 def test_serve_runs_with_every_dtype(capsys, monkeypatch, tiny_dir, dtype):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
@@ -118,3 +121,10 @@ def test_serve_runs_with_every_dtype(capsys, monkeypatch, tiny_dir, dtype):
     assert code == 0 and "Traceback" not in captured.err, captured.err
     assert answer.get("status") == 200, answer
     assert answer["body"]["usage"]["completion_tokens"] >= 1
+
+
+def test_q8_on_a_model_directory_is_refused_in_one_line(capsys, tiny_dir):
+    code = main(["generate", PROMPT, "--target", tiny_dir, "--dtype", "q8", "--raw", "--max-new-tokens", "2"])
+    captured = capsys.readouterr()
+    assert code == 2 and "Traceback" not in captured.err
+    assert "q8 multiplies a GGUF file's weight groups: load a GGUF file or the embedded model" in captured.err

@@ -59,13 +59,15 @@ def test_without_amx_the_tiles_reason_shows_and_bfloat16_is_not_advised_for_them
 @pytest.fixture
 def fresh_kernels():
     """The kernels' availability computed again for this test (and again after it)."""
-    from speculum.models.hf.kernels import gguf_groups
+    from speculum.models.hf.kernels import gguf_groups, q8_groups
 
     gguf_groups.forget()
     amx_tiles.forget()
+    q8_groups.forget()
     yield
     gguf_groups.forget()
     amx_tiles.forget()
+    q8_groups.forget()
 
 
 def test_a_compiler_failure_shows_its_reason_after_the_colon(capsys, monkeypatch, tmp_path, fresh_kernels):
@@ -92,7 +94,7 @@ def test_kernels_off_is_reported_with_every_fallback(capsys, monkeypatch, fresh_
     monkeypatch.setenv("SPECULUM_KERNELS", "off")
     data = json.loads(report(capsys, "--json"))
     assert "SPECULUM_KERNELS=off" in data["kernels_off"]
-    for name in ("float32 from GGUF groups", "bfloat16 on AMX tiles"):
+    for name in ("float32 from GGUF groups", "bfloat16 on AMX tiles", "8-bit products on GGUF groups"):
         assert data["kernels"][name]["runs"] is False and "SPECULUM_KERNELS=off" in data["kernels"][name]["why_not"]
     assert any(line.startswith("kernels: compiled kernels are off (SPECULUM_KERNELS=off)")
                for line in report(capsys).splitlines())

@@ -18,6 +18,9 @@ from speculum.cli.serve import build_server  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.hf.precision import DTYPES  # noqa: E402
 
+# q8 multiplies a GGUF file's weight groups: a model directory has none, and is refused (test_cli_dtypes.py).
+DIRECTORY_DTYPES = [dtype for dtype in DTYPES if dtype != "q8"]
+
 PROMPT = "the cat sat on"
 
 
@@ -27,7 +30,7 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.mark.filterwarnings("ignore:dtype=")
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", DIRECTORY_DTYPES)
 def test_serve_starts_and_answers_greedy_at_every_dtype(tiny_dir, dtype):
     args = build_parser().parse_args(["serve", "--target", tiny_dir, "--dtype", dtype])
     engine, app = build_server(args, background=True)

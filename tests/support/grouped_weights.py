@@ -9,7 +9,7 @@ import torch
 
 from speculum.models.hf import HFModel
 from speculum.models.hf.kernels.gguf_groups import GroupedWeight, pack
-from support.hf_tiny import save_tiny_model
+from support.hf_tiny import WORDS, save_tiny_model
 
 __all__ = ["BLOCK_BYTES", "LLAMA_GGUF_NAMES", "grouped_tiny", "random_blocks"]
 
@@ -31,14 +31,21 @@ def random_blocks(kind: str, rows: int, columns: int, rng: np.random.Generator) 
     return blocks.reshape(rows, -1)
 
 
-def grouped_tiny(folder: Path, kind: str = "q4_1") -> tuple[HFModel, dict[str, GroupedWeight]]:
-    """The tiny Llama of ``hf_tiny`` with every block weight replaced by random groups of ``kind`` (the head
-    keeps its float32 weight: its rows do not fill records); returns it with the groups by GGUF name."""
-    path = save_tiny_model(folder)
+def grouped_tiny(folder: Path, kind: str = "q4_1", head: str | None = None) -> tuple[HFModel, dict[str, GroupedWeight]]:
+    """The tiny Llama of ``hf_tiny`` with every block weight replaced by random groups of ``kind``; returns it
+    with the groups by GGUF name. The head keeps its float32 weight (its 23 rows do not fill records), unless
+    ``head`` names a kind: then the vocabulary is 32 words and the head (tied: the embeddings too) holds
+    random groups of that kind (``output.weight``)."""
+    words = [*WORDS, *(f"w{i}" for i in range(32 - 3 - len(WORDS)))] if head else WORDS
+    path = save_tiny_model(folder, words=words)
     model = HFModel.from_pretrained(path, prepack=False)
     rng = np.random.default_rng(2)
     groups = {}
     with torch.no_grad():
+        if head:
+            layer = model.module.get_output_embeddings()
+            groups["output.weight"] = pack(head, random_blocks(head, *layer.weight.shape, rng))
+            layer.weight.copy_(groups["output.weight"].expanded())
         for index, block in enumerate(model.module.model.layers):
             for owner in (block.self_attn, block.mlp):
                 for name, gguf_name in LLAMA_GGUF_NAMES.items():

@@ -71,6 +71,7 @@ def environment() -> dict[str, Any]:
     from speculum.models.hf.precision import DTYPES, dtype_advice  # (as above)
     from speculum.models.hf.kernels.onednn import onednn_available  # (as above)
     from speculum.models.hf.kernels.amx_tiles import tiles_unavailable  # (as above)
+    from speculum.models.hf.kernels.q8_groups import q8_unavailable  # (as above)
 
     flags = cpu_flags()
     report["cpu"]["flags"] = {flag: flag in flags for flag in KERNEL_FLAGS} if flags else None
@@ -87,6 +88,7 @@ def environment() -> dict[str, Any]:
         "onednn": kernel(None if onednn_available() else "this torch build has no oneDNN"),
         "float32 from GGUF groups": kernel(kernel_unavailable()),
         "bfloat16 on AMX tiles": kernel(tiles_unavailable()),
+        "8-bit products on GGUF groups": kernel(q8_unavailable()),
     }
     report["dtypes"] = {dtype: _dtype_note(dtype, dtype_advice(dtype), report["kernels"]) for dtype in DTYPES}
     return report
@@ -100,6 +102,8 @@ def _dtype_note(dtype: str, advice: str | None, kernels: dict[str, Any]) -> dict
         note = "the reference target" + (
             "; the embedded model multiplies by its GGUF weight groups" if kernels["float32 from GGUF groups"]["runs"]
             else "")
+    elif dtype == "q8":
+        note = "GGUF weight groups times 8-bit activations, integer products (GGUF files and the embedded model)"
     elif dtype == "bfloat16" and kernels["bfloat16 on AMX tiles"]["runs"]:
         note = ("products on AMX tiles, many rows a call: pick it for enumeration and batched serving "
                 "(docs/backends.md)")

@@ -32,7 +32,7 @@ import torch
 from ..models.hf import HFModel
 from ..models.hf.forward.fused import RELEASED
 from ..models.hf.kernels.onednn import unpacked_copy
-from ..models.hf.precision import cast_module
+from ..models.hf.precision import activations_quantised, cast_module, float_activations, quantise_activations
 from ..validation import InputError
 
 __all__ = ["int8_twin", "bf16_twin", "truncated_draft"]
@@ -47,7 +47,7 @@ def _check_weights_held(target: HFModel) -> None:
 def int8_twin(target: HFModel) -> HFModel:
     """A copy of ``target`` with int8 dynamically quantised Linear layers (the target is untouched)."""
     _check_weights_held(target)
-    module = unpacked_copy(target.module)
+    module = float_activations(unpacked_copy(target.module))
     with warnings.catch_warnings():
         # torch.ao.quantization is deprecated in favour of torchao, which is not a dependency here; the eager
         # dynamic path still ships with torch and is what this twin needs.
@@ -61,7 +61,7 @@ def int8_twin(target: HFModel) -> HFModel:
 def bf16_twin(target: HFModel) -> HFModel:
     """A bfloat16 copy of ``target`` (its logits are converted to float32 before the log-softmax)."""
     _check_weights_held(target)
-    module = cast_module(unpacked_copy(target.module), torch.bfloat16)
+    module = cast_module(float_activations(unpacked_copy(target.module)), torch.bfloat16)
     return HFModel(module, target.tokenizer, name=f"{target.name}-bf16")
 
 
@@ -97,6 +97,8 @@ def truncated_draft(target: HFModel, layers: int) -> HFModel:
     leftovers = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if leftovers:
         raise InputError(f"cannot truncate {target.name}: unshared tensors {leftovers[:3]}")
+    if activations_quantised(target.module):     # its blocks multiply as the target's: the same target, cut short
+        quantise_activations(module)
     draft = HFModel(module.eval(), target.tokenizer, name=f"{target.name}-layers{layers}")
     # Its keys and values are the target's first `layers` layers': a decoding loop may hand the draft the
     # target's cache instead of running the draft over accepted tokens (HFSession.adopt_prefix_layers).

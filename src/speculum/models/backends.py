@@ -85,7 +85,7 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
     Backend("hf", "load_hf_model", "PyTorch via transformers", "local model directory or GGUF file",
-            dtypes=("float32", "bfloat16", "float16", "int8"), options=frozenset(OPTIONS), twin_drafts=True,
+            dtypes=("float32", "bfloat16", "float16", "int8", "q8"), options=frozenset(OPTIONS), twin_drafts=True,
             advice="dtype_advice"),
     Backend("llamacpp", "load_llamacpp_model", "llama-cpp-python", "GGUF file",
             fixed_dtype="the GGUF file fixes the weights' types"),
@@ -125,8 +125,10 @@ def load_model(
             (``backend="hf"``) / GGUF file (``backend="llamacpp"``).
         backend: a name in :data:`BACKENDS`: ``"hf"`` (PyTorch via transformers) or ``"llamacpp"``
             (llama-cpp-python, optional).
-        dtype: ``"float32"`` (default), ``"bfloat16"``, ``"float16"`` or ``"int8"`` (weight-only, one scale
-            per output channel, float32 activations) — hf backend only. Each is a target of its own: every
+        dtype: ``"float32"`` (default), ``"bfloat16"``, ``"float16"``, ``"int8"`` (weight-only, one scale
+            per output channel, float32 activations) or ``"q8"`` (a GGUF file's weight groups times
+            activations quantised to 8 bits, as llama.cpp multiplies; GGUF files and the embedded model
+            only) — hf backend only. Each is a target of its own: every
             guarantee holds relative to the target loaded (docs/backends.md says which to pick).
         progress: how the one-time conversion of an embedded model (~30 s) is reported: a callable
             receives a :class:`~speculum.models.hf_loading.ConversionProgress` per stage (the ``speculum``

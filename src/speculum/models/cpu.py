@@ -16,7 +16,8 @@ from functools import lru_cache
 __all__ = ["cpu_flags", "cpu_identity", "cpu_name", "default_threads", "usable_cpus", "KERNEL_FLAGS"]
 
 # The flags that decide which kernels run (speculum's own and PyTorch's) and which dtypes pay on this CPU.
-KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+                "avx512bw", "avx512_vnni")
 
 
 @lru_cache(maxsize=1)

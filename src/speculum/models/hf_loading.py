@@ -151,6 +151,7 @@ def load_hf_model(
         return _load_gguf_file(path.resolve(), info.architecture, dtype=dtype, prepack=prepack, progress=report,
                                verify=verify)
     if path.exists():
+        # A model directory has no weight groups: q8 refuses it (HFModel names why).
         return HFModel.from_pretrained(path, dtype=dtype, prepack=prepack)
     if os.sep in str(name_or_path) or str(name_or_path).startswith("."):
         raise FileNotFoundError(f"model path {str(name_or_path)!r} does not exist")
@@ -211,7 +212,15 @@ def _load_through_cache(gguf: Path, key: str, name: str, *, dtype: str, prepack:
             raise
         progress(ConversionProgress(name, "done", len(CONVERSION_STAGES)))
 
-    groups = _weight_groups(gguf, key, verify=verify) if groups and prepack and dtype == "float32" else None
+    groups = _weight_groups(gguf, key, verify=verify) if groups and prepack and dtype in ("float32", "q8") else None
+    if dtype == "q8" and groups is None:
+        from .hf.kernels.gguf_groups import kernel_unavailable  # the [llm] extra
+        from .hf.kernels.q8_groups import q8_unavailable  # (as above)
+        from .hf.precision import Q8_REFUSAL  # (as above)
+
+        unavailable = kernel_unavailable() or q8_unavailable()
+        raise InputError("q8 runs on the fused forward: prepack=False has none" if not prepack else
+                         f"q8 needs its compiled kernels: {unavailable}" if unavailable else Q8_REFUSAL)
     return load_cached(
         cache_dir() / f"{key}-float32", gguf, write=write, verify=verify,
         load=lambda folder: _load_converted(folder, name, dtype=dtype, prepack=prepack, groups=groups),

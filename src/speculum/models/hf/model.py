@@ -43,7 +43,7 @@ from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_b
 from ..cpu import default_threads
 from ..memory.allocator import trim_heap
 from ..vocabulary import hf_token_bytes
-from .forward.fused import FusedForward, release_block_weights
+from .forward.fused import FusedForward, release_block_weights, unsupported_reason
 from .forward.packed import RowInvariantForward
 from .forward.prefix_levels import trie_forward
 from .kernels.gguf_groups import GroupedWeight, attach_groups
@@ -51,7 +51,7 @@ from .kernels.onednn import prepack_linears
 from .kv.cache import KVCache, OwnCache
 from .kv.store import KVArena
 from .logprobs import entries_at_least, finite_counts, log_mass, logprob_rows
-from .precision import parse_dtype, prepare_module, warn_if_slow
+from .precision import activations_quantised, parse_dtype, prepare_module, q8_refusal, warn_if_slow
 from .session import HFSession
 from .threads import governed_threads
 
@@ -112,8 +112,16 @@ class HFModel(BaseModel):
         self.dtype = next(module.parameters()).dtype
         # Layers whose weights are GGUF groups multiply by the groups (fewer bytes a step, same weights).
         self.grouped_layers = attach_groups(module, groups) if prepack and groups else 0
+        quantised = activations_quantised(module)
+        if quantised:           # q8 runs on the fused forward and the groups alone: nothing to fall back on
+            reason = q8_refusal(module) if prepack else "q8 runs on the fused forward: prepack=False has none"
+            if reason is not None:
+                raise InputError(reason)
         # The fused forward packs its own (fused) weights, so per-layer packing would only add a third copy.
         self._fused = FusedForward.build(module) if prepack else None
+        if quantised and self._fused is None:
+            raise InputError(f"q8 runs on the fused forward, which does not run {name} "
+                             f"({unsupported_reason(module) or 'its load-time check disagrees'})")
         # Declared once, here: many sessions in one forward needs the fused forward's packed variant.
         self.capabilities = Capabilities(sparse_rows=True, session_advance=True, shares_prefix_cache=True,
                                          batched_extend=self._fused is not None,

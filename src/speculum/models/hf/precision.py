@@ -1,5 +1,6 @@
-"""The target's precision: ``float32``, ``bfloat16``, ``float16``, or ``int8`` weights (weight-only, one
-scale per output channel, as llama.cpp's Q8_0 keeps 8-bit weights) with float32 activations.
+"""The target's precision: ``float32``, ``bfloat16``, ``float16``, ``int8`` weights (weight-only, one
+scale per output channel, as llama.cpp's Q8_0 keeps 8-bit weights) with float32 activations, or ``q8``:
+a GGUF file's weight groups multiplied by activations quantised to 8 bits, as llama.cpp multiplies them.
 
 Each precision is a target of its own: every guarantee (greedy speculative output equal to plain greedy
 output, the exact law, exact enumeration scores) holds relative to the target loaded. ``int8`` replaces
@@ -7,6 +8,13 @@ every projection and the vocabulary head by :class:`~speculum.models.hf.kernels.
 whose product is PyTorch's CPU ``_weight_int8pack_mm`` kernel: it holds a quarter of float32's weight bytes
 and converts the weights inside the product. That kernel is not tuned on CPU (slower than float32's), so
 ``int8`` saves memory, not time.
+
+``q8`` keeps the module in float32 and marks it (:func:`activations_quantised`): its fused forward multiplies
+every projection and the head by the file's weight groups with each row quantised to 8 bits in blocks of 32
+(:mod:`~speculum.models.hf.kernels.q8_groups`, integer dot products: AVX-512 VNNI, else AVX2). Row-canonical
+like float32, but APPROXIMATE relative to float32 (about 1e-2 of a product's scale). Only a model whose every
+product has weight groups runs it (:func:`q8_refusal`): a GGUF file of a Llama, Gemma 3, Qwen2 or Qwen3, or the
+embedded model.
 
 Example:
     >>> import torch
@@ -24,18 +32,24 @@ import torch
 
 from ...validation import InputError
 from ..cpu import cpu_flags  # re-exported: the dtype advice reads it
+from .kernels.gguf_groups import GROUPS
 from .kernels.int8_weights import Int8Linear
+from .kernels.q8_groups import Q8_KINDS, q8_unavailable
 
-__all__ = ["DTYPES", "parse_dtype", "cast_module", "quantise_int8", "prepare_module", "dtype_advice", "cpu_flags"]
+__all__ = ["DTYPES", "parse_dtype", "cast_module", "quantise_int8", "prepare_module", "dtype_advice", "cpu_flags",
+           "activations_quantised", "float_activations", "quantise_activations", "q8_refusal", "Q8_REFUSAL"]
 
 # Weights' precision -> the dtype the module's float tensors (activations, norms, embeddings) are kept in.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float32}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float32,
+          "q8": torch.float32}
+_Q8 = "speculum_q8"          # the attribute marking a module of the ``q8`` target
+Q8_REFUSAL = "q8 multiplies a GGUF file's weight groups: load a GGUF file or the embedded model"
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"float32" | "bfloat16" | "float16" | "int8"`` (or a torch dtype) -> the dtype the module's float
-    tensors are held in (float32 for ``int8``, whose weights are converted by :func:`prepare_module`);
-    InputError otherwise."""
+    """``"float32" | "bfloat16" | "float16" | "int8" | "q8"`` (or a torch dtype) -> the dtype the module's
+    float tensors are held in (float32 for ``int8``, whose weights are converted by :func:`prepare_module`,
+    and for ``q8``); InputError otherwise."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
@@ -75,18 +89,70 @@ def prepare_module(module: torch.nn.Module, dtype: str | torch.dtype) -> torch.n
     module = cast_module(module, parse_dtype(dtype))
     if dtype == "int8":
         quantise_int8(module)
+    if dtype == "q8":
+        quantise_activations(module)
     return module
+
+
+def quantise_activations(module: torch.nn.Module) -> torch.nn.Module:
+    """Mark ``module`` (in place) as the ``q8`` target: its fused forward multiplies with 8-bit activations."""
+    setattr(module, _Q8, True)
+    return module
+
+
+def activations_quantised(module: torch.nn.Module) -> bool:
+    """True for a module of the ``q8`` target (:func:`prepare_module`): its fused forward multiplies with
+    8-bit activations."""
+    return bool(getattr(module, _Q8, False))
+
+
+def float_activations(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` without the ``q8`` mark (in place): a copy made into another target (the int8 and bfloat16
+    twins) multiplies with its own float activations."""
+    module.__dict__.pop(_Q8, None)
+    return module
+
+
+def q8_refusal(module: torch.nn.Module) -> str | None:
+    """None when every projection of ``module``'s blocks and its head carry weight groups of a kind the 8-bit
+    kernel multiplies and that kernel runs here, else why ``q8`` cannot run it (one line)."""
+    unavailable = q8_unavailable()
+    if unavailable is not None:
+        return f"q8 needs its compiled kernel: {unavailable}"
+    decoder = module.get_decoder() if hasattr(module, "get_decoder") else None
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    layers = [head]
+    for block in getattr(decoder, "layers", None) or []:
+        layers += [child for owner in (block.self_attn, block.mlp) for child in owner.children()
+                   if type(child) is torch.nn.Linear]
+    if decoder is None or head is None or len(layers) == 1:
+        return Q8_REFUSAL
+    for layer in layers:
+        groups = getattr(layer, GROUPS, None)
+        if groups is None:
+            return Q8_REFUSAL
+        if groups.kind not in Q8_KINDS:
+            return f"q8 multiplies {', '.join(Q8_KINDS)} weight groups, not {groups.kind}"
+    return None
 
 
 def dtype_advice(dtype: str, flags: frozenset[str] | None = None) -> str | None:
     """Why ``dtype`` may run slower than float32 on this CPU (None: no reason known). bfloat16 products
     pay where the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX); float16 where it has AVX-512 FP16
     or AMX-FP16; without them PyTorch converts every weight on the fly. int8's weight-only kernel is a
-    reference implementation in PyTorch's CPU build, slower than float32 on every CPU."""
+    reference implementation in PyTorch's CPU build, slower than float32 on every CPU. q8's integer products
+    pay most with AVX-512 VNNI; without its compiled kernel q8 is refused."""
+    flags = cpu_flags() if flags is None else flags
+    if dtype == "q8":
+        if q8_unavailable() is not None:
+            return f"its compiled kernel does not run here ({q8_unavailable()}): q8 models are refused"
+        if flags and "avx512_vnni" not in flags:
+            return ("this CPU has no AVX-512 VNNI: 8-bit products run on AVX2's maddubs, fewer products a cycle, "
+                    "and may not beat float32's")
+        return None
     if dtype == "int8":
         return ("PyTorch's CPU kernel for int8 weight-only products (_weight_int8pack_mm) is slower than its float32 "
                 "products: int8 saves the weights' memory, not time (benchmarks/dtypes.py)")
-    flags = cpu_flags() if flags is None else flags
     if not flags:
         return None
     if dtype == "bfloat16" and not flags & {"avx512_bf16", "amx_bf16"}:

@@ -31,6 +31,11 @@ transformers forward, at less cost per draft step (not row-canonical: its activa
 Mixed or other quantisation keeps transformers' forward, as do biases beyond the family's (Qwen2's, on float
 weights).
 
+A ``q8`` module (:mod:`~speculum.models.hf.precision`) runs it with every product on its weight groups and 8-bit
+activations (:mod:`~speculum.models.hf.kernels.q8_groups`): a target of its own, row-canonical like float32;
+the load-time probe checks it against transformers' float32 forward of the expanded weights, to 8-bit
+rounding (:data:`_SELF_CHECK_TOLERANCE_Q8`).
+
 A bfloat16 module (the ``bfloat16`` target, the bf16 twin) runs it with bfloat16 weights and float32
 everywhere else: each product's rows are rounded to bfloat16 and multiplied by oneDNN (AMX or AVX-512 BF16
 where the CPU has them, accumulating in float32), while the residual stream, norms, rotary tables,
@@ -67,7 +72,7 @@ from ..kernels.onednn import onednn_available
 from ..kernels.products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
 from ..kv.cache import KVCache, OwnCache, SlotCache
 from ..kv.store import KVArena
-from ..precision import cast_module
+from ..precision import activations_quantised, cast_module
 from .attention import RowAttention, SlotRows, keys_needed
 from .families import ACTIVATIONS, FAMILIES, Family, activation_of, family_of, layer_windows, structure_reason
 
@@ -84,6 +89,9 @@ _SELF_CHECK_TOLERANCE_BF16 = 1e-1
 # at load); it compares with transformers' own bfloat16 forward, which rounds more, at a wider tolerance.
 _SELF_CHECK_FLOAT32_BYTES = 2 << 30
 _SELF_CHECK_TOLERANCE_BF16_OWN = 2e-1
+# The ``q8`` target against transformers' float32 forward of the expanded weights: every product's rows carry
+# 8 bits a block of 32 (llama.cpp's Q8_1), which moves logits by ~1e-2 relative; a formula change by far more.
+_SELF_CHECK_TOLERANCE_Q8 = 1e-1
 # Fused products per decoder block (and output head), keyed by the module itself: a layer-truncated draft
 # shares the target's block objects and so shares their packed weights, and deep copies (the twins) never
 # see oneDNN tensors, which cannot be copied.
@@ -248,6 +256,7 @@ class FusedForward:
         self.embed = decoder.embed_tokens.weight
         self.embed_scale = float(decoder.embed_tokens.embed_scale) if self.family.scaled_embeddings else None
         self.weight_dtype = self.embed.dtype
+        self.q8 = activations_quantised(module)       # every product with 8-bit activations (the q8 target)
         self.rotary = decoder.rotary_emb
         self.activation = ACTIVATIONS[activation_of(config)]
         self.norm = _Norm.of(decoder.norm, self.family.norm_offset)
@@ -259,10 +268,10 @@ class FusedForward:
         self.rotary_kinds = list(config.layer_types[:count]) if kinds else [None] * count
         self._rotary_static = not {"dynamic", "longrope"} & _rope_types(config)
         self._rotary_rows: tuple[int, dict] | None = None        # (positions held, tables), see rotary_tables
-        self.blocks = [self._block(block, self.family) for block in layers]
+        self.blocks = [self._block(block, self.family, self.q8) for block in layers]
         head = module.get_output_embeddings()
         if head not in _PACKED:
-            _PACKED[head] = build_product([head])
+            _PACKED[head] = build_product([head], self.q8)
         self.head = _PACKED[head]
 
     @property
@@ -294,7 +303,7 @@ class FusedForward:
         except RuntimeError:        # a shape or op this oneDNN build refuses
             return None
         if fused.weight_dtype != torch.bfloat16:
-            difference = fused.self_check(module)
+            difference = fused.self_check(module, _SELF_CHECK_TOLERANCE_Q8 if fused.q8 else _SELF_CHECK_TOLERANCE)
         elif 4 * sum(t.numel() for t in module.parameters()) > _SELF_CHECK_FLOAT32_BYTES:
             difference = fused.self_check(module, _SELF_CHECK_TOLERANCE_BF16_OWN)
         else:
@@ -336,17 +345,17 @@ class FusedForward:
         return None if worst <= tolerance else worst
 
     @staticmethod
-    def _block(block: torch.nn.Module, family: Family) -> _Block:
+    def _block(block: torch.nn.Module, family: Family, q8: bool = False) -> _Block:
         if block not in _PACKED:
             attn, mlp, offset = block.self_attn, block.mlp, family.norm_offset
             sandwich = family.sandwich_norms
             # Llama's post_attention_layernorm is the MLP's input norm; a sandwich block names that norm
             # pre_feedforward_layernorm and normalises attention's output with post_attention_layernorm.
             _PACKED[block] = _Block(
-                qkv=build_product([attn.q_proj, attn.k_proj, attn.v_proj]),
-                out=build_product([attn.o_proj]),
-                gate_up=build_product([mlp.gate_proj, mlp.up_proj]),
-                down=build_product([mlp.down_proj]),
+                qkv=build_product([attn.q_proj, attn.k_proj, attn.v_proj], q8),
+                out=build_product([attn.o_proj], q8),
+                gate_up=build_product([mlp.gate_proj, mlp.up_proj], q8),
+                down=build_product([mlp.down_proj], q8),
                 attn_norm=_Norm.of(block.input_layernorm, offset),
                 mlp_norm=_Norm.of(block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm,
                                   offset),

@@ -14,6 +14,8 @@ forward that calls them.
   Q4_K, Q5_K, Q6_K); ``gguf_records.py`` - those groups packed as the kernel's records;
 * ``amx_tiles.py`` + ``amx_tiles.c`` - bfloat16 products on AMX tiles;
 * ``int8_weights.py`` - int8 weight-only products (the ``int8`` target);
+* ``q8_groups.py`` + ``q8_groups.c`` - GGUF weight groups times rows quantised to 8 bits, integer dot products
+  (the ``q8`` target);
 * ``build.py`` - compiling the C kernels for this CPU; ``cache.py`` - where the built kernels are kept.
 
 Example:

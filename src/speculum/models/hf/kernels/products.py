@@ -10,6 +10,8 @@ can, and :class:`RowProduct` records whether that holds on this machine's kernel
 
 Kinds:
 
+* 8-bit activations by weight groups (:mod:`~speculum.models.hf.kernels.q8_groups`: the ``q8`` target): each
+  row quantised by itself in blocks of 32, integer dot products, per-group float terms in one fixed order;
 * float32 from weight groups (:mod:`~speculum.models.hf.kernels.gguf_groups`: layers whose GGUF
   groups are attached): the groups de-quantised inside the product, each output summed in one fixed
   order;
@@ -42,10 +44,11 @@ import torch
 from ...cpu import KERNEL_FLAGS, cpu_flags
 from .amx_tiles import TileProduct, tile_source, tiles_unavailable
 from .build import kernels_disabled, library_release
-from .gguf_groups import kernel_source, kernel_unavailable, multiply_by_groups
+from .gguf_groups import GROUPS, kernel_source, kernel_unavailable, multiply_by_groups
 from .int8_weights import Int8Linear
 from .onednn import pack_weight, packed_linear
 from .probe import PROBE_ROWS, probed_once
+from .q8_groups import q8_run, q8_source, q8_unavailable
 
 __all__ = ["RowProduct", "build_product", "is_float_linear", "is_int8_linear", "is_weight_int8", "product_paths"]
 
@@ -143,14 +146,23 @@ def _bf16_product(weight: torch.Tensor) -> RowProduct:
     return _float32_product(weight.float())
 
 
-def build_product(layers: list) -> RowProduct:
+def build_product(layers: list, q8: bool = False) -> RowProduct:
     """One product computing the concatenated outputs of ``layers`` (all float, all int8 weight-only, or
     all int8 dynamic), without their biases: float layers' biases are the caller's to add.
+
+    ``q8``: float32 layers that all carry weight groups multiply by them with 8-bit activations (the ``q8``
+    target); ValueError where one has none or of a kind the 8-bit kernel does not multiply.
 
     Float32 layers that all carry weight groups of one kind multiply by them (one kernel call).
     Float weights are concatenated and packed once for oneDNN: each output element is still the same dot
     product. Dynamic int8 layers run their own ``quantized::linear_dynamic`` ops one after another (exactly
     what their modules run; fusing them would re-quantise the weights with other scales)."""
+    if q8 and all(is_float_linear(layer) and layer.weight.dtype == torch.float32 for layer in layers):
+        groups = [getattr(layer, GROUPS, None) for layer in layers]
+        if any(g is None for g in groups):
+            raise ValueError("8-bit products need every layer's weight groups")
+        run = q8_run(groups)
+        return RowProduct(run, probed_once(f"8-bit {run.kind}", (run.out_features, run.in_features), run))
     if all(is_float_linear(layer) for layer in layers):
         run = multiply_by_groups(layers)
         if run is not None:
@@ -177,11 +189,12 @@ def build_product(layers: list) -> RowProduct:
 
 def product_paths() -> dict[str, Any]:
     """What decides this machine's product paths: ``kernels_off`` (why the compiled kernels are off, else
-    None), ``grouped`` and ``tiles`` (each kernel's release, :func:`~speculum.models.hf.kernels.build.library_release`,
-    where it runs here, else None) and ``cpu_flags`` (those of :data:`~speculum.models.cpu.KERNEL_FLAGS` this
+    None), ``grouped``, ``q8`` and ``tiles`` (each kernel's release,
+    :func:`~speculum.models.hf.kernels.build.library_release`, where it runs here, else None) and ``cpu_flags`` (those of :data:`~speculum.models.cpu.KERNEL_FLAGS` this
     CPU has: they pick PyTorch's kernels too). Two processes with equal reports and thread counts multiply
     every kind of product above on the same kernels."""
     return {"kernels_off": kernels_disabled(),
             "grouped": library_release(kernel_source()) if kernel_unavailable() is None else None,
+            "q8": library_release(q8_source()) if q8_unavailable() is None else None,
             "tiles": library_release(tile_source()) if tiles_unavailable() is None else None,
             "cpu_flags": sorted(flag for flag in KERNEL_FLAGS if flag in cpu_flags())}
