@@ -107,13 +107,14 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens a timed run decodes")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
     parser.add_argument("--no-transformers", action="store_true", help="leave transformers out (slow on big models)")
+    parser.add_argument("--dtype", default="float32", help="speculum's target (float32, or q8: 8-bit activations)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()
 
     import llama_cpp
     from transformers import AutoModelForCausalLM
 
-    model = load_model(args.gguf, progress=False)
+    model = load_model(args.gguf, dtype=args.dtype, progress=False)
     prompt = model.encode(PROMPT, chat=False)
     threads = torch.get_num_threads()
     llama = llama_cpp.Llama(model_path=args.gguf, n_ctx=512, n_threads=threads, n_threads_batch=threads,
@@ -134,7 +135,7 @@ def main() -> int:
             costs[name].append((many - one) / (args.tokens - 1))
     ms = {name: 1000 * statistics.median(values) for name, values in costs.items()}
     report = {
-        "cpu": cpu_name(), "threads": threads, "file": args.gguf, "fused_forward": model.fused_forward,
+        "cpu": cpu_name(), "threads": threads, "file": args.gguf, "dtype": args.dtype, "fused_forward": model.fused_forward,
         "grouped_layers": model.grouped_layers, "tokens": args.tokens, "rounds": args.rounds,
         "ms_per_token": ms, "speculum_speedup": {name: ms[name] / ms["speculum"] for name in ms},
         "first_16_agree_with_speculum": {name: firsts[name] == firsts["speculum"] for name in firsts},
@@ -143,7 +144,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{args.gguf} on {report['cpu']}, {threads} threads; fused forward {model.fused_forward}, "
+    print(f"{args.gguf} ({args.dtype}) on {report['cpu']}, {threads} threads; fused forward {model.fused_forward}, "
           f"{model.grouped_layers} layers on weight groups")
     for name in ms:
         print(f"  {name:<13} {ms[name]:7.2f} ms/token   speculum {ms[name] / ms['speculum']:5.2f}x faster"

@@ -103,7 +103,7 @@ def resident_mb() -> float:
     return float("nan")
 
 
-def measure_one(kind: str, gguf: str, tokens: int) -> dict:
+def measure_one(kind: str, gguf: str, tokens: int, dtype: str = "float32") -> dict:
     """In this process: ms a token (median of 3) and peak resident memory, for ``kind``."""
     import numpy as np
     import torch
@@ -112,7 +112,7 @@ def measure_one(kind: str, gguf: str, tokens: int) -> dict:
     from speculum.models import load_model
 
     if kind == "speculum":
-        model = load_model(gguf, progress=False)
+        model = load_model(gguf, dtype=dtype, progress=False)
         model.release_unfused_weights()          # what `speculum serve` does: one copy of the weights
         prompt, run, handle = model.encode(PROMPT, chat=False), speculum_tokens, model
     else:
@@ -190,25 +190,27 @@ def break_even(cost: float | None, drafted: int) -> float | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens a timed run decodes")
+    parser.add_argument("--dtype", default="float32", help="speculum's target (float32, or q8: 8-bit activations)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--one", choices=["speculum", "llama.cpp"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     q4 = folder() / "tinyllama-shape-random-q4_k_m.gguf"
     if args.one:
-        print(json.dumps(measure_one(args.one, str(q4), args.tokens)))
+        print(json.dumps(measure_one(args.one, str(q4), args.tokens, args.dtype)))
         return 0
     folder().mkdir(parents=True, exist_ok=True)
     build(folder() / "hf")
     convert(folder() / "hf", folder() / "tinyllama-shape-random-f16.gguf", q4)
-    report = {"cpu": cpu_name(), "file": str(q4), "file_mb": q4.stat().st_size / 2 ** 20}
+    report = {"cpu": cpu_name(), "file": str(q4), "file_mb": q4.stat().st_size / 2 ** 20, "dtype": args.dtype}
     for kind in ("speculum", "llama.cpp", "speculum", "llama.cpp"):     # twice, alternating: the median
-        out = subprocess.run([sys.executable, __file__, "--one", kind, "--tokens", str(args.tokens)],
+        out = subprocess.run([sys.executable, __file__, "--one", kind, "--tokens", str(args.tokens), "--dtype",
+                              args.dtype],
                              check=True, capture_output=True, text=True).stdout
         report.setdefault(kind, []).append(json.loads(out.strip().splitlines()[-1]))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{q4.name} ({report['file_mb']:.0f} MB) on {report['cpu']}")
+    print(f"{q4.name} ({report['file_mb']:.0f} MB) on {report['cpu']}, speculum's target {args.dtype}")
     for kind in ("speculum", "llama.cpp"):
         runs = report[kind]
         print(f"  {kind:<10} {min(r['ms_per_token'] for r in runs):7.1f} ms/token (best of {len(runs)} processes)"

@@ -45,6 +45,18 @@ TEXTS = [
     "history.",
     "Train 42 leaves the central station at 08:15 and arrives in the harbour district at 08:47, stopping at "
     "the museum, the university and the old market.",
+    "Dear customer, thank you for your order. Your package was shipped this morning and should arrive within "
+    "three to five working days. You can follow its progress with the tracking number in this email.",
+    "To make a simple tomato sauce, warm two spoons of olive oil in a pan, add a chopped onion and a clove of "
+    "garlic, cook them until soft, then add the tomatoes, a pinch of salt and a few leaves of basil.",
+    "SELECT name, COUNT(*) AS orders FROM customers JOIN orders ON orders.customer_id = customers.id GROUP BY "
+    "name ORDER BY orders DESC LIMIT 10;",
+    "The Roman Empire was one of the largest empires of the ancient world. At its height it stretched from "
+    "Britain in the north to Egypt in the south, and its roads, laws and language shaped Europe for centuries.",
+    "User: Can you help me plan a weekend trip to the mountains?\nAssistant: Of course! First, decide how far "
+    "you want to drive, then pick a town with a few good walks and a place to stay near the trails.",
+    "Water boils at 100 degrees Celsius at sea level. At higher altitudes the air pressure is lower, so water "
+    "boils at a lower temperature and food takes longer to cook.",
 ]
 
 

@@ -171,12 +171,13 @@ def main() -> None:
     parser.add_argument("--drafts", nargs="+", default=["none", "lookup"],
                         help="drafts to serve with, each beside plain decoding (`none`, first) (default: none lookup)")
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip llama-cpp-python's server")
+    parser.add_argument("--dtype", default="float32", help="the target's precision (float32, bfloat16, q8, ...)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     from speculum.models.backends import load_model
 
     keep_freed_memory()
-    target = load_model()
+    target = load_model(dtype=args.dtype)
     expected = [target.decode(speculum.generate(target, target.encode(p, chat=True), max_new_tokens=args.max_tokens,
                                                 temperature=0, eos_token_id=None).tokens) for p in PROMPTS]
     prefill = solo_prefill_seconds(target)
@@ -206,7 +207,7 @@ def main() -> None:
         print(json.dumps(report))
         return
     mode = "batch-invariant (one forward per request)" if args.batch_invariant else "packed batched forward"
-    print(f"CPU: {report['cpu']}; greedy, {args.max_tokens} tokens per request, PyTorch float32, {mode}")
+    print(f"CPU: {report['cpu']}; greedy, {args.max_tokens} tokens per request, PyTorch {args.dtype}, {mode}")
     plain = report["runs"]["none"]
     for draft in drafts:
         runs = report["runs"][draft]
