@@ -5,7 +5,7 @@ grounded prompts that rewrite or extract from a passage, `--max-tokens` answers 
 processing included; `cache_prompt: false` for llama-server so it reuses nothing between requests), one
 server at a time, the servers in turn within each round, `--rounds` rounds (median reported):
 
-- speculum: `speculum serve` on the float32 checkpoint and on its int8 and bfloat16 targets (`--dtype`), plain
+- speculum: `speculum serve` on the float32 checkpoint and on its int8, bfloat16 and q8 targets (`--dtype`), plain
   (`--draft none`) and `--draft lookup`;
 - llama-server (`benchmarks/peers.py setup` builds it and the GGUF files) on F32 and Q8_0, plain,
   `--spec-type ngram-mod` and `--spec-type ngram-simple` (n 3, m 10), `-t 2 -tb 2 -np 8 -c 8192`;
@@ -57,7 +57,9 @@ def servers() -> dict[str, list[str]]:
              "speculum-int8-plain": speculum + ["--draft", "none", "--dtype", "int8"],
              "speculum-int8-lookup": speculum + ["--draft", "lookup", "--dtype", "int8"],
              "speculum-bf16-plain": speculum + ["--draft", "none", "--dtype", "bfloat16"],
-             "speculum-bf16-lookup": speculum + ["--draft", "lookup", "--dtype", "bfloat16"]}
+             "speculum-bf16-lookup": speculum + ["--draft", "lookup", "--dtype", "bfloat16"],
+             "speculum-q8-plain": speculum + ["--draft", "none", "--dtype", "q8"],
+             "speculum-q8-lookup": speculum + ["--draft", "lookup", "--dtype", "q8"]}
     for kind in ("F32", "Q8_0"):
         base = llama + ["-m", found["gguf"][kind]]
         name = f"llama-{kind.lower().replace('_', '')}"

@@ -26,20 +26,18 @@ import logging
 import platform
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import torch
 
 from ...cpu import cpu_flags
-from .build import build, kernels_disabled
+from .build import build, kernels_disabled, load_library
 from .cache import read_record, untrusted, write_record
 
 __all__ = ["forget", "self_test", "tile_source", "TileProduct", "tiles_unavailable"]
 
 _SOURCE = Path(__file__).with_name("amx_tiles.c")
 _ROWS, _STEP, _COLUMNS = 16, 32, 16       # a tile's rows, inputs per tile dot product, columns per block
-_LOCK = threading.Lock()
 _log = logging.getLogger("speculum")
 
 
@@ -66,17 +64,12 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
     if platform.system() != "Linux" or not {"amx_tile", "amx_bf16"} <= cpu_flags():
         return None, "this CPU has no AMX-BF16 tiles"
-    with _LOCK:
-        try:
-            path = build("tiles", _SOURCE)
-            library = ctypes.CDLL(str(path))
-        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-            reason = " ".join(str(exc).split())
-            _log.info("bfloat16 tile products unavailable (%s); using oneDNN", reason)
-            return None, reason
+    library, reason = load_library("tiles", _SOURCE, "bfloat16 tile products (oneDNN multiplies instead)")
+    if library is None:
+        return None, reason
     if not library.tiles_compiled():
         return None, "the compiler did not target AMX-BF16"
-    reason = self_test(path)
+    reason = self_test(build("tiles", _SOURCE))      # the cached file just loaded (a lookup, not a build)
     if reason is not None:
         _log.info("bfloat16 tile products unavailable (%s); using oneDNN", reason)
         return None, reason

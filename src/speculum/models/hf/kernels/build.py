@@ -31,6 +31,7 @@ Example:
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
@@ -40,6 +41,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch  # noqa: F401  (loads PyTorch's OpenMP runtime, which the kernels link)
@@ -47,8 +49,8 @@ import torch  # noqa: F401  (loads PyTorch's OpenMP runtime, which the kernels l
 from ...cpu import cpu_identity
 from .cache import kernel_folder, private_folder, read_record, untrusted, write_record
 
-__all__ = ["build", "kernels_disabled", "compiler_command", "library_release", "library_stem", "openmp_runtime",
-           "FLAGS"]
+__all__ = ["build", "load_library", "kernels_disabled", "compiler_command", "library_release", "library_stem",
+           "openmp_runtime", "FLAGS"]
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC"]      # compiling, not linking
 _OFF = {"off", "0", "no", "false"}
@@ -107,6 +109,22 @@ def library_release(source: Path) -> str:
     """The hash of the source and the flags: what two machines compare (their CPUs aside) to know that
     they compile the same kernel."""
     return hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode()])).hexdigest()[:12]
+
+
+_LOADING = threading.Lock()      # one build at a time in a process (they share the cache folder)
+
+
+def load_library(name: str, source: Path, what: str) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library of ``source``, built as ``name`` (:func:`build`) and loaded, None), or (None, why not in
+    one line, also logged with ``what`` the products fall back to). Callers keep the result once per
+    process."""
+    with _LOADING:
+        try:
+            return ctypes.CDLL(str(build(name, source))), None
+        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+            reason = " ".join(str(exc).split())
+            _log.info("%s unavailable (%s)", what, reason)
+            return None, reason
 
 
 def build(name: str, source: Path) -> Path:

@@ -31,8 +31,6 @@ import ctypes
 import functools
 import logging
 import os
-import subprocess
-import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -40,7 +38,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .build import build, kernels_disabled
+from .build import kernels_disabled, load_library
 from .gguf_records import GGUF_KINDS, GROUP, LANES, RECORD_BYTES, GroupedWeight, pack
 
 __all__ = ["forget", "kernel_source", "GroupedProduct", "GroupedProducts", "GroupedWeight", "attach_groups",
@@ -147,7 +145,6 @@ def multiply_by_groups(layers: list) -> GroupedProduct | GroupedProducts | None:
 
 
 # ------------------------------------------------------------------------------------------ the kernel
-_KERNEL_LOCK = threading.Lock()
 
 
 def kernel_source() -> Path:
@@ -175,13 +172,10 @@ def _kernel() -> ctypes.CDLL | None:
 @functools.lru_cache(maxsize=1)
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
-    with _KERNEL_LOCK:
-        try:
-            library = ctypes.CDLL(str(build("grouped", _SOURCE)))
-        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-            reason = " ".join(str(exc).split())
-            _log.info("grouped float32 products unavailable (%s); using oneDNN on the expanded weights", reason)
-            return None, reason
+    library, reason = load_library("grouped", _SOURCE,
+                                   "grouped float32 products (oneDNN multiplies the expanded weights)")
+    if library is None:
+        return None, reason
     for kind in RECORD_BYTES:
         function = getattr(library, f"{kind}_product")
         function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,

@@ -31,14 +31,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
-import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .build import build, kernels_disabled
+from .build import kernels_disabled, load_library
 from .gguf_records import GROUP, LANES, RECORD_BYTES, GroupedWeight
 
 __all__ = ["forget", "Q8_KINDS", "Q8Product", "Q8Products", "q8_run", "q8_unavailable", "quantised_rows", "repack",
@@ -179,7 +177,6 @@ def q8_run(weights: list[GroupedWeight]) -> Q8Product | Q8Products:
 
 
 # ------------------------------------------------------------------------------------------ the kernel
-_KERNEL_LOCK = threading.Lock()
 
 
 def q8_source() -> Path:
@@ -211,13 +208,9 @@ def _kernel() -> ctypes.CDLL | None:
 @functools.lru_cache(maxsize=1)
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
-    with _KERNEL_LOCK:
-        try:
-            library = ctypes.CDLL(str(build("q8", _SOURCE)))
-        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-            reason = " ".join(str(exc).split())
-            _log.info("8-bit products unavailable (%s)", reason)
-            return None, reason
+    library, reason = load_library("q8", _SOURCE, "8-bit products")
+    if library is None:
+        return None, reason
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.quantise_rows.argtypes = [pointer, size, size, pointer, pointer, pointer, ctypes.c_int]
     library.quantise_rows.restype = None
