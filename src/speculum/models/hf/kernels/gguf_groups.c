@@ -69,7 +69,7 @@ static inline ivec sign_bit(ivec q, uint16_t bits) {
 }
 /* q + 16 * (bits 2 lane, 2 lane + 1 of `bits`, a two's complement pair): the pair is shifted to the top and
  * back down arithmetically, landing as its signed value times 16 above 4 bits of the lower lanes' pairs,
- * which the and drops before q fills them (one ternary-logic op: (f & ~15) | q). */
+ * which the AND with ~15 drops before q fills them (one ternary-logic op: (f & ~15) | q). */
 static inline ivec signed_pair(ivec q, uint32_t bits) {
     const __m512i shifts = _mm512_setr_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i f = _mm512_srai_epi32(_mm512_sllv_epi32(_mm512_set1_epi32((int)bits), shifts), 26);
