@@ -194,3 +194,23 @@ def test_rotary_rows_from_the_table_are_the_rotary_modules_rows_bitwise(pair, po
         for kind, rows in tabled.items():
             direct = forward.rotary(x, at) if kind is None else forward.rotary(x, at, kind)
             assert all(torch.equal(a, b.unsqueeze(1)) for a, b in zip(rows, direct))
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+def test_long_sequences_on_sliding_layers_are_transformers_rows(tmp_path, family):
+    """Past the first key blocks a sliding-window row reads only from its window's block on: fed whole,
+    then one token at a time, and packed, the rows are transformers' own forward's."""
+    model = HFModel.from_pretrained(save_tiny_model(tmp_path / family, family=family, max_context=256))
+    assert model.fused_forward
+    ids = [3 + (7 * i) % 20 for i in range(150)]
+    with torch.inference_mode():
+        logits = model.module(input_ids=torch.tensor([ids])).logits[0].double()
+    own = torch.log_softmax(logits, -1).numpy()
+    session = model.start(ids[:1])
+    whole = np.vstack([session.next_logprobs()[None], session.extend(ids[1:140])])
+    steps = np.vstack([session.advance([token])[None] for token in ids[140:149]])
+    assert np.abs(whole - own[:140]).max() < TOLERANCE and np.abs(steps - own[140:149]).max() < TOLERANCE
+    forward = model.fused
+    packed = forward.forward_packed([ids[:100], ids[:149]], [model.new_cache(), model.new_cache()])
+    alone = forward(torch.tensor([ids[:149]]), model.new_cache())[0]
+    assert torch.equal(packed[1], alone)

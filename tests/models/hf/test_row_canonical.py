@@ -23,7 +23,7 @@ from speculum.models import PromptLookup  # noqa: E402
 from speculum.models.base import Feed  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.hf.forward import attention as row_attention  # noqa: E402
-from speculum.models.hf.forward.attention import KEY_BLOCK, RowAttention, keys_needed  # noqa: E402
+from speculum.models.hf.forward.attention import KEY_BLOCK, RowAttention, SlotRows, keys_from, keys_needed  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
@@ -146,14 +146,17 @@ def test_packed_scheduling_gives_every_greedy_generation_its_solo_tokens(model, 
 
 
 # ------------------------------------------------------------------------------------------ RowAttention
-def reference(q, keys, values, past, scale):
-    """Causal attention in float64, head h reading key head h // (heads // kv_heads)."""
+def reference(q, keys, values, past, scale, window=None):
+    """Causal attention in float64, head h reading key head h // (heads // kv_heads); a row at p sees keys
+    p - window + 1 .. p on a sliding-window layer."""
     heads, kv = q.shape[1], keys.shape[1]
     keys = keys.double().repeat_interleave(heads // kv, dim=1)
     values = values.double().repeat_interleave(heads // kv, dim=1)
     n = q.shape[2]
     scores = (q.double() @ keys.transpose(-1, -2)) * scale                   # (batch, heads, n, keys)
     visible = torch.arange(keys.shape[2]) <= (torch.arange(n) + past)[:, None]
+    if window is not None:
+        visible &= torch.arange(keys.shape[2]) > (torch.arange(n) + past)[:, None] - window
     return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ values
 
 
@@ -176,6 +179,38 @@ def test_row_attention_gives_each_row_what_it_gives_it_alone(past, n, batch, kv,
     garbage = keys.clone()
     garbage[:, :, past + n:] = torch.randn(garbage[:, :, past + n:].shape, generator=generator) * 100
     assert torch.equal(RowAttention(past, n)(q, garbage, values, scale), out)
+
+
+@settings(max_examples=30, deadline=None)
+@given(past=st.integers(0, 4 * KEY_BLOCK), n=st.integers(1, 2 * KEY_BLOCK), window=st.integers(1, 150),
+       kv=st.sampled_from([1, 2]), seed=st.integers(0, 2**31))
+def test_sliding_window_rows_read_from_their_windows_block_and_equal_each_alone(past, n, window, kv, seed):
+    """On a sliding-window layer a row reads keys from its window's key block on (``keys_from``): the
+    attention of its window (float64 reference), bitwise the same alone, in its block, or on slots of a
+    store (``SlotRows``), and nothing before the block is read (garbage there changes nothing)."""
+    generator = torch.Generator().manual_seed(seed)
+    heads, d, scale = 3 * kv, 8, 8 ** -0.5
+    span = keys_needed(past + n) + KEY_BLOCK
+    q = torch.randn(1, heads, n, d, generator=generator)
+    keys, values = (torch.randn(1, kv, span, d, generator=generator) for _ in range(2))
+    out = RowAttention(past, n, window)(q, keys, values, scale)
+    want = reference(q, keys[:, :, :past + n], values[:, :, :past + n], past, scale, window)
+    assert torch.allclose(out.double(), want, atol=1e-5)
+    rows = sorted({0, n // 2, n - 1})
+    # Each row on a slot of its own holding this sequence's keys, beside a slot of other keys.
+    store_keys, store_values = (torch.cat([t.expand(len(rows), -1, -1, -1), torch.randn(t.shape, generator=generator)])
+                                for t in (keys, values))
+    slots = SlotRows(list(range(len(rows))), [past + row for row in rows], window)
+    together = slots(q[0, :, rows].transpose(0, 1), store_keys, store_values, scale)
+    for at, row in enumerate(rows):
+        alone = RowAttention(past + row, 1, window)(q[:, :, row:row + 1], keys, values, scale)
+        assert torch.equal(alone, out[:, :, row:row + 1])
+        assert torch.equal(together[at], alone[0, :, 0])
+    first = min(keys_from(past + row, window) for row in range(n))
+    if first:
+        garbage = keys.clone()
+        garbage[:, :, :first] = torch.randn(garbage[:, :, :first].shape, generator=generator) * 100
+        assert torch.equal(RowAttention(past, n, window)(q, garbage, values, scale), out)
 
 
 def test_row_attention_without_batched_items_gives_the_same_rows(monkeypatch):

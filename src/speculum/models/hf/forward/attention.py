@@ -11,7 +11,8 @@ under another load.
 How: each row is computed in a shape fixed by its own position ``p`` alone. It attends keys
 ``[0, span)`` with ``span`` = :func:`keys_needed` of ``p + 1`` (rounded up to a multiple of 16 within
 the first 64 keys, of 64 beyond), the keys after ``p`` masked (weight exactly zero; their contents only
-need to be finite), and on a sliding-window layer of window ``w`` those before ``p - w + 1`` too. The heads that share a key/value
+need to be finite), and on a sliding-window layer of window ``w`` those before ``p - w + 1`` too, its keys
+then starting at :func:`keys_from` (that window's first key rounded down to a multiple of 64). The heads that share a key/value
 head form the query rows of one attention item, ``(heads_per_kv, span)``, so every row is the same set of
 items whatever else is in the forward. The rows of one sequence with the same span go in one kernel call
 along its batch dimension, which the kernel computes item by item: :func:`items_are_independent` checks
@@ -35,7 +36,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RowAttention", "SlotRows", "KEY_BLOCK", "keys_needed", "items_are_independent"]
+__all__ = ["RowAttention", "SlotRows", "KEY_BLOCK", "keys_needed", "keys_from", "items_are_independent"]
 
 KEY_BLOCK = 64      # past the first KEY_BLOCK keys a row's span is a multiple of this (one call per 64 rows)
 SHORT_BLOCK = 16    # within them, a multiple of this: short contexts (enumerated prefixes) pad little
@@ -46,6 +47,15 @@ def keys_needed(end: int) -> int:
     :data:`SHORT_BLOCK` up to :data:`KEY_BLOCK`, of :data:`KEY_BLOCK` beyond."""
     block = SHORT_BLOCK if end <= KEY_BLOCK else KEY_BLOCK
     return -(-end // block) * block
+
+
+def keys_from(position: int, window: int | None) -> int:
+    """The first key a row at ``position`` reads: 0 under full attention; on a sliding-window layer its
+    window's first key rounded down to a multiple of :data:`KEY_BLOCK` (a function of the position alone, so
+    the row's shape stays canonical, and a long context's sliding layers read about ``window + 64`` keys)."""
+    if window is None:
+        return 0
+    return max(0, position - window + 1) // KEY_BLOCK * KEY_BLOCK
 
 
 def _mask(limits: torch.Tensor, span: int, window: int | None = None) -> torch.Tensor:
@@ -97,12 +107,17 @@ class RowAttention:
                              f"window={window}")
         self.past, self.n = past, n
         self.keys = keys_needed(past + n)
-        self.groups: list[tuple[int, int, int, torch.Tensor]] = []   # (first row, end row, span, mask)
+        # (first row, end row, span, mask over keys first .. span - 1, first key): rows sharing both ends
+        self.groups: list[tuple[int, int, int, torch.Tensor, int]] = []
         start = 0
         while start < n:
-            span = keys_needed(past + start + 1)
+            position = past + start
+            span, first = keys_needed(position + 1), keys_from(position, window)
             stop = min(n, span - past)
-            self.groups.append((start, stop, span, _mask(torch.arange(past + start, past + stop), span, window)))
+            if window is not None:          # the next row whose window starts in the next key block
+                stop = min(stop, first + KEY_BLOCK + window - 1 - past)
+            limits = torch.arange(position, past + stop) - first
+            self.groups.append((start, stop, span, _mask(limits, span - first, window), first))
             start = stop
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -118,16 +133,17 @@ class RowAttention:
         alone = not items_are_independent(kv_heads, group, d)
         rows_first = q.transpose(1, 2)                                        # (batch, n, heads, d)
         out = None if len(self.groups) == 1 else q.new_empty(batch, n, heads, d)
-        for start, stop, span, mask in self.groups:
-            rows = stop - start
+        for start, stop, span, mask, first in self.groups:
+            rows, width = stop - start, span - first
             items = rows_first[:, start:stop].reshape(batch * rows, kv_heads, group, d)
             if batch == 1 or rows == 1:     # one sequence's keys for every item, or one item per sequence
-                k = keys[:, :, :span].expand(batch * rows, -1, -1, -1)
-                v = values[:, :, :span].expand(batch * rows, -1, -1, -1)
+                k = keys[:, :, first:span].expand(batch * rows, -1, -1, -1)
+                v = values[:, :, first:span].expand(batch * rows, -1, -1, -1)
                 item_mask = mask.expand(batch * rows, -1, -1, -1)
             else:       # item (b, row) reads sequence b's keys: row-major over (batch, rows)
-                k = keys[:, None, :, :span].expand(-1, rows, -1, -1, -1).reshape(batch * rows, kv_heads, span, d)
-                v = values[:, None, :, :span].expand(-1, rows, -1, -1, -1).reshape(batch * rows, kv_heads, span, d)
+                k = keys[:, None, :, first:span].expand(-1, rows, -1, -1, -1).reshape(batch * rows, kv_heads, width, d)
+                v = values[:, None, :, first:span].expand(-1, rows, -1, -1, -1).reshape(batch * rows, kv_heads, width,
+                                                                                          d)
                 item_mask = mask.repeat(batch, 1, 1, 1)
             if alone:
                 attended = torch.cat([F.scaled_dot_product_attention(items[i:i + 1], k[i:i + 1], v[i:i + 1],
@@ -152,15 +168,16 @@ class SlotRows:
     :class:`RowAttention`."""
 
     def __init__(self, slots: list[int], positions: list[int], window: int | None = None) -> None:
-        self.groups: list[tuple[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor]] = []
-        spans = [keys_needed(p + 1) for p in positions]
-        for span in sorted(set(spans)):
-            rows = [i for i, s in enumerate(spans) if s == span]
+        self.groups: list[tuple[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor, int]] = []
+        ends = [(keys_from(p, window), keys_needed(p + 1)) for p in positions]
+        for first, span in sorted(set(ends)):
+            rows = [i for i, e in enumerate(ends) if e == (first, span)]
             low, high = min(slots[i] for i in rows), max(slots[i] for i in rows) + 1
             where = torch.tensor([slots[i] - low for i in rows])
-            limits = torch.zeros(high - low, dtype=torch.long)                  # a dummy item reads key 0
+            limits = torch.full((high - low,), first, dtype=torch.long)         # a dummy item reads one key
             limits[where] = torch.tensor([positions[i] for i in rows])
-            self.groups.append((torch.tensor(rows), where, low, high, span, _mask(limits, span, window)))
+            self.groups.append((torch.tensor(rows), where, low, high, span, _mask(limits - first, span - first, window),
+                                first))
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         """``q (rows, heads, d)`` attending the store's ``keys`` / ``values (slots, kv_heads, >= every row's
@@ -170,16 +187,16 @@ class SlotRows:
         group = heads // kv_heads
         out = q.new_empty(rows_total, heads, d)
         alone = not items_are_independent(kv_heads, group, d)
-        for rows, where, low, high, span, mask in self.groups:
+        for rows, where, low, high, span, mask, first in self.groups:
             if alone:
                 for row, at in zip(rows.tolist(), (where + low).tolist()):
                     out[row] = F.scaled_dot_product_attention(
-                        q[row].view(1, kv_heads, group, d), keys[at:at + 1, :, :span], values[at:at + 1, :, :span],
-                        attn_mask=mask[at - low:at - low + 1], scale=scale).view(heads, d)
+                        q[row].view(1, kv_heads, group, d), keys[at:at + 1, :, first:span],
+                        values[at:at + 1, :, first:span], attn_mask=mask[at - low:at - low + 1], scale=scale).view(heads, d)
                 continue
             items = q.new_zeros(high - low, kv_heads, group, d)
             items[where] = q[rows].view(-1, kv_heads, group, d)
-            attended = F.scaled_dot_product_attention(items, keys[low:high, :, :span], values[low:high, :, :span],
-                                                      attn_mask=mask, scale=scale)
+            attended = F.scaled_dot_product_attention(items, keys[low:high, :, first:span],
+                                                      values[low:high, :, first:span], attn_mask=mask, scale=scale)
             out[rows] = attended[where].view(-1, heads, d)
         return out
