@@ -40,7 +40,8 @@ def test_the_json_report_says_what_the_library_checks_say(capsys):
 
 def test_the_text_report_names_every_kernel_and_dtype(capsys):
     text = report(capsys)
-    for name in ("onednn", "float32 from GGUF groups", "bfloat16 on AMX tiles", *DTYPES, "cache:"):
+    for name in ("onednn", "float32 from GGUF groups", "bfloat16 on AMX tiles", "bfloat16 by AVX-512 BF16 dot products",
+                 *DTYPES, "cache:"):
         assert name in text
 
 
@@ -59,15 +60,14 @@ def test_without_amx_the_tiles_reason_shows_and_bfloat16_is_not_advised_for_them
 @pytest.fixture
 def fresh_kernels():
     """The kernels' availability computed again for this test (and again after it)."""
-    from speculum.models.hf.kernels import gguf_groups, q8_groups
+    from speculum.models.hf.kernels import bf16_dot, gguf_groups, q8_groups
 
-    gguf_groups.forget()
-    amx_tiles.forget()
-    q8_groups.forget()
+    modules = (gguf_groups, amx_tiles, q8_groups, bf16_dot)
+    for module in modules:
+        module.forget()
     yield
-    gguf_groups.forget()
-    amx_tiles.forget()
-    q8_groups.forget()
+    for module in modules:
+        module.forget()
 
 
 def test_a_compiler_failure_shows_its_reason_after_the_colon(capsys, monkeypatch, tmp_path, fresh_kernels):
@@ -94,7 +94,8 @@ def test_kernels_off_is_reported_with_every_fallback(capsys, monkeypatch, fresh_
     monkeypatch.setenv("SPECULUM_KERNELS", "off")
     data = json.loads(report(capsys, "--json"))
     assert "SPECULUM_KERNELS=off" in data["kernels_off"]
-    for name in ("float32 from GGUF groups", "bfloat16 on AMX tiles", "8-bit products on GGUF groups"):
+    for name in ("float32 from GGUF groups", "bfloat16 on AMX tiles", "8-bit products on GGUF groups",
+                 "bfloat16 by AVX-512 BF16 dot products"):
         assert data["kernels"][name]["runs"] is False and "SPECULUM_KERNELS=off" in data["kernels"][name]["why_not"]
     assert any(line.startswith("kernels: compiled kernels are off (SPECULUM_KERNELS=off)")
                for line in report(capsys).splitlines())

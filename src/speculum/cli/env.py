@@ -31,8 +31,8 @@ def register(subparsers: Any) -> None:
         help="this machine's kernels and which --dtype pays on it (no model loaded)",
         description=(
             "Print the versions, the CPU's instruction sets, whether each compiled kernel runs here (float32 "
-            "products from GGUF weight groups; bfloat16 products on AMX tiles) and, for each --dtype, "
-            "whether it pays on this CPU. The first call builds the kernels (about a second each)."
+            "products from GGUF weight groups; bfloat16 products on AMX tiles or by AVX-512 BF16 dot "
+            "products) and, for each --dtype, whether it pays on this CPU. The first call builds the kernels (about a second each)."
         ),
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -71,6 +71,7 @@ def environment() -> dict[str, Any]:
     from speculum.models.hf.precision import DTYPES, dtype_advice  # (as above)
     from speculum.models.hf.kernels.onednn import onednn_available  # (as above)
     from speculum.models.hf.kernels.amx_tiles import tiles_unavailable  # (as above)
+    from speculum.models.hf.kernels.bf16_dot import dot_unavailable  # (as above)
     from speculum.models.hf.kernels.q8_groups import q8_unavailable  # (as above)
 
     flags = cpu_flags()
@@ -88,6 +89,7 @@ def environment() -> dict[str, Any]:
         "onednn": kernel(None if onednn_available() else "this torch build has no oneDNN"),
         "float32 from GGUF groups": kernel(kernel_unavailable()),
         "bfloat16 on AMX tiles": kernel(tiles_unavailable()),
+        "bfloat16 by AVX-512 BF16 dot products": kernel(dot_unavailable()),
         "8-bit products on GGUF groups": kernel(q8_unavailable()),
     }
     report["dtypes"] = {dtype: _dtype_note(dtype, dtype_advice(dtype), report["kernels"]) for dtype in DTYPES}
@@ -107,6 +109,8 @@ def _dtype_note(dtype: str, advice: str | None, kernels: dict[str, Any]) -> dict
     elif dtype == "bfloat16" and kernels["bfloat16 on AMX tiles"]["runs"]:
         note = ("products on AMX tiles, many rows a call: pick it for enumeration and batched serving "
                 "(docs/backends.md)")
+    elif dtype == "bfloat16" and kernels["bfloat16 by AVX-512 BF16 dot products"]["runs"]:
+        note = "products by AVX-512 BF16 dot products, many rows a call, float32 sums"
     else:
         note = "multiplied natively by this CPU"
     return {"slower": False, "note": note}

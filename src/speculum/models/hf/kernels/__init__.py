@@ -13,6 +13,7 @@ forward that calls them.
 * ``gguf_groups.py`` + ``gguf_groups.c`` - float32 products read from GGUF weight groups (Q4_0 to Q8_0,
   Q4_K, Q5_K, Q6_K); ``gguf_records.py`` - those groups packed as the kernel's records;
 * ``amx_tiles.py`` + ``amx_tiles.c`` - bfloat16 products on AMX tiles;
+* ``bf16_dot.py`` + ``bf16_dot.c`` - bfloat16 products by AVX-512 BF16 dot products (no tiles needed);
 * ``int8_weights.py`` - int8 weight-only products (the ``int8`` target);
 * ``q8_groups.py`` + ``q8_groups.c`` - GGUF weight groups times rows quantised to 8 bits, integer dot products
   (the ``q8`` target);

@@ -21,6 +21,9 @@ Kinds:
 * bfloat16 on AMX tiles (:mod:`~speculum.models.hf.kernels.amx_tiles`, where the CPU has AMX-BF16): the
   float32 rows rounded to bfloat16, each output summed in float32 in one fixed order, any number of rows a
   call;
+* bfloat16 by AVX-512 BF16 dot products (:mod:`~speculum.models.hf.kernels.bf16_dot`, where the CPU has
+  AVX-512 BF16 but no tiles): the float32 rows rounded to bfloat16, each output summed in float32 in one
+  fixed order, any number of rows a call;
 * bfloat16 elsewhere: the float32 rows rounded to bfloat16 and multiplied by oneDNN (AVX-512 BF16 or AMX,
   accumulating in float32, the outputs rounded to bfloat16) 2 to 32 rows a call, the one path that gives
   each row the same at any position and count; where this machine's kernel still does not, the product
@@ -43,6 +46,7 @@ import torch
 
 from ...cpu import KERNEL_FLAGS, cpu_flags
 from .amx_tiles import TileProduct, tile_source, tiles_unavailable
+from .bf16_dot import DotProduct, dot_source, dot_unavailable
 from .build import kernels_disabled, library_release
 from .gguf_groups import GROUPS, kernel_source, kernel_unavailable, multiply_by_groups
 from .int8_weights import Int8Linear
@@ -126,6 +130,10 @@ def _bf16_product(weight: torch.Tensor) -> RowProduct:
         tiles = TileProduct(weight)
         if probed_once("bfloat16 tiles", tuple(weight.shape), tiles):
             return RowProduct(tiles, True)
+    elif dot_unavailable() is None:
+        dot = DotProduct(weight)
+        if probed_once("bfloat16 dot", tuple(weight.shape), dot):
+            return RowProduct(dot, True)
     packed, out_features = pack_weight(weight), weight.shape[0]
 
     def widened(rows: torch.Tensor) -> torch.Tensor:
@@ -189,7 +197,7 @@ def build_product(layers: list, q8: bool = False) -> RowProduct:
 
 def product_paths() -> dict[str, Any]:
     """What decides this machine's product paths: ``kernels_off`` (why the compiled kernels are off, else
-    None), ``grouped``, ``q8`` and ``tiles`` (each kernel's release,
+    None), ``grouped``, ``q8``, ``tiles`` and ``bf16_dot`` (each kernel's release,
     :func:`~speculum.models.hf.kernels.build.library_release`, where it runs here, else None) and ``cpu_flags`` (those of :data:`~speculum.models.cpu.KERNEL_FLAGS` this
     CPU has: they pick PyTorch's kernels too). Two processes with equal reports and thread counts multiply
     every kind of product above on the same kernels."""
@@ -197,4 +205,6 @@ def product_paths() -> dict[str, Any]:
             "grouped": library_release(kernel_source()) if kernel_unavailable() is None else None,
             "q8": library_release(q8_source()) if q8_unavailable() is None else None,
             "tiles": library_release(tile_source()) if tiles_unavailable() is None else None,
+            "bf16_dot": (library_release(dot_source())
+                         if tiles_unavailable() is not None and dot_unavailable() is None else None),
             "cpu_flags": sorted(flag for flag in KERNEL_FLAGS if flag in cpu_flags())}
