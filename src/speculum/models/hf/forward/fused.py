@@ -68,6 +68,7 @@ import torch.nn.functional as F
 
 from ...memory.allocator import trim_heap
 from ...memory.pages import drop_mapped_pages
+from ..kernels.attention_rows import AttentionRows, attention_unavailable
 from ..kernels.onednn import onednn_available
 from ..kernels.products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
 from ..kv.cache import KVCache, OwnCache, SlotCache
@@ -268,6 +269,9 @@ class FusedForward:
         self.rotary_kinds = list(config.layer_types[:count]) if kinds else [None] * count
         self._rotary_static = not {"dynamic", "longrope"} & _rope_types(config)
         self._rotary_rows: tuple[int, dict] | None = None        # (positions held, tables), see rotary_tables
+        # Attention on the compiled kernel (every row of a layer in one call) or on PyTorch's, for life: the two
+        # round differently, and a row must come out the same in every forward.
+        self.attention_kernel = attention_unavailable() is None
         self.blocks = [self._block(block, self.family, self.q8) for block in layers]
         head = module.get_output_embeddings()
         if head not in _PACKED:
@@ -410,12 +414,23 @@ class FusedForward:
         x = self.embedded(input_ids)                                                # (batch, n, hidden)
         positions = (torch.arange(n) + past).unsqueeze(0)                           # (1, n)
         tables = self.rotary_tables(x, positions, run=True)
-        attentions = {window: RowAttention(past, n, window) for window in set(self.windows)}
+        if self.attention_kernel:           # row (b, t) reads sequence b's keys
+            slots = torch.arange(batch).repeat_interleave(n)
+            attentions = {window: AttentionRows(positions[0].repeat(batch), slots, window)
+                          for window in set(self.windows)}
+        else:
+            attentions = {window: RowAttention(past, n, window) for window in set(self.windows)}
         for index, block in enumerate(self.blocks):
             attention = attentions[self.windows[index]]
             q, k, v = self._qkv(block, x, *tables[self.rotary_kinds[index]])
-            k, v = cache.append(k, v, index, attention.keys)                        # (batch, kv, >= past+n, d)
-            x = self._after_attention(block, x, attention(q, k, v, self.scale))
+            if self.attention_kernel:
+                k, v = cache.append(k, v, index)                                    # (batch, kv, >= past+n, d)
+                rows = attention(q.transpose(1, 2).reshape(batch * n, self.heads, self.head_dim), k, v, self.scale)
+                attended = rows.view(batch, n, self.heads, self.head_dim).transpose(1, 2)
+            else:
+                k, v = cache.append(k, v, index, attention.keys)                    # (batch, kv, >= past+n, d)
+                attended = attention(q, k, v, self.scale)
+            x = self._after_attention(block, x, attended)
         if keep:
             x = x[:, -keep:]
         return self._head(x)
@@ -441,8 +456,12 @@ class FusedForward:
         if store is not None and all(cache.store is store for cache in caches):
             with store.lock:
                 return self._forward_store(x, tables, position, pasts, bounds, caches, store, keep)
-        attentions = {window: [RowAttention(past, n, window) for past, n in zip(pasts, lengths)]
-                      for window in set(self.windows)}
+        if self.attention_kernel:
+            attentions = {window: [AttentionRows(torch.arange(n) + past, torch.zeros(n, dtype=torch.long), window)
+                                   for past, n in zip(pasts, lengths)] for window in set(self.windows)}
+        else:
+            attentions = {window: [RowAttention(past, n, window) for past, n in zip(pasts, lengths)]
+                          for window in set(self.windows)}
         with contextlib.ExitStack() as held:
             for cache in caches:
                 held.enter_context(cache.exclusive())
@@ -451,8 +470,12 @@ class FusedForward:
                 attn = q.new_empty(1, q.shape[2], self.heads, self.head_dim)          # (1, T, heads, d)
                 for b, (cache, attention) in enumerate(zip(caches, attentions[self.windows[index]])):
                     at = slice(bounds[b], bounds[b + 1])
-                    keys, values = cache.append(k[:, :, at], v[:, :, at], index, attention.keys)
-                    attn[:, at] = attention(q[:, :, at], keys, values, self.scale).transpose(1, 2)
+                    if self.attention_kernel:
+                        keys, values = cache.append(k[:, :, at], v[:, :, at], index)
+                        attn[0, at] = attention(q[0, :, at].transpose(0, 1), keys, values, self.scale)
+                    else:
+                        keys, values = cache.append(k[:, :, at], v[:, :, at], index, attention.keys)
+                        attn[:, at] = attention(q[:, :, at], keys, values, self.scale).transpose(1, 2)
                 x = self._after_attention(block, x, attn.transpose(1, 2))
         return self._kept_logits(x, bounds, keep)
 
@@ -467,6 +490,8 @@ class FusedForward:
         lengths = [end - start for start, end in zip(bounds, bounds[1:])]
         arena.reserve(max(keys_needed(past + n) for past, n in zip(pasts, lengths)))
         slot = torch.tensor([cache.slot for cache, n in zip(caches, lengths) for _ in range(n)])   # (T,)
+        if self.attention_kernel:
+            return self._forward_store_kernel(x, tables, position, slot, pasts, lengths, bounds, caches, arena, keep)
         singles = [b for b, n in enumerate(lengths) if n == 1]
         single_rows = torch.tensor([bounds[b] for b in singles], dtype=torch.long)  # their rows in the packing
         windows = set(self.windows)
@@ -488,6 +513,23 @@ class FusedForward:
                 attn[:, at] = attention(q[:, :, at], keys[own, :, :attention.keys],
                                         values[own, :, :attention.keys], self.scale).transpose(1, 2)
             x = self._after_attention(block, x, attn.transpose(1, 2))
+        for cache, past, n in zip(caches, pasts, lengths):
+            cache.filled_to(past + n)
+        return self._kept_logits(x, bounds, keep)
+
+    def _forward_store_kernel(self, x: torch.Tensor, tables: dict, position: torch.Tensor, slot: torch.Tensor,
+                              pasts: list[int], lengths: list[int], bounds: list[int], caches: list[SlotCache],
+                              arena: KVArena, keep: list[int] | None) -> list[torch.Tensor]:
+        """:meth:`_forward_store` with attention on the compiled kernel: every row of every sequence attends in
+        one call a layer (:class:`~speculum.models.hf.kernels.attention_rows.AttentionRows`)."""
+        attentions = {window: AttentionRows(position, slot, window) for window in set(self.windows)}
+        for index, block in enumerate(self.blocks):
+            q, k, v = self._qkv(block, x, *tables[self.rotary_kinds[index]])    # (1, heads, T, d)
+            keys, values = arena.keys[index], arena.values[index]
+            keys[slot, :, position] = k[0].transpose(0, 1)                       # (T, kv_heads, d)
+            values[slot, :, position] = v[0].transpose(0, 1)
+            rows = attentions[self.windows[index]](q[0].transpose(0, 1), keys, values, self.scale)   # (T, heads, d)
+            x = self._after_attention(block, x, rows.unsqueeze(0).transpose(1, 2))
         for cache, past, n in zip(caches, pasts, lengths):
             cache.filled_to(past + n)
         return self._kept_logits(x, bounds, keep)

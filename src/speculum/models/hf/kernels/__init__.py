@@ -17,6 +17,8 @@ forward that calls them.
 * ``int8_weights.py`` - int8 weight-only products (the ``int8`` target);
 * ``q8_groups.py`` + ``q8_groups.c`` - GGUF weight groups times rows quantised to 8 bits, integer dot products
   (the ``q8`` target);
+* ``attention_rows.py`` + ``attention_rows.c`` - attention of every query row of a layer in one call, each row
+  alone (the fused forward's attention where it builds);
 * ``build.py`` - compiling the C kernels for this CPU; ``cache.py`` - where the built kernels are kept.
 
 Example:

@@ -46,6 +46,7 @@ import torch
 
 from ...cpu import KERNEL_FLAGS, cpu_flags
 from .amx_tiles import TileProduct, tile_source, tiles_unavailable
+from .attention_rows import attention_source, attention_unavailable
 from .bf16_dot import DotProduct, dot_source, dot_unavailable
 from .build import kernels_disabled, library_release
 from .gguf_groups import GROUPS, kernel_source, kernel_unavailable, multiply_by_groups
@@ -197,14 +198,15 @@ def build_product(layers: list, q8: bool = False) -> RowProduct:
 
 def product_paths() -> dict[str, Any]:
     """What decides this machine's product paths: ``kernels_off`` (why the compiled kernels are off, else
-    None), ``grouped``, ``q8``, ``tiles`` and ``bf16_dot`` (each kernel's release,
+    None), ``grouped``, ``q8``, ``tiles``, ``bf16_dot`` and ``attention`` (each kernel's release,
     :func:`~speculum.models.hf.kernels.build.library_release`, where it runs here, else None) and ``cpu_flags`` (those of :data:`~speculum.models.cpu.KERNEL_FLAGS` this
     CPU has: they pick PyTorch's kernels too). Two processes with equal reports and thread counts multiply
-    every kind of product above on the same kernels."""
+    every kind of product above on the same kernels, and attend on the same kernel."""
     return {"kernels_off": kernels_disabled(),
             "grouped": library_release(kernel_source()) if kernel_unavailable() is None else None,
             "q8": library_release(q8_source()) if q8_unavailable() is None else None,
             "tiles": library_release(tile_source()) if tiles_unavailable() is None else None,
             "bf16_dot": (library_release(dot_source())
                          if tiles_unavailable() is not None and dot_unavailable() is None else None),
+            "attention": library_release(attention_source()) if attention_unavailable() is None else None,
             "cpu_flags": sorted(flag for flag in KERNEL_FLAGS if flag in cpu_flags())}

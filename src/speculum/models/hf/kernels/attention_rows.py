@@ -1,0 +1,124 @@
+"""Causal attention of every query row of a forward in one C call a layer, each row alone.
+
+Why: PyTorch's attention kernel rounds a row differently beside other rows or other (masked) keys, so
+:mod:`~speculum.models.hf.forward.attention` gives each row a shape its position alone fixes and calls the
+kernel once per such shape: one call per sequence and key block a layer, each ~35 us of PyTorch's per-call
+cost on a 2-core CPU. A packed step of 8 sequences, or a round of 8 scored prompts, pays it 8 times a layer,
+and a decode step pays it once a layer with little to compute. ``attention_rows.c`` computes every (row,
+head) of a call by itself, in one fixed order of float32 adds and multiplies: reading only the row's own
+keys (none masked), and the same numbers whatever else the call holds, the thread that runs it or the
+vector width (see the C source for the formula and its order).
+
+Guarantee: ROW-CANONICAL by construction (a row's output is a function of its query, keys and values
+alone); relative to exact attention, float32 rounding (softmax by Cephes' exp polynomial, within 2 ulp).
+Its rows differ from PyTorch's kernel's by float32 rounding: a model runs one or the other for its whole
+life (:class:`~speculum.models.hf.forward.fused.FusedForward` chooses at build).
+
+Where there is no C compiler, or ``SPECULUM_KERNELS=off``, attention stays on PyTorch's kernel
+(:func:`attention_unavailable` says why).
+
+Example:
+    >>> plan = AttentionRows(positions=torch.tensor([4, 5]), slots=torch.tensor([0, 0]))      # doctest: +SKIP
+    >>> out = plan(q, keys, values, scale=0.125)     # q (2, heads, d); keys, values (1, kv_heads, >= 6, d)  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from .build import kernels_disabled, load_library
+
+__all__ = ["AttentionRows", "attention_unavailable", "attention_source", "forget"]
+
+_SOURCE = Path(__file__).with_name("attention_rows.c")
+_LANES = 16
+
+
+def attention_source() -> Path:
+    """The kernel's C source (what its release is the hash of)."""
+    return _SOURCE
+
+
+def attention_unavailable() -> str | None:
+    """None when the attention kernel is built and runs here, else why not (one line);
+    ``SPECULUM_KERNELS=off`` is read at each call."""
+    return kernels_disabled() or _loaded()[1]
+
+
+def forget() -> None:
+    """Drop what this process remembers about the kernel (loaded, or why not): the next use looks for it and
+    builds it again. Plans made before keep their kernel."""
+    _loaded.cache_clear()
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
+    library, reason = load_library("attention", _SOURCE, "attention rows (PyTorch's kernel attends instead)")
+    if library is None:
+        return None, reason
+    if library.attention_rows_lanes() != _LANES:
+        return None, "the kernel's lane count differs from its wrapper's"
+    pointer, count = ctypes.c_void_p, ctypes.c_int64
+    library.attention_rows.argtypes = [count, count, count, count, pointer, count, pointer, pointer, count,
+                                       pointer, pointer, pointer, ctypes.c_float, pointer, ctypes.c_int]
+    library.attention_rows.restype = ctypes.c_int
+    return library, None
+
+
+class AttentionRows:
+    """The attention of query rows at ``positions (rows,)``, row ``r`` reading the keys and values of index
+    ``slots[r]`` along the store's first dimension (a slot of a KV store, or a sequence of a batch), keys
+    ``0 .. positions[r]``, only the last ``window`` of them on a sliding-window layer (transformers' window:
+    key > position - window). Built once per forward and window, called once per layer. ROW-CANONICAL
+    (see the module); needs :func:`attention_unavailable` to be None."""
+
+    __slots__ = ("rows", "slots", "first", "last", "_end", "_slot_end", "_offsets", "_function")
+
+    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, window: int | None = None) -> None:
+        library, reason = _loaded()         # SPECULUM_KERNELS is read where a model chooses its attention, once
+        if library is None:
+            raise RuntimeError(f"the attention kernel is unavailable: {reason}")
+        if positions.shape != slots.shape or positions.dim() != 1 or (window is not None and window < 1):
+            raise ValueError(f"attention rows need positions and slots of one length and a window >= 1, not "
+                             f"{tuple(positions.shape)}, {tuple(slots.shape)}, window={window}")
+        self._function = library.attention_rows
+        self.rows = len(positions)
+        self.last = positions.to(torch.int64).contiguous()
+        self.first = torch.zeros_like(self.last) if window is None else (self.last - window + 1).clamp_(min=0)
+        self.slots = slots.to(torch.int64).contiguous()
+        # Bounds the C code relies on, checked against each call's store by two integer comparisons.
+        self._end = int(self.last.max()) + 1 if self.rows else 0
+        self._slot_end = int(self.slots.max()) + 1 if self.rows else 0
+        if self.rows and (int(self.last.min()) < 0 or int(self.slots.min()) < 0):
+            raise ValueError("attention rows need positions and slots >= 0")
+        self._offsets: tuple[int, torch.Tensor] | None = None           # (slot stride, slots * it)
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """``q (rows, heads, d)`` (any row stride; heads and their features contiguous) attending ``keys`` /
+        ``values (slots, kv_heads, >= every row's position + 1, d)`` float32 (the rows' own keys written) ->
+        ``(rows, heads, d)``, row-major."""
+        rows, heads, dim = q.shape
+        _, kv_heads, length, _ = keys.shape
+        strides = keys.stride()
+        if (rows != self.rows or heads % kv_heads or keys.dtype != torch.float32 or q.dtype != torch.float32
+                or values.dtype != torch.float32 or values.shape != keys.shape or values.stride() != strides
+                or strides[2:] != (dim, 1) or q.stride()[1:] != (dim, 1) or keys.shape[3] != dim
+                or length < self._end or keys.shape[0] < self._slot_end):
+            raise ValueError(f"attention of rows {tuple(q.shape)} on keys {tuple(keys.shape)} (strides {strides}) "
+                             f"does not fit {self.rows} rows at positions below {self._end} in slots below "
+                             f"{self._slot_end}, float32, heads and features contiguous")
+        out = q.new_empty(rows, heads, dim)
+        if not rows:
+            return out
+        if self._offsets is None or self._offsets[0] != strides[0]:
+            self._offsets = (strides[0], self.slots * strides[0])
+        status = self._function(rows, heads, kv_heads, dim, q.data_ptr(), q.stride(0), keys.data_ptr(),
+                                values.data_ptr(), strides[1], self._offsets[1].data_ptr(), self.first.data_ptr(),
+                                self.last.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+        if status:
+            raise MemoryError("the attention kernel could not allocate its score buffers")
+        return out

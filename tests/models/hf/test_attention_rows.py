@@ -1,0 +1,160 @@
+"""Attention rows on the compiled kernel (speculum.models.hf.kernels.attention_rows).
+
+Invariants, where the kernel builds: each (row, head) is softmax attention over keys ``first .. position``
+to float32 rounding of a float64 reference, with grouped key/value heads and sliding windows; every row is
+bitwise the same alone or among others, at 1 or 2 threads, in any slot; keys past a row's position (or
+before its window) are never read (NaN there changes nothing); a call that does not fit its plan is refused
+before the kernel reads anything. A fused forward on it gives transformers' log-probs, canonical rows and
+greedy speculative output equal to plain greedy output. Everywhere: ``SPECULUM_KERNELS=off`` turns it off
+with that reason, and the fused forward then attends on PyTorch's kernel.
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from speculum.models.hf.kernels import attention_rows  # noqa: E402
+from speculum.models.hf.kernels.attention_rows import AttentionRows, attention_unavailable  # noqa: E402
+from support.hf_tiny import save_tiny_model  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(attention_unavailable() is not None,
+                                  reason=f"no attention kernel: {attention_unavailable()}")
+
+
+def reference(q, keys, values, positions, slots, scale, window=None) -> torch.Tensor:
+    """Softmax attention in float64, row by row and head by head."""
+    rows, heads, dim = q.shape
+    group = heads // keys.shape[1]
+    out = torch.empty(rows, heads, dim, dtype=torch.float64)
+    for r in range(rows):
+        position, slot = int(positions[r]), int(slots[r])
+        first = 0 if window is None else max(0, position - window + 1)
+        for h in range(heads):
+            k = keys[slot, h // group, first:position + 1].double()
+            v = values[slot, h // group, first:position + 1].double()
+            out[r, h] = torch.softmax(k @ q[r, h].double() * scale, 0) @ v
+    return out
+
+
+def store(slots: int, kv_heads: int, length: int, dim: int, generator: torch.Generator) -> tuple:
+    return tuple(torch.randn(slots, kv_heads, length, dim, generator=generator) for _ in range(2))
+
+
+@needs_kernel
+@given(kv_heads=st.integers(1, 3), group=st.integers(1, 4), dim=st.sampled_from([4, 8, 16, 24, 64, 80, 256]),
+       rows=st.integers(0, 12), window=st.one_of(st.none(), st.integers(1, 40)), seed=st.integers(0, 2**31))
+@settings(max_examples=40, deadline=None)
+def test_rows_are_attention_to_float32_rounding_and_each_row_alone(kv_heads, group, dim, rows, window, seed):
+    generator = torch.Generator().manual_seed(seed)
+    heads, length = kv_heads * group, 150
+    keys, values = store(3, kv_heads, length, dim, generator)
+    positions = torch.randint(0, length, (rows,), generator=generator)
+    slots = torch.randint(0, 3, (rows,), generator=generator)
+    # Queries as the fused forward holds them: a view of projected rows with keys and values beside them.
+    q = torch.randn(rows, heads + 2 * kv_heads, dim, generator=generator)[:, :heads] * 3
+    out = AttentionRows(positions, slots, window)(q, keys, values, dim ** -0.5)
+    assert out.shape == (rows, heads, dim) and out.is_contiguous()
+    if rows:
+        # Each output is a convex combination of values: float32 rounding of their size.
+        assert float((out.double() - reference(q, keys, values, positions, slots, dim ** -0.5, window)).abs().max()) < 2e-5
+    for r in range(rows):
+        alone = AttentionRows(positions[r:r + 1], slots[r:r + 1], window)(q[r:r + 1].clone(), keys, values, dim ** -0.5)
+        assert torch.equal(alone, out[r:r + 1])
+
+
+@needs_kernel
+def test_rows_are_the_same_at_any_thread_count_and_slot():
+    generator = torch.Generator().manual_seed(1)
+    keys, values = store(4, 2, 700, 64, generator)
+    keys[3], values[3] = keys[0], values[0]                       # slot 3 holds slot 0's sequence
+    positions = torch.randint(0, 700, (40,), generator=generator)
+    q = torch.randn(40, 6, 64, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = AttentionRows(positions, torch.zeros(40, dtype=torch.long))(q, keys, values, 0.125)
+        torch.set_num_threads(2)
+        two = AttentionRows(positions, torch.zeros(40, dtype=torch.long))(q, keys, values, 0.125)
+        moved = AttentionRows(positions, torch.full((40,), 3))(q, keys, values, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two) and torch.equal(one, moved)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 5])
+def test_keys_outside_a_rows_range_are_never_read(window):
+    generator = torch.Generator().manual_seed(2)
+    keys, values = store(1, 1, 64, 32, generator)
+    positions = torch.tensor([10, 20, 30])
+    clean = AttentionRows(positions, torch.zeros(3, dtype=torch.long), window)(torch.randn(3, 2, 32), keys, values, 0.2)
+    for r, position in enumerate(positions.tolist()):
+        poisoned = [t.clone() for t in (keys, values)]
+        for t in poisoned:
+            t[0, 0, position + 1:] = float("nan")
+            if window is not None:
+                t[0, 0, :position - window + 1] = float("nan")
+        q = torch.randn(1, 2, 32)
+        plan = AttentionRows(positions[r:r + 1], torch.zeros(1, dtype=torch.long), window)
+        assert torch.equal(plan(q, *poisoned, 0.2), plan(q, keys, values, 0.2))
+    assert torch.isfinite(clean).all()
+
+
+@needs_kernel
+def test_calls_that_do_not_fit_their_plan_are_refused():
+    keys = values = torch.zeros(2, 1, 16, 16)
+    plan = AttentionRows(torch.tensor([15, 3]), torch.tensor([0, 1]))
+    q = torch.zeros(2, 2, 16)
+    with pytest.raises(ValueError, match="does not fit"):
+        plan(q, keys[:, :, :15], values[:, :, :15], 1.0)              # position 15 past the keys
+    with pytest.raises(ValueError, match="does not fit"):
+        plan(q, keys[:1], values[:1], 1.0)                             # slot 1 past the store
+    with pytest.raises(ValueError, match="does not fit"):
+        plan(q, keys.double(), values.double(), 1.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        plan(torch.zeros(2, 16, 2).transpose(1, 2), keys, values, 1.0)  # features not contiguous
+    with pytest.raises(ValueError, match="positions and slots"):
+        AttentionRows(torch.tensor([1, 2]), torch.tensor([0]))
+    with pytest.raises(ValueError, match=">= 0"):
+        AttentionRows(torch.tensor([-1]), torch.tensor([0]))
+
+
+def test_kernels_off_turns_it_off_and_the_fused_forward_attends_on_pytorch(monkeypatch, tmp_path):
+    from speculum.models.hf import HFModel
+
+    monkeypatch.setenv("SPECULUM_KERNELS", "off")
+    assert "SPECULUM_KERNELS=off" in attention_unavailable()
+    model = HFModel.from_pretrained(save_tiny_model(tmp_path / "model", layers=2))
+    assert model.fused_forward and not model.fused.attention_kernel
+
+
+@needs_kernel
+def test_the_fused_forward_on_the_kernel_agrees_with_pytorchs_attention(tmp_path):
+    from speculum.models.hf import HFModel
+    from speculum.models.hf.kv.cache import OwnCache
+
+    model = HFModel.from_pretrained(save_tiny_model(tmp_path / "model", layers=2, max_context=512))
+    fused = model.fused
+    assert fused.attention_kernel
+    tokens = torch.randint(3, model.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    kernel = fused(tokens, OwnCache())
+    fused.attention_kernel = False
+    try:
+        pytorch = fused(tokens, OwnCache())
+    finally:
+        fused.attention_kernel = True
+    assert float((kernel - pytorch).abs().max()) < 1e-4 * float(pytorch.abs().max())
+
+
+def test_forget_looks_for_the_kernel_again(monkeypatch):
+    before = attention_unavailable()
+    attention_rows.forget()
+    monkeypatch.setenv("SPECULUM_KERNELS", "off")
+    assert "SPECULUM_KERNELS=off" in attention_unavailable()
+    monkeypatch.delenv("SPECULUM_KERNELS")
+    attention_rows.forget()
+    assert attention_unavailable() == before
