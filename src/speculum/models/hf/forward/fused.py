@@ -19,8 +19,9 @@ transformers' forward to float32 rounding (tested ≤ 1e-4 nats).
 
 Row-canonical: a row's logits are a function of its sequence's tokens up to it alone, bit for bit,
 whether the tokens were fed whole, one at a time, in a speculative block, or packed with other sequences
-(:attr:`FusedForward.canonical_rows`). Attention computes each row in a shape its position alone fixes
-(:mod:`~speculum.models.hf.forward.attention`), the products keep every row on one kernel path, checked once
+(:attr:`FusedForward.canonical_rows`). Attention computes each row alone: every row of a layer in one call
+of the compiled kernel (:mod:`~speculum.models.hf.kernels.attention_rows`) where it builds, else on PyTorch's
+kernel in a shape the row's position alone fixes (:mod:`~speculum.models.hf.forward.attention`); the products keep every row on one kernel path, checked once
 per shape at build (:mod:`~speculum.models.hf.kernels.products`), and the rest is row-wise. So greedy speculative
 output is plain greedy output and a server's answer does not depend on what else it runs, as a guarantee
 rather than up to near-ties.
