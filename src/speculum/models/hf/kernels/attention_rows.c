@@ -87,9 +87,11 @@ static inline vec load_tail(const float *p, int64_t n) {
 }
 
 /* One head of one row: `count` keys and values from k and v (rows of dim floats); scores holds count rounded up
- * to 16 floats. A width that is not a multiple of 16 ends in a partial chunk, zeros after it. */
-static void attend_one(const float *q, const float *k, const float *v, int64_t count, int64_t dim, float scale,
-                       float *scores, float *out) {
+ * to 16 floats. A width that is not a multiple of 16 ends in a partial chunk, zeros after it. Inlined with dim a
+ * constant for the common widths (the same operations, unrolled and kept in registers). */
+static inline __attribute__((always_inline)) void attend_one(const float *q, const float *k, const float *v,
+                                                             int64_t count, const int64_t dim, float scale,
+                                                             float *scores, float *out) {
     const int64_t chunks = dim / LANES, tail = dim % LANES, used = chunks + (tail > 0);
     vec query[used];
     for (int64_t c = 0; c < chunks; c++) query[c] = load(q + c * LANES);
@@ -120,15 +122,31 @@ static void attend_one(const float *q, const float *k, const float *v, int64_t c
         total += e;
     }
     const vec sum = splat(sum16(total));
-    for (int64_t c = 0; c < chunks; c++) {
-        vec acc = {0};
-        for (int64_t j = 0; j < count; j++) acc += splat(scores[j]) * load(v + j * dim + c * LANES);
-        store(out + c * LANES, acc / sum);
+    /* Values in passes of up to 4 chunks, each pass's accumulators in registers. */
+    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+        const int64_t width = chunks - c0 < 4 ? chunks - c0 : 4;
+        vec acc[4] = {{0}, {0}, {0}, {0}};
+        for (int64_t j = 0; j < count; j++) {
+            const vec weight = splat(scores[j]);
+            const float *value = v + j * dim + c0 * LANES;
+            for (int64_t c = 0; c < width; c++) acc[c] += weight * load(value + c * LANES);
+        }
+        for (int64_t c = 0; c < width; c++) store(out + (c0 + c) * LANES, acc[c] / sum);
     }
     for (int64_t i = chunks * LANES; i < dim; i++) {
         float acc = 0.0f;
         for (int64_t j = 0; j < count; j++) acc += scores[j] * v[j * dim + i];
         out[i] = acc / sum[0];
+    }
+}
+
+static void attend_any(const float *q, const float *k, const float *v, int64_t count, int64_t dim, float scale,
+                       float *scores, float *out) {
+    switch (dim) {
+    case 64: attend_one(q, k, v, count, 64, scale, scores, out); break;
+    case 128: attend_one(q, k, v, count, 128, scale, scores, out); break;
+    case 256: attend_one(q, k, v, count, 256, scale, scores, out); break;
+    default: attend_one(q, k, v, count, dim, scale, scores, out);
     }
 }
 
@@ -146,7 +164,7 @@ int attention_rows(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, c
         work += count;
     }
     /* Threads only where the work outweighs waking them (a few microseconds). */
-    const int parallel = threads > 1 && items > 1 && work * heads * dim >= (1 << 16);
+    const int parallel = threads > 1 && items > 1 && work * heads * dim >= (1 << 17);
     int failed = 0;
 #pragma omp parallel if (parallel) num_threads(threads) reduction(| : failed)
     {
@@ -157,7 +175,7 @@ int attention_rows(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, c
             if (scores == NULL) continue;
             const int64_t r = item / heads, h = item % heads;
             const int64_t at = offsets[r] + h / group * head_stride + first[r] * dim;
-            attend_one(q + r * q_row_stride + h * dim, keys + at, values + at, last[r] - first[r] + 1, dim, scale,
+            attend_any(q + r * q_row_stride + h * dim, keys + at, values + at, last[r] - first[r] + 1, dim, scale,
                        scores, out + item * dim);
         }
         free(scores);
