@@ -124,8 +124,8 @@ class RowOps:
         shape = x.shape
         rows, features = shape
         if (delta.shape != shape or out.shape != shape or weight.numel() != features or x.dtype is not _F32
-                or delta.dtype is not _F32 or out.dtype is not _F32 or not (x.is_contiguous() and delta.is_contiguous()
-                                                                          and out.is_contiguous() and weight.is_contiguous())
+                or delta.dtype is not _F32 or out.dtype is not _F32
+                or not (x.is_contiguous() and delta.is_contiguous() and out.is_contiguous() and weight.is_contiguous())
                 or (post_weight is not None and (post_weight.numel() != features or not post_weight.is_contiguous()))):
             raise ValueError(_wrong("residual_norm", x, delta, weight, out, post_weight))
         elements = rows * features
@@ -144,17 +144,18 @@ class RowOps:
         broadcasts one row), each row contiguous; value heads keep their values (bias aside)."""
         rows, features = qkv.shape
         rotated = heads + kv_heads
+        (cos_row, cos_step), (sin_row, sin_step) = cos.stride(), sin.stride()     # one call each: stride(i) costs more
         if (features < (rotated + kv_heads) * head_dim or head_dim % 2 or qkv.dtype is not _F32
                 or not qkv.is_contiguous() or cos.shape != (rows, head_dim) or sin.shape != (rows, head_dim)
-                or cos.stride(1) != 1 or sin.stride(1) != 1
+                or cos_step != 1 or sin_step != 1 or cos.dtype is not _F32 or sin.dtype is not _F32
                 or (bias is not None and (bias.numel() != features or not bias.is_contiguous()))
                 or (head_weight is not None and (head_weight.numel() != rotated * head_dim
                                                  or not head_weight.is_contiguous()))):
             raise ValueError(_wrong(f"rotate ({heads} + {kv_heads} heads of {head_dim})", qkv, cos, sin, bias,
                                     head_weight))
         elements = rows * features
-        self._rotate(qkv.data_ptr(), rows, features, rotated, head_dim, cos.data_ptr(), cos.stride(0),
-                     sin.data_ptr(), sin.stride(0), None if bias is None else bias.data_ptr(),
+        self._rotate(qkv.data_ptr(), rows, features, rotated, head_dim, cos.data_ptr(), cos_row,
+                     sin.data_ptr(), sin_row, None if bias is None else bias.data_ptr(),
                      None if head_weight is None else head_weight.data_ptr(), head_eps,
                      torch.get_num_threads() if elements > _PARALLEL_ELEMENTS else 1)
 
