@@ -249,7 +249,8 @@ def test_avx2_and_baseline_builds_compute_the_same_bits(tmp_path, target):
     generator = torch.Generator().manual_seed(3)
     x, weight = torch.randn(9, 100, generator=generator) * 20, torch.randn(100, generator=generator)
     for name, function in [("rowops_exp", other.rowops_exp), ("rowops_norm", other.rowops_norm),
-                           ("rowops_gated", other.rowops_gated)]:
+                           ("rowops_gated", other.rowops_gated), ("rowops_residual_norm", other.rowops_residual_norm),
+                           ("rowops_rotate", other.rowops_rotate)]:
         function.argtypes, function.restype = row_ops._SIGNATURES[name], None
     ours, theirs = torch.empty(9, 100), torch.empty(9, 100)
     row_ops._loaded()[0].rowops_exp(x.data_ptr(), ours.data_ptr(), x.numel())
@@ -262,6 +263,19 @@ def test_avx2_and_baseline_builds_compute_the_same_bits(tmp_path, target):
         ours, theirs = RowOps().gated(x, activation, torch.empty(9, 50)), torch.empty(9, 50)
         other.rowops_gated(x.data_ptr(), theirs.data_ptr(), 9, 50, code, 1)
         assert torch.equal(ours, theirs)
+    delta, post = torch.randn(9, 100, generator=generator), torch.randn(100, generator=generator)
+    ours_x, theirs_x, ours, theirs = x.clone(), x.clone(), torch.empty(9, 100), torch.empty(9, 100)
+    RowOps().residual_norm(ours_x, delta, weight, 1e-6, ours, post, 1e-5)
+    other.rowops_residual_norm(theirs_x.data_ptr(), delta.data_ptr(), weight.data_ptr(), 1e-6, theirs.data_ptr(),
+                               post.data_ptr(), 1e-5, 9, 100, 1)
+    assert torch.equal(ours_x, theirs_x) and torch.equal(ours, theirs)
+    cos, sin, head = x[:, :48], x[:, 48:96], torch.randn(3, 48, generator=generator)   # head_dim 48: short chunks
+    ours = torch.randn(9, 4 * 48, generator=generator)
+    theirs = ours.clone()
+    RowOps().rotate(ours, 2, 1, 48, cos, sin, None, head, 1e-6)
+    other.rowops_rotate(theirs.data_ptr(), 9, 4 * 48, 3, 48, cos.data_ptr(), 100, sin.data_ptr(), 100, None,
+                        head.data_ptr(), 1e-6, 1)
+    assert torch.equal(ours, theirs)
 
 
 def test_the_switch_makes_it_unavailable_with_its_reason(monkeypatch):
