@@ -74,6 +74,7 @@ def environment() -> dict[str, Any]:
     from speculum.models.hf.kernels.bf16_dot import dot_unavailable  # (as above)
     from speculum.models.hf.kernels.q8_groups import q8_unavailable  # (as above)
     from speculum.models.hf.kernels.attention_rows import attention_unavailable  # (as above)
+    from speculum.models.hf.kernels.row_ops import row_ops_unavailable  # (as above)
 
     flags = cpu_flags()
     report["cpu"]["flags"] = {flag: flag in flags for flag in KERNEL_FLAGS} if flags else None
@@ -93,6 +94,7 @@ def environment() -> dict[str, Any]:
         "bfloat16 by AVX-512 BF16 dot products": kernel(dot_unavailable()),
         "8-bit products on GGUF groups": kernel(q8_unavailable()),
         "attention, every row of a layer in one call": kernel(attention_unavailable()),
+        "row-wise work between products (norms, rotation, gate)": kernel(row_ops_unavailable()),
     }
     report["dtypes"] = {dtype: _dtype_note(dtype, dtype_advice(dtype), report["kernels"]) for dtype in DTYPES}
     return report

@@ -158,7 +158,7 @@ def test_gates_saturate_and_keep_their_signs():
 def test_exp_is_within_two_ulp_and_saturates():
     x = torch.cat([torch.linspace(-110.0, 95.0, 1_000_001), torch.tensor([0.0, -0.0, 88.72, 88.73, -87.5, -103.9])])
     out = torch.empty_like(x)
-    row_ops._loaded()[0].rowops_exp(x.data_ptr(), out.data_ptr(), x.numel())
+    RowOps().exp(x, out)
     exact = torch.exp(x.double())
     rounded = exact.float()
     ulp = (rounded.nextafter(torch.tensor(float("inf"))) - rounded).double().clamp_min(2.0**-149)
@@ -248,13 +248,10 @@ def test_avx2_and_baseline_builds_compute_the_same_bits(tmp_path, target):
     other = ctypes.CDLL(str(built))
     generator = torch.Generator().manual_seed(3)
     x, weight = torch.randn(9, 100, generator=generator) * 20, torch.randn(100, generator=generator)
-    for name, function in [("rowops_exp", other.rowops_exp), ("rowops_norm", other.rowops_norm),
-                           ("rowops_gated", other.rowops_gated), ("rowops_residual_norm", other.rowops_residual_norm),
-                           ("rowops_rotate", other.rowops_rotate)]:
-        function.argtypes, function.restype = row_ops._SIGNATURES[name], None
+    row_ops.bind(other)
     ours, theirs = torch.empty(9, 100), torch.empty(9, 100)
-    row_ops._loaded()[0].rowops_exp(x.data_ptr(), ours.data_ptr(), x.numel())
-    other.rowops_exp(x.data_ptr(), theirs.data_ptr(), x.numel())
+    RowOps().exp(x, ours)
+    RowOps(other).exp(x, theirs)
     assert torch.equal(ours, theirs)
     ours, theirs = RowOps().norm(x, weight, 1e-6, torch.empty(9, 100)), torch.empty(9, 100)
     other.rowops_norm(x.data_ptr(), weight.data_ptr(), 1e-6, theirs.data_ptr(), 9, 100, 1)

@@ -71,12 +71,14 @@ from ...memory.allocator import trim_heap
 from ...memory.pages import drop_mapped_pages
 from ..kernels.attention_rows import AttentionRows, attention_unavailable
 from ..kernels.onednn import onednn_available
+from ..kernels.row_ops import RowOps, row_ops_unavailable
 from ..kernels.products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
 from ..kv.cache import KVCache, OwnCache, SlotCache
 from ..kv.store import KVArena
 from ..precision import activations_quantised, cast_module
 from .attention import RowAttention, SlotRows, keys_needed
 from .families import ACTIVATIONS, FAMILIES, Family, activation_of, family_of, layer_windows, structure_reason
+from .glued import run_blocks
 
 __all__ = ["FusedForward", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]
 
@@ -260,7 +262,8 @@ class FusedForward:
         self.weight_dtype = self.embed.dtype
         self.q8 = activations_quantised(module)       # every product with 8-bit activations (the q8 target)
         self.rotary = decoder.rotary_emb
-        self.activation = ACTIVATIONS[activation_of(config)]
+        self.activation_name = activation_of(config)
+        self.activation = ACTIVATIONS[self.activation_name]
         self.norm = _Norm.of(decoder.norm, self.family.norm_offset)
         self.intermediate = int(config.intermediate_size)
         # Each layer's window, and the rotary tables it reads: one per layer type where the rotary module has
@@ -273,6 +276,8 @@ class FusedForward:
         # Attention on the compiled kernel (every row of a layer in one call) or on PyTorch's, for life: the two
         # round differently, and a row must come out the same in every forward.
         self.attention_kernel = attention_unavailable() is None
+        # The work between the products in compiled calls (forward/glued.py) where the row kernel builds too.
+        self.row_ops = RowOps() if self.attention_kernel and row_ops_unavailable() is None else None
         self.blocks = [self._block(block, self.family, self.q8) for block in layers]
         head = module.get_output_embeddings()
         if head not in _PACKED:
@@ -415,6 +420,8 @@ class FusedForward:
         x = self.embedded(input_ids)                                                # (batch, n, hidden)
         positions = (torch.arange(n) + past).unsqueeze(0)                           # (1, n)
         tables = self.rotary_tables(x, positions, run=True)
+        if self.row_ops is not None:
+            return self._call_glued(x, tables, cache, positions, keep)
         if self.attention_kernel:           # row (b, t) reads sequence b's keys
             slots = torch.arange(batch).repeat_interleave(n)
             attentions = {window: AttentionRows(positions[0].repeat(batch), slots, window)
@@ -436,6 +443,28 @@ class FusedForward:
             x = x[:, -keep:]
         return self._head(x)
 
+    def _call_glued(self, x: torch.Tensor, tables: dict, cache: KVCache, positions: torch.Tensor, keep: int
+                    ) -> torch.Tensor:
+        """:meth:`_call` with the blocks' glue compiled (:func:`~speculum.models.hf.forward.glued.run_blocks`):
+        row ``(b, t)`` of the batch attends sequence ``b``'s keys."""
+        batch, n, hidden = x.shape
+        plans = {window: AttentionRows(positions[0].repeat(batch), torch.arange(batch).repeat_interleave(n), window)
+                 for window in set(self.windows)}
+        row_tables = {kind: (cos[0, 0], sin[0, 0]) if batch == 1 else (cos[0, 0].repeat(batch, 1),
+                                                                       sin[0, 0].repeat(batch, 1))
+                      for kind, (cos, sin) in tables.items()}
+        shape = (batch, n, self.kv_heads, self.head_dim)
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values = cache.append(k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2), index)
+            return plans[self.windows[index]](q, keys, values, self.scale)
+
+        normed = run_blocks(self, x.view(batch * n, hidden), row_tables, attend).view(batch, n, hidden)
+        if keep:
+            normed = normed[:, -keep:]
+        return self.head(normed.reshape(-1, hidden)).view(batch, normed.shape[1], -1)
+
+    @torch.inference_mode()
     def forward_packed(self, token_lists: list[list[int]], caches: list[KVCache], keep: list[int] | None = None
                        ) -> list[torch.Tensor]:
         """Several sequences in one forward, each extending its own cache (updated in place): logits
@@ -457,6 +486,8 @@ class FusedForward:
         if store is not None and all(cache.store is store for cache in caches):
             with store.lock:
                 return self._forward_store(x, tables, position, pasts, bounds, caches, store, keep)
+        if self.row_ops is not None:
+            return self._packed_glued(x, tables, pasts, bounds, caches, keep)
         if self.attention_kernel:
             attentions = {window: [AttentionRows(torch.arange(n) + past, torch.zeros(n, dtype=torch.long), window)
                                    for past, n in zip(pasts, lengths)] for window in set(self.windows)}
@@ -491,6 +522,19 @@ class FusedForward:
         lengths = [end - start for start, end in zip(bounds, bounds[1:])]
         arena.reserve(max(keys_needed(past + n) for past, n in zip(pasts, lengths)))
         slot = torch.tensor([cache.slot for cache, n in zip(caches, lengths) for _ in range(n)])   # (T,)
+        if self.row_ops is not None:
+            plans = {window: AttentionRows(position, slot, window) for window in set(self.windows)}
+
+            def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                keys, values = arena.keys[index], arena.values[index]
+                keys[slot, :, position], values[slot, :, position] = k, v
+                return plans[self.windows[index]](q, keys, values, self.scale)
+
+            normed = run_blocks(self, x[0], {kind: (cos[0, 0], sin[0, 0]) for kind, (cos, sin) in tables.items()},
+                                attend)
+            for cache, past, n in zip(caches, pasts, lengths):
+                cache.filled_to(past + n)
+            return self._kept_logits(normed.unsqueeze(0), bounds, keep, normed=True)
         if self.attention_kernel:
             return self._forward_store_kernel(x, tables, position, slot, pasts, lengths, bounds, caches, arena, keep)
         singles = [b for b, n in enumerate(lengths) if n == 1]
@@ -535,9 +579,35 @@ class FusedForward:
             cache.filled_to(past + n)
         return self._kept_logits(x, bounds, keep)
 
-    def _kept_logits(self, x: torch.Tensor, bounds: list[int], keep: list[int] | None) -> list[torch.Tensor]:
+    def _packed_glued(self, x: torch.Tensor, tables: dict, pasts: list[int], bounds: list[int], caches: list[KVCache],
+                      keep: list[int] | None) -> list[torch.Tensor]:
+        """:meth:`forward_packed` on caches of their own with the blocks' glue compiled: each sequence's rows
+        attend its own cache, one kernel call a sequence and layer."""
+        lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+        plans = {window: [AttentionRows(torch.arange(n) + past, torch.zeros(n, dtype=torch.long), window)
+                          for past, n in zip(pasts, lengths)] for window in set(self.windows)}
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = q.new_empty(q.shape)
+            for b, (cache, plan) in enumerate(zip(caches, plans[self.windows[index]])):
+                at = slice(bounds[b], bounds[b + 1])
+                keys, values = cache.append(k[at].unsqueeze(0).transpose(1, 2), v[at].unsqueeze(0).transpose(1, 2),
+                                            index)
+                out[at] = plan(q[at], keys, values, self.scale)
+            return out
+
+        with contextlib.ExitStack() as held:
+            for cache in caches:
+                held.enter_context(cache.exclusive())
+            normed = run_blocks(self, x[0], {kind: (cos[0, 0], sin[0, 0]) for kind, (cos, sin) in tables.items()},
+                                attend)
+        return self._kept_logits(normed.unsqueeze(0), bounds, keep, normed=True)
+
+    def _kept_logits(self, x: torch.Tensor, bounds: list[int], keep: list[int] | None, normed: bool = False
+                     ) -> list[torch.Tensor]:
         """The logits of the last ``keep[b]`` positions of each sequence ``b`` (``x[:, bounds[b]:bounds[b+1]]``):
-        the vocabulary head runs on those rows only (a deferred prompt needs none of its own)."""
+        the vocabulary head runs on those rows only (a deferred prompt needs none of its own). ``normed``: the
+        rows are already after the final norm."""
         sequences = len(bounds) - 1
         if keep is None:
             keep = [bounds[b + 1] - bounds[b] for b in range(sequences)]
@@ -546,7 +616,7 @@ class FusedForward:
         else:
             rows = torch.cat([torch.arange(bounds[b + 1] - keep[b], bounds[b + 1]) for b in range(sequences)])
             x = x[:, rows]
-        logits = self._head(x)[0]                                                # (kept, vocab)
+        logits = (self.head(x[0]) if normed else self._head(x)[0])              # (kept, vocab)
         return list(logits.split(keep))
 
     def embedded(self, ids: torch.Tensor) -> torch.Tensor:

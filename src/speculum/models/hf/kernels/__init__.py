@@ -19,6 +19,8 @@ forward that calls them.
   (the ``q8`` target);
 * ``attention_rows.py`` + ``attention_rows.c`` - attention of every query row of a layer in one call, each row
   alone (the fused forward's attention where it builds);
+* ``row_ops.py`` + ``row_ops.c`` - the row-wise work between a block's products (norms, residual adds, rotary
+  rotation, the gate), one call each (:mod:`~speculum.models.hf.forward.glued`);
 * ``build.py`` - compiling the C kernels for this CPU; ``cache.py`` - where the built kernels are kept.
 
 Example:

@@ -48,6 +48,7 @@ from ...cpu import KERNEL_FLAGS, cpu_flags
 from .amx_tiles import TileProduct, tile_source, tiles_unavailable
 from .attention_rows import attention_source, attention_unavailable
 from .bf16_dot import DotProduct, dot_source, dot_unavailable
+from .row_ops import row_ops_source, row_ops_unavailable
 from .build import kernels_disabled, library_release
 from .gguf_groups import GROUPS, kernel_source, kernel_unavailable, multiply_by_groups
 from .int8_weights import Int8Linear
@@ -198,7 +199,7 @@ def build_product(layers: list, q8: bool = False) -> RowProduct:
 
 def product_paths() -> dict[str, Any]:
     """What decides this machine's product paths: ``kernels_off`` (why the compiled kernels are off, else
-    None), ``grouped``, ``q8``, ``tiles``, ``bf16_dot`` and ``attention`` (each kernel's release,
+    None), ``grouped``, ``q8``, ``tiles``, ``bf16_dot``, ``attention`` and ``row_ops`` (each kernel's release,
     :func:`~speculum.models.hf.kernels.build.library_release`, where it runs here, else None) and ``cpu_flags`` (those of :data:`~speculum.models.cpu.KERNEL_FLAGS` this
     CPU has: they pick PyTorch's kernels too). Two processes with equal reports and thread counts multiply
     every kind of product above on the same kernels, and attend on the same kernel."""
@@ -209,4 +210,5 @@ def product_paths() -> dict[str, Any]:
             "bf16_dot": (library_release(dot_source())
                          if tiles_unavailable() is not None and dot_unavailable() is None else None),
             "attention": library_release(attention_source()) if attention_unavailable() is None else None,
+            "row_ops": library_release(row_ops_source()) if row_ops_unavailable() is None else None,
             "cpu_flags": sorted(flag for flag in KERNEL_FLAGS if flag in cpu_flags())}

@@ -38,7 +38,7 @@ import torch
 
 from .build import kernels_disabled, load_library
 
-__all__ = ["RowOps", "forget", "row_ops_unavailable", "row_ops_source"]
+__all__ = ["RowOps", "bind", "forget", "row_ops_unavailable", "row_ops_source"]
 
 _SOURCE = Path(__file__).with_name("row_ops.c")
 _PARALLEL_ELEMENTS = 32768      # as row_ops.c: smaller calls run on one thread
@@ -79,10 +79,16 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     library, reason = load_library("rowops", _SOURCE, "row operations (PyTorch's element-wise operations instead)")
     if library is None:
         return None, reason
+    return bind(library), None
+
+
+def bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    """``library`` (a build of ``row_ops.c``: this process's, or one for another target being compared) with
+    its functions' argument types set; returns it."""
     for name, argtypes in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, None
-    return library, None
+    return library
 
 
 class RowOps:
@@ -92,15 +98,26 @@ class RowOps:
     The methods check only what is cheap (shapes, contiguity, float32 of the rows; weights are taken to be
     float32) and raise ValueError otherwise. ``rows`` may be any number, 0 included. Guarantee: ROW-CANONICAL."""
 
-    __slots__ = ("_norm", "_residual_norm", "_rotate", "_gated")
+    __slots__ = ("_norm", "_residual_norm", "_rotate", "_gated", "_exp")
 
-    def __init__(self) -> None:
-        library, reason = _loaded()
-        reason = kernels_disabled() or reason
-        if reason is not None:
-            raise RuntimeError(f"row operations are unavailable: {reason}")
+    def __init__(self, library: ctypes.CDLL | None = None) -> None:
+        """``library``: a build bound by :func:`bind` (default: this process's, when available)."""
+        if library is None:
+            library, reason = _loaded()
+            reason = kernels_disabled() or reason
+            if reason is not None:
+                raise RuntimeError(f"row operations are unavailable: {reason}")
         self._norm, self._residual_norm = library.rowops_norm, library.rowops_residual_norm
-        self._rotate, self._gated = library.rowops_rotate, library.rowops_gated
+        self._rotate, self._gated, self._exp = library.rowops_rotate, library.rowops_gated, library.rowops_exp
+
+    def exp(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = exp(x)`` element-wise by the kernel's polynomial (what its gates use), for contiguous float32
+        tensors of one size. Returns ``out``."""
+        if (x.numel() != out.numel() or x.dtype is not _F32 or out.dtype is not _F32
+                or not (x.is_contiguous() and out.is_contiguous())):
+            raise ValueError(_wrong("exp", x, out))
+        self._exp(x.data_ptr(), out.data_ptr(), x.numel())
+        return out
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
         """``out = (x * r) * weight``, ``r = 1 / sqrt(mean(x²) + eps)`` per row of ``x (rows, f)``;
