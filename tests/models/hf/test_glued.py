@@ -81,3 +81,24 @@ def test_greedy_output_is_the_same_on_both_paths(model):
         pytorch = generate(model, prompt, max_new_tokens=24, temperature=0, eos_token_id=None).tokens
     assert glued == pytorch
 
+
+
+class Unbound:
+    """Bound blocks that are never available: every forward runs the unbound calls."""
+
+    def get(self, rows: int) -> None:
+        return None
+
+
+@pytest.mark.parametrize("rows", [1, 4, 64, 65])
+def test_bound_blocks_give_the_unbound_calls_rows_bitwise(model, monkeypatch, rows):
+    tokens = torch.randint(3, model.vocab_size, (1, 80), generator=torch.Generator().manual_seed(rows))
+    results = []
+    for bound in (True, False):
+        if not bound:
+            monkeypatch.setattr(model.fused, "bound_blocks", Unbound())
+        cache = OwnCache()
+        first = model.fused(tokens[:, :10], cache)
+        again = [model.fused(tokens[:, 10 + i * rows:10 + (i + 1) * rows], cache) for i in range(2) if 10 + (i + 1) * rows <= 80]
+        results.append(torch.cat([first, *again], dim=1))
+    assert torch.equal(*results)

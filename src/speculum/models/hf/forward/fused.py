@@ -78,7 +78,7 @@ from ..kv.store import KVArena
 from ..precision import activations_quantised, cast_module
 from .attention import RowAttention, SlotRows, keys_needed
 from .families import ACTIVATIONS, FAMILIES, Family, activation_of, family_of, layer_windows, structure_reason
-from .glued import run_blocks
+from .glued import BoundShapes, run_blocks
 
 __all__ = ["FusedForward", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]
 
@@ -278,6 +278,7 @@ class FusedForward:
         self.attention_kernel = attention_unavailable() is None
         # The work between the products in compiled calls (forward/glued.py) where the row kernel builds too.
         self.row_ops = RowOps() if self.attention_kernel and row_ops_unavailable() is None else None
+        self.bound_blocks = BoundShapes(self)          # the glued blocks bound to buffers, by row count
         self.blocks = [self._block(block, self.family, self.q8) for block in layers]
         head = module.get_output_embeddings()
         if head not in _PACKED:
@@ -455,9 +456,9 @@ class FusedForward:
                       for kind, (cos, sin) in tables.items()}
         shape = (batch, n, self.kv_heads, self.head_dim)
 
-        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
             keys, values = cache.append(k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2), index)
-            return plans[self.windows[index]](q, keys, values, self.scale)
+            return plans[self.windows[index]](q, keys, values, self.scale, out)
 
         normed = run_blocks(self, x.view(batch * n, hidden), row_tables, attend).view(batch, n, hidden)
         if keep:
@@ -525,10 +526,11 @@ class FusedForward:
         if self.row_ops is not None:
             plans = {window: AttentionRows(position, slot, window) for window in set(self.windows)}
 
-            def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+                       ) -> torch.Tensor:
                 keys, values = arena.keys[index], arena.values[index]
                 keys[slot, :, position], values[slot, :, position] = k, v
-                return plans[self.windows[index]](q, keys, values, self.scale)
+                return plans[self.windows[index]](q, keys, values, self.scale, out)
 
             normed = run_blocks(self, x[0], {kind: (cos[0, 0], sin[0, 0]) for kind, (cos, sin) in tables.items()},
                                 attend)
@@ -587,13 +589,12 @@ class FusedForward:
         plans = {window: [AttentionRows(torch.arange(n) + past, torch.zeros(n, dtype=torch.long), window)
                           for past, n in zip(pasts, lengths)] for window in set(self.windows)}
 
-        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = q.new_empty(q.shape)
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
             for b, (cache, plan) in enumerate(zip(caches, plans[self.windows[index]])):
                 at = slice(bounds[b], bounds[b + 1])
                 keys, values = cache.append(k[at].unsqueeze(0).transpose(1, 2), v[at].unsqueeze(0).transpose(1, 2),
                                             index)
-                out[at] = plan(q[at], keys, values, self.scale)
+                plan(q[at], keys, values, self.scale, out[at])
             return out
 
         with contextlib.ExitStack() as held:

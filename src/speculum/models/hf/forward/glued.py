@@ -16,6 +16,11 @@ How, per block (``x`` is the residual stream, ``h`` its normalised rows):
   4. ``gate_up`` product; one call gates (SiLU or GELU-tanh times up); ``down`` product; one call adds it to
      ``x`` (after the post-MLP norm) and normalises with the next block's input norm, or the final norm.
 
+A forward of at most :data:`BOUND_ROWS` rows (decode steps, verification blocks, packed steps of a few
+sessions) runs on buffers kept for its row count, every product and row operation bound to them once
+(:class:`BoundBlocks`): a step then makes the same C calls without the checks, allocations and argument
+building around each, and gives bitwise the rows the unbound calls give (tested).
+
 Guarantee: the formulas of :class:`~speculum.models.hf.forward.fused.FusedForward`'s PyTorch path, to
 float32 rounding (sums in another fixed order, exp by a polynomial: tested against it); ROW-CANONICAL, as
 every call is row-wise or computes each row alone. A model takes this path or the PyTorch one at build,
@@ -23,6 +28,7 @@ for its whole life.
 """
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -30,16 +36,25 @@ import torch
 if TYPE_CHECKING:
     from .fused import FusedForward
 
-__all__ = ["run_blocks", "Attend"]
+__all__ = ["run_blocks", "Attend", "BoundBlocks", "BOUND_ROWS"]
 
-# attend(block index, q (T, heads, d), k (T, kv_heads, d), v (T, kv_heads, d)) -> (T, heads, d) contiguous
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attend(block index, q (T, heads, d), k (T, kv_heads, d), v (T, kv_heads, d), out (T, heads, d)): writes the
+# new keys and values where the forward keeps them, attends into out and returns it.
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+BOUND_ROWS = 64         # forwards of at most this many rows run on bound buffers
+_BOUND_SHAPES = 16      # row counts whose buffers a forward keeps (past them, the oldest is dropped)
 
 
 def run_blocks(forward: "FusedForward", x: torch.Tensor, tables: dict, attend: Attend) -> torch.Tensor:
     """Every block of ``forward`` over the embedded rows ``x (T, hidden)`` (updated in place: the residual
     stream), with ``tables`` ``{layer kind: (cos, sin)}`` each ``(T, head_dim)`` (rows contiguous, any row
-    stride) -> the rows after the final norm, ``(T, hidden)``, what the vocabulary head multiplies."""
+    stride) -> the rows after the final norm, ``(T, hidden)``, what the vocabulary head multiplies (a buffer
+    the next forward of as many rows reuses: read it before then)."""
+    bound = forward.bound_blocks.get(x.shape[0]) if x.shape[0] <= BOUND_ROWS else None
+    if bound is not None:
+        with bound.lock:
+            return bound(x, tables, attend)
     ops = forward.row_ops
     rows = x.shape[0]
     heads, kv_heads, dim = forward.heads, forward.kv_heads, forward.head_dim
@@ -55,7 +70,7 @@ def run_blocks(forward: "FusedForward", x: torch.Tensor, tables: dict, attend: A
         ops.rotate(qkv, heads, kv_heads, dim, cos, sin, block.qkv_bias,
                    None if head_norm is None else head_norm.weight, 0.0 if head_norm is None else head_norm.eps)
         attended = attend(index, qkv[:, :k_from].view(rows, heads, dim), qkv[:, k_from:v_from].view(rows, kv_heads, dim),
-                          qkv[:, v_from:].view(rows, kv_heads, dim))
+                          qkv[:, v_from:].view(rows, kv_heads, dim), qkv.new_empty(rows, heads, dim))
         post = block.attn_out_norm
         ops.residual_norm(x, block.out(attended.view(rows, k_from)).contiguous(), block.mlp_norm.weight,
                           block.mlp_norm.eps, normed, None if post is None else post.weight,
@@ -69,3 +84,88 @@ def run_blocks(forward: "FusedForward", x: torch.Tensor, tables: dict, attend: A
         ops.residual_norm(x, block.down(gated).contiguous(), following.weight, following.eps, normed,
                           None if post is None else post.weight, 0.0 if post is None else post.eps)
     return normed
+
+
+class BoundBlocks:
+    """:func:`run_blocks` for forwards of ``rows`` rows on buffers of its own: each product and row operation
+    bound to them once (``bind``), so a forward calls each with the thread count alone. ``lock`` is held
+    while a forward runs on the buffers; a forward that finds it held runs unbound."""
+
+    def __init__(self, forward: "FusedForward", rows: int) -> None:
+        ops, blocks = forward.row_ops, forward.blocks
+        heads, kv_heads, dim = forward.heads, forward.kv_heads, forward.head_dim
+        hidden, inner = forward.embed.shape[1], forward.intermediate
+        self.lock = threading.Lock()
+        self.x, self.normed = torch.empty(rows, hidden), torch.empty(rows, hidden)
+        self.tables = {kind: (torch.empty(rows, dim), torch.empty(rows, dim)) for kind in set(forward.rotary_kinds)}
+        self.qkv = torch.empty(rows, (heads + 2 * kv_heads) * dim)
+        k_from, v_from = heads * dim, (heads + kv_heads) * dim
+        self.q = self.qkv[:, :k_from].view(rows, heads, dim)
+        self.k = self.qkv[:, k_from:v_from].view(rows, kv_heads, dim)
+        self.v = self.qkv[:, v_from:].view(rows, kv_heads, dim)
+        self.attended = torch.empty(rows, heads, dim)
+        self.projected, self.mlp = torch.empty(rows, hidden), torch.empty(rows, hidden)
+        self.gate_up, self.gated = torch.empty(rows, 2 * inner), torch.empty(rows, inner)
+        first = blocks[0].attn_norm
+        self.first_norm = ops.norm(self.x, first.weight, first.eps, self.normed, bind=True)
+        self.layers = []
+        for index, block in enumerate(blocks):
+            cos, sin = self.tables[forward.rotary_kinds[index]]
+            head_norm, after_attention, after_mlp = block.qk_norm, block.attn_out_norm, block.mlp_out_norm
+            following = blocks[index + 1].attn_norm if index + 1 < len(blocks) else forward.norm
+            self.layers.append((
+                block.qkv.bind(self.normed, self.qkv),
+                ops.rotate(self.qkv, heads, kv_heads, dim, cos, sin, block.qkv_bias,
+                           None if head_norm is None else head_norm.weight,
+                           0.0 if head_norm is None else head_norm.eps, bind=True),
+                block.out.bind(self.attended.view(rows, k_from), self.projected),
+                ops.residual_norm(self.x, self.projected, block.mlp_norm.weight, block.mlp_norm.eps, self.normed,
+                                  None if after_attention is None else after_attention.weight,
+                                  0.0 if after_attention is None else after_attention.eps, bind=True),
+                block.gate_up.bind(self.normed, self.gate_up),
+                ops.gated(self.gate_up, forward.activation_name, self.gated, bind=True),
+                block.down.bind(self.gated, self.mlp),
+                ops.residual_norm(self.x, self.mlp, following.weight, following.eps, self.normed,
+                                  None if after_mlp is None else after_mlp.weight,
+                                  0.0 if after_mlp is None else after_mlp.eps, bind=True),
+            ))
+
+    def __call__(self, x: torch.Tensor, tables: dict, attend: Attend) -> torch.Tensor:
+        """:func:`run_blocks` of ``x`` on the bound buffers (the caller holds ``lock``)."""
+        self.x.copy_(x)
+        for kind, (cos, sin) in self.tables.items():
+            cos.copy_(tables[kind][0])
+            sin.copy_(tables[kind][1])
+        threads = torch.get_num_threads()
+        self.first_norm(threads)
+        q, k, v, attended = self.q, self.k, self.v, self.attended
+        for index, (qkv, rotate, out, attention_residual, gate_up, gated, down, mlp_residual) in enumerate(self.layers):
+            qkv(threads)
+            rotate(threads)
+            attend(index, q, k, v, attended)
+            out(threads)
+            attention_residual(threads)
+            gate_up(threads)
+            gated(threads)
+            down(threads)
+            mlp_residual(threads)
+        return self.normed
+
+
+class BoundShapes:
+    """A forward's :class:`BoundBlocks` by row count, made on first use (at most :data:`_BOUND_SHAPES` kept)."""
+
+    def __init__(self, forward: "FusedForward") -> None:
+        self.forward = forward
+        self.shapes: dict[int, BoundBlocks] = {}
+        self.lock = threading.Lock()
+
+    def get(self, rows: int) -> BoundBlocks | None:
+        """The bound blocks for ``rows`` rows, or None where they are in use by another thread."""
+        with self.lock:
+            bound = self.shapes.get(rows)
+            if bound is None:
+                if len(self.shapes) >= _BOUND_SHAPES:
+                    self.shapes.pop(next(iter(self.shapes)))
+                bound = self.shapes[rows] = BoundBlocks(self.forward, rows)
+        return None if bound.lock.locked() else bound

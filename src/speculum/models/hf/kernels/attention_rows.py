@@ -97,10 +97,11 @@ class AttentionRows:
             raise ValueError("attention rows need positions and slots >= 0")
         self._offsets: tuple[int, torch.Tensor] | None = None           # (slot stride, slots * it)
 
-    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         """``q (rows, heads, d)`` (any row stride; heads and their features contiguous) attending ``keys`` /
         ``values (slots, kv_heads, >= every row's position + 1, d)`` float32 (the rows' own keys written) ->
-        ``(rows, heads, d)``, row-major."""
+        ``(rows, heads, d)``, row-major: into ``out`` where given (contiguous float32 of that shape)."""
         rows, heads, dim = q.shape
         _, kv_heads, length, _ = keys.shape
         strides = keys.stride()
@@ -111,7 +112,11 @@ class AttentionRows:
             raise ValueError(f"attention of rows {tuple(q.shape)} on keys {tuple(keys.shape)} (strides {strides}) "
                              f"does not fit {self.rows} rows at positions below {self._end} in slots below "
                              f"{self._slot_end}, float32, heads and features contiguous")
-        out = q.new_empty(rows, heads, dim)
+        if out is None:
+            out = q.new_empty(rows, heads, dim)
+        elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"attention rows into {tuple(out.shape)} {out.dtype}: expected contiguous float32 "
+                             f"{tuple(q.shape)}")
         if not rows:
             return out
         if self._offsets is None or self._offsets[0] != strides[0]:

@@ -71,6 +71,18 @@ class GroupedProduct:
                            self.out_features, out.data_ptr(), torch.get_num_threads())
         return out
 
+    def bind(self, rows: torch.Tensor, out: torch.Tensor) -> Callable[[int], None]:
+        """This product from ``rows (m, in_features)`` into ``out (m, out_features)``, both contiguous float32,
+        checked once: the returned call (of the thread count) multiplies whatever ``rows`` holds then, as
+        :meth:`__call__` would."""
+        if (rows.dtype != torch.float32 or out.dtype != torch.float32 or not rows.is_contiguous()
+                or not out.is_contiguous() or rows.dim() != 2 or rows.shape[1] != self.in_features
+                or tuple(out.shape) != (rows.shape[0], self.out_features)):
+            raise ValueError(f"grouped product: cannot bind rows {tuple(rows.shape)} and out {tuple(out.shape)} to "
+                             f"{self.in_features} -> {self.out_features}")
+        return functools.partial(self._function, rows.data_ptr(), rows.shape[0], self.in_features,
+                                 self.records.data_ptr(), self.out_features, out.data_ptr())
+
     def first_outputs(self, count: int) -> "GroupedProduct":
         """The product of the first ``count`` outputs (a multiple of 16) alone, on the same kernel: a lane
         block's outputs are summed in the same order whatever the others, so its rows behave as the whole

@@ -74,6 +74,16 @@ class RowProduct:
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         return self.run(rows)
 
+    def bind(self, rows: torch.Tensor, out: torch.Tensor) -> Callable[[int], None]:
+        """This product from ``rows`` into ``out`` as a call of the thread count, checked once: the kernel's own
+        bound call where it has one (no checks or allocation a call), else a call that copies the product's
+        result into ``out``."""
+        bind = getattr(self.run, "bind", None)
+        if bind is not None:
+            return bind(rows, out)
+        run = self.run
+        return lambda threads: out.copy_(run(rows))
+
 
 def is_float_linear(layer: Any) -> bool:
     """A plain float ``nn.Linear`` (its bias, if any, is the caller's to add: products multiply only)."""

@@ -32,6 +32,7 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -136,6 +137,25 @@ class Q8Product:
                                             self.out_features, out.data_ptr(), torch.get_num_threads()):
             raise MemoryError(f"8-bit product: no memory for {rows.shape[0]} quantised rows")
         return out
+
+
+    def bind(self, rows: torch.Tensor, out: torch.Tensor) -> Callable[[int], None]:
+        """This product from ``rows (m, in_features)`` into ``out (m, out_features)``, both contiguous float32,
+        checked once: the returned call (of the thread count) multiplies whatever ``rows`` holds then, as
+        :meth:`__call__` would."""
+        if (rows.dtype != torch.float32 or out.dtype != torch.float32 or not rows.is_contiguous()
+                or not out.is_contiguous() or rows.dim() != 2 or rows.shape[1] != self.in_features
+                or tuple(out.shape) != (rows.shape[0], self.out_features)):
+            raise ValueError(f"8-bit product: cannot bind rows {tuple(rows.shape)} and out {tuple(out.shape)} to "
+                             f"{self.in_features} -> {self.out_features}")
+        arguments = (rows.data_ptr(), rows.shape[0], self.in_features, self.records.data_ptr(), self.out_features,
+                     out.data_ptr())
+        function = self._function
+
+        def run(threads: int) -> None:
+            if function(*arguments, threads):
+                raise MemoryError(f"8-bit product: no memory for {arguments[1]} quantised rows")
+        return run
 
 
 class Q8Products:

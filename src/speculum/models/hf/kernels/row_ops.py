@@ -33,12 +33,13 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from .build import kernels_disabled, load_library
 
-__all__ = ["RowOps", "bind", "forget", "row_ops_unavailable", "row_ops_source"]
+__all__ = ["RowOps", "Bound", "bind", "forget", "row_ops_unavailable", "row_ops_source"]
 
 _SOURCE = Path(__file__).with_name("row_ops.c")
 _PARALLEL_ELEMENTS = 32768      # as row_ops.c: smaller calls run on one thread
@@ -119,25 +120,24 @@ class RowOps:
         self._exp(x.data_ptr(), out.data_ptr(), x.numel())
         return out
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, bind: bool = False) -> Any:
         """``out = (x * r) * weight``, ``r = 1 / sqrt(mean(x²) + eps)`` per row of ``x (rows, f)``;
-        ``weight (f,)``, ``out (rows, f)``. Returns ``out``."""
+        ``weight (f,)``, ``out (rows, f)``. Returns ``out`` (``bind``: a :class:`Bound` call instead)."""
         shape = x.shape
         rows, features = shape
         if (out.shape != shape or weight.numel() != features or x.dtype is not _F32 or out.dtype is not _F32
                 or not (x.is_contiguous() and out.is_contiguous() and weight.is_contiguous())):
             raise ValueError(_wrong("norm", x, weight, out))
-        elements = rows * features
-        self._norm(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), rows, features,
-                   torch.get_num_threads() if elements > _PARALLEL_ELEMENTS else 1)
-        return out
+        return self._call(bind, self._norm, (x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), rows, features),
+                          rows * features, out)
 
     def residual_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                      out: torch.Tensor, post_weight: torch.Tensor | None = None, post_eps: float = 0.0
-                      ) -> torch.Tensor:
+                      out: torch.Tensor, post_weight: torch.Tensor | None = None, post_eps: float = 0.0,
+                      bind: bool = False) -> Any:
         """In place ``x += delta`` (``x += norm(delta, post_weight, post_eps)`` where ``post_weight`` is given:
         Gemma 3's norms after attention and after the MLP), then ``out = norm(x, weight, eps)``. ``x``,
-        ``delta``, ``out`` ``(rows, f)``; ``weight`` and ``post_weight`` ``(f,)``. Returns ``out``."""
+        ``delta``, ``out`` ``(rows, f)``; ``weight`` and ``post_weight`` ``(f,)``. Returns ``out`` (``bind``: a
+        :class:`Bound` call instead)."""
         shape = x.shape
         rows, features = shape
         if (delta.shape != shape or out.shape != shape or weight.numel() != features or x.dtype is not _F32
@@ -145,20 +145,20 @@ class RowOps:
                 or not (x.is_contiguous() and delta.is_contiguous() and out.is_contiguous() and weight.is_contiguous())
                 or (post_weight is not None and (post_weight.numel() != features or not post_weight.is_contiguous()))):
             raise ValueError(_wrong("residual_norm", x, delta, weight, out, post_weight))
-        elements = rows * features
-        self._residual_norm(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
-                            None if post_weight is None else post_weight.data_ptr(), post_eps, rows, features,
-                            torch.get_num_threads() if elements > _PARALLEL_ELEMENTS else 1)
-        return out
+        return self._call(bind, self._residual_norm,
+                          (x.data_ptr(), delta.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
+                           None if post_weight is None else post_weight.data_ptr(), post_eps, rows, features),
+                          rows * features, out)
 
     def rotate(self, qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
                sin: torch.Tensor, bias: torch.Tensor | None = None, head_weight: torch.Tensor | None = None,
-               head_eps: float = 0.0) -> None:
+               head_eps: float = 0.0, bind: bool = False) -> Any:
         """In place on ``qkv (rows, features)``: ``bias (features,)`` added to every feature where given;
         then each query and key head (the first ``heads + kv_heads`` heads of ``head_dim``) normalised by
         its row of ``head_weight (heads + kv_heads, head_dim)`` where given, and rotated: ``h * cos[r] +
         rotate_half(h) * sin[r]``. ``cos`` and ``sin`` are ``(rows, head_dim)`` of any row stride (0
-        broadcasts one row), each row contiguous; value heads keep their values (bias aside)."""
+        broadcasts one row), each row contiguous; value heads keep their values (bias aside). Returns None
+        (``bind``: a :class:`Bound` call)."""
         rows, features = qkv.shape
         rotated = heads + kv_heads
         (cos_row, cos_step), (sin_row, sin_step) = cos.stride(), sin.stride()     # one call each: stride(i) costs more
@@ -170,24 +170,46 @@ class RowOps:
                                                  or not head_weight.is_contiguous()))):
             raise ValueError(_wrong(f"rotate ({heads} + {kv_heads} heads of {head_dim})", qkv, cos, sin, bias,
                                     head_weight))
-        elements = rows * features
-        self._rotate(qkv.data_ptr(), rows, features, rotated, head_dim, cos.data_ptr(), cos_row,
-                     sin.data_ptr(), sin_row, None if bias is None else bias.data_ptr(),
-                     None if head_weight is None else head_weight.data_ptr(), head_eps,
-                     torch.get_num_threads() if elements > _PARALLEL_ELEMENTS else 1)
+        return self._call(bind, self._rotate,
+                          (qkv.data_ptr(), rows, features, rotated, head_dim, cos.data_ptr(), cos_row, sin.data_ptr(),
+                           sin_row, None if bias is None else bias.data_ptr(),
+                           None if head_weight is None else head_weight.data_ptr(), head_eps), rows * features, None)
 
-    def gated(self, gate_up: torch.Tensor, activation: str, out: torch.Tensor) -> torch.Tensor:
+    def gated(self, gate_up: torch.Tensor, activation: str, out: torch.Tensor, bind: bool = False) -> Any:
         """``out (rows, I) = act(gate) * up`` of ``gate_up (rows, 2 I)``: gate its first ``I`` columns, up its
-        last; ``activation`` ``"silu"`` or ``"gelu_pytorch_tanh"``. Returns ``out``."""
+        last; ``activation`` ``"silu"`` or ``"gelu_pytorch_tanh"``. Returns ``out`` (``bind``: a :class:`Bound`
+        call instead)."""
         rows, width = gate_up.shape
         inner = width >> 1
         code = _ACTIVATIONS.get(activation)
         if (code is None or width & 1 or out.shape != (rows, inner) or out.dtype is not _F32
                 or gate_up.dtype is not _F32 or not (gate_up.is_contiguous() and out.is_contiguous())):
             raise ValueError(_wrong(f"gated ({activation!r})", gate_up, out))
-        self._gated(gate_up.data_ptr(), out.data_ptr(), rows, inner, code,
-                    torch.get_num_threads() if rows * width > _PARALLEL_ELEMENTS else 1)
-        return out
+        return self._call(bind, self._gated, (gate_up.data_ptr(), out.data_ptr(), rows, inner, code), rows * width, out)
+
+    @staticmethod
+    def _call(bind: bool, function: Callable, arguments: tuple, elements: int, result: Any) -> Any:
+        """``function(*arguments, threads)`` now, returning ``result``; or, with ``bind``, that call as a
+        :class:`Bound` (the tensors must then stay alive and in place while it is called)."""
+        threaded = elements > _PARALLEL_ELEMENTS
+        if bind:
+            return Bound(function, arguments, threaded)
+        function(*arguments, torch.get_num_threads() if threaded else 1)
+        return result
+
+
+class Bound:
+    """One row operation on fixed tensors, checked once: ``bound(threads)`` runs it again on whatever those
+    tensors hold (what a forward of a fixed shape repeats every step, without the checks and argument
+    conversions of a call)."""
+
+    __slots__ = ("function", "arguments", "threaded")
+
+    def __init__(self, function: Callable, arguments: tuple, threaded: bool) -> None:
+        self.function, self.arguments, self.threaded = function, arguments, threaded
+
+    def __call__(self, threads: int) -> None:
+        self.function(*self.arguments, threads if self.threaded else 1)
 
 
 def _wrong(operation: str, *tensors: torch.Tensor | None) -> str:
