@@ -158,3 +158,39 @@ def test_forget_looks_for_the_kernel_again(monkeypatch):
     monkeypatch.delenv("SPECULUM_KERNELS")
     attention_rows.forget()
     assert attention_unavailable() == before
+
+
+@needs_kernel
+def test_new_keys_given_to_a_call_are_written_first_and_attended_as_if_written_before():
+    generator = torch.Generator().manual_seed(4)
+    keys, values = store(2, 2, 64, 32, generator)
+    positions, slots = torch.tensor([5, 6, 7, 3]), torch.tensor([0, 0, 0, 1])   # rows 0..2 read each other's keys
+    new = torch.randn(4, 4, 32, generator=generator)                              # (rows, k heads + v heads, d)
+    written = [keys.clone(), values.clone()]
+    for r in range(4):
+        written[0][slots[r], :, positions[r]] = new[r, :2]
+        written[1][slots[r], :, positions[r]] = new[r, 2:]
+    q = torch.randn(4, 4, 32, generator=generator)
+    plan = AttentionRows(positions, slots)
+    before = plan(q, *written, 0.2)
+    given = plan(q, keys, values, 0.2, None, new[:, :2], new[:, 2:])
+    assert torch.equal(before, given) and torch.equal(keys, written[0]) and torch.equal(values, written[1])
+    with pytest.raises(ValueError, match="new keys"):
+        plan(q, keys, values, 0.2, None, new[:, :2], new[:3, 2:])
+
+
+def test_an_own_cache_gives_room_for_keys_once_it_holds_buffers_with_room():
+    from speculum.models.hf.kv.cache import OwnCache
+
+    cache = OwnCache()
+    assert cache.room_for(1, 0) is None                        # nothing held yet
+    first, one = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 1, 8)
+    cache.append(first, first + 1, 0)
+    cache.append(one, one + 1, 0)                               # buffers with room for exactly 4
+    assert cache.room_for(1, 0) is None                        # full: the next append grows them
+    cache.append(one, one + 1, 0)                               # room for 8
+    room = cache.room_for(2, 0)
+    assert room is not None and room[0].shape == (1, 2, 7, 8) and cache.length == 7
+    assert torch.equal(room[0][:, :, :3], first) and torch.equal(room[1][:, :, 3:5], torch.cat([one, one], 2) + 1)
+    cache.trim(2)
+    assert cache.room_for(1, 0) is None and cache.length == 5   # a trim drops the buffers with room

@@ -456,7 +456,12 @@ class FusedForward:
                       for kind, (cos, sin) in tables.items()}
         shape = (batch, n, self.kv_heads, self.head_dim)
 
+        room_for = getattr(cache, "room_for", None) if batch == 1 else None
+
         def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            room = room_for(n, index) if room_for is not None else None
+            if room is not None:            # the kernel writes the new keys and values into the cache's room
+                return plans[self.windows[index]](q, *room, self.scale, out, k, v)
             keys, values = cache.append(k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2), index)
             return plans[self.windows[index]](q, keys, values, self.scale, out)
 
@@ -528,9 +533,8 @@ class FusedForward:
 
             def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
                        ) -> torch.Tensor:
-                keys, values = arena.keys[index], arena.values[index]
-                keys[slot, :, position], values[slot, :, position] = k, v
-                return plans[self.windows[index]](q, keys, values, self.scale, out)
+                # The kernel writes the new keys and values at their slots and positions, then attends.
+                return plans[self.windows[index]](q, arena.keys[index], arena.values[index], self.scale, out, k, v)
 
             normed = run_blocks(self, x[0], {kind: (cos[0, 0], sin[0, 0]) for kind, (cos, sin) in tables.items()},
                                 attend)

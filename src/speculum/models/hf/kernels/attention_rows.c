@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define LANES 16
 
@@ -152,11 +153,22 @@ static void attend_any(const float *q, const float *k, const float *v, int64_t c
 
 int attention_rows_lanes(void) { return LANES; }
 
-/* Returns 0, or -1 where a thread's score buffer could not be allocated (nothing is then trusted). */
+/* Where new_keys is not NULL, row r's own key and value (new_keys / new_values + r * new_row_stride, its kv heads
+ * dim floats apart) are first written at its position, every row's before any row attends (a row reads the keys
+ * of the rows before it in the call). Returns 0, or -1 where a thread's score buffer could not be allocated
+ * (nothing is then trusted). */
 int attention_rows(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const float *q, int64_t q_row_stride,
-                    const float *keys, const float *values, int64_t head_stride, const int64_t *offsets,
-                    const int64_t *first, const int64_t *last, float scale, float *out, int threads) {
+                   float *keys, float *values, int64_t head_stride, const int64_t *offsets, const int64_t *first,
+                   const int64_t *last, float scale, float *out, const float *new_keys, const float *new_values,
+                   int64_t new_row_stride, int threads) {
     const int64_t group = heads / kv_heads, items = rows * heads;
+    if (new_keys != NULL)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t g = 0; g < kv_heads; g++) {
+                const int64_t at = offsets[r] + g * head_stride + last[r] * dim, from = r * new_row_stride + g * dim;
+                memcpy(keys + at, new_keys + from, sizeof(float) * (size_t)dim);
+                memcpy(values + at, new_values + from, sizeof(float) * (size_t)dim);
+            }
     int64_t longest = 0, work = 0;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t count = last[r] - first[r] + 1;

@@ -64,7 +64,8 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
         return None, "the kernel's lane count differs from its wrapper's"
     pointer, count = ctypes.c_void_p, ctypes.c_int64
     library.attention_rows.argtypes = [count, count, count, count, pointer, count, pointer, pointer, count,
-                                       pointer, pointer, pointer, ctypes.c_float, pointer, ctypes.c_int]
+                                       pointer, pointer, pointer, ctypes.c_float, pointer, pointer, pointer, count,
+                                       ctypes.c_int]
     library.attention_rows.restype = ctypes.c_int
     return library, None
 
@@ -98,10 +99,13 @@ class AttentionRows:
         self._offsets: tuple[int, torch.Tensor] | None = None           # (slot stride, slots * it)
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, new_keys: torch.Tensor | None = None,
+                 new_values: torch.Tensor | None = None) -> torch.Tensor:
         """``q (rows, heads, d)`` (any row stride; heads and their features contiguous) attending ``keys`` /
-        ``values (slots, kv_heads, >= every row's position + 1, d)`` float32 (the rows' own keys written) ->
-        ``(rows, heads, d)``, row-major: into ``out`` where given (contiguous float32 of that shape)."""
+        ``values (slots, kv_heads, >= every row's position + 1, d)`` float32 -> ``(rows, heads, d)``,
+        row-major: into ``out`` where given (contiguous float32 of that shape). The rows' own keys and values
+        are written already, or given as ``new_keys`` / ``new_values (rows, kv_heads, d)`` (one row stride,
+        heads and features contiguous), which the call writes at each row's slot and position first."""
         rows, heads, dim = q.shape
         _, kv_heads, length, _ = keys.shape
         strides = keys.stride()
@@ -112,6 +116,14 @@ class AttentionRows:
             raise ValueError(f"attention of rows {tuple(q.shape)} on keys {tuple(keys.shape)} (strides {strides}) "
                              f"does not fit {self.rows} rows at positions below {self._end} in slots below "
                              f"{self._slot_end}, float32, heads and features contiguous")
+        new_stride = 0
+        if new_keys is not None:
+            if (new_values is None or new_keys.shape != (rows, kv_heads, dim) or new_values.shape != new_keys.shape
+                    or new_keys.stride() != new_values.stride() or new_keys.stride()[1:] != (dim, 1)
+                    or new_keys.dtype != torch.float32 or new_values.dtype != torch.float32):
+                raise ValueError(f"new keys {tuple(new_keys.shape)} and values do not fit {rows} rows of "
+                                 f"{kv_heads} key heads of {dim}, float32, heads and features contiguous")
+            new_stride = new_keys.stride(0)
         if out is None:
             out = q.new_empty(rows, heads, dim)
         elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
@@ -123,7 +135,10 @@ class AttentionRows:
             self._offsets = (strides[0], self.slots * strides[0])
         status = self._function(rows, heads, kv_heads, dim, q.data_ptr(), q.stride(0), keys.data_ptr(),
                                 values.data_ptr(), strides[1], self._offsets[1].data_ptr(), self.first.data_ptr(),
-                                self.last.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+                                self.last.data_ptr(), scale, out.data_ptr(),
+                                None if new_keys is None else new_keys.data_ptr(),
+                                None if new_values is None else new_values.data_ptr(), new_stride,
+                                torch.get_num_threads())
         if status:
             raise MemoryError("the attention kernel could not allocate its score buffers")
         return out

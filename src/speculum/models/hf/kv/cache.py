@@ -159,6 +159,22 @@ class OwnCache:
         held.keys, held.values = room[0][:, :, :end], room[1][:, :, :end]
         return room[0][:, :, :reach], room[1][:, :, :reach]
 
+    def room_for(self, n: int, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Room for ``n`` more keys and values on ``layer``, counted as held: the layer's keys and values
+        ``(batch, kv_heads, length + n, head_dim)`` whose last ``n`` positions the caller writes before anything
+        reads them (what an attention kernel that writes its rows' keys does). None where the layer holds no
+        buffers with room yet (its first append): call :meth:`append` then."""
+        layers = getattr(self.dynamic, "layers", None)
+        held = layers[layer] if isinstance(layers, list) and layer < len(layers) else None
+        if type(held).__name__ != "DynamicLayer" or not getattr(held, "is_initialized", False):
+            return None
+        room = self._room.get(layer)
+        end = held.keys.shape[2] + n
+        if room is None or room[0].shape[2] < end or room[0].data_ptr() != held.keys.data_ptr():
+            return None
+        held.keys, held.values = room[0][:, :, :end], room[1][:, :, :end]
+        return held.keys, held.values
+
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         held = self.dynamic.layers[layer]
         if held.keys is None:
