@@ -596,6 +596,11 @@ class FusedForward:
         def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
             for b, (cache, plan) in enumerate(zip(caches, plans[self.windows[index]])):
                 at = slice(bounds[b], bounds[b + 1])
+                room_for = getattr(cache, "room_for", None)
+                room = room_for(lengths[b], index) if room_for is not None else None
+                if room is not None:        # the kernel writes the new keys and values into the cache's room
+                    plan(q[at], *room, self.scale, out[at], k[at], v[at])
+                    continue
                 keys, values = cache.append(k[at].unsqueeze(0).transpose(1, 2), v[at].unsqueeze(0).transpose(1, 2),
                                             index)
                 plan(q[at], keys, values, self.scale, out[at])
