@@ -39,11 +39,11 @@ class PyTorchPath:
         self.fused = model.fused
 
     def __enter__(self) -> None:
-        self.saved = self.fused.row_ops, self.fused.attention_kernel
-        self.fused.row_ops, self.fused.attention_kernel = None, False
+        self.saved = self.fused.row_ops
+        self.fused.row_ops = None
 
     def __exit__(self, *exc) -> None:
-        self.fused.row_ops, self.fused.attention_kernel = self.saved
+        self.fused.row_ops = self.saved
 
 
 def close(ours: torch.Tensor, theirs: torch.Tensor) -> None:

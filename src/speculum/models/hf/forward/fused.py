@@ -69,7 +69,7 @@ import torch.nn.functional as F
 
 from ...memory.allocator import trim_heap
 from ...memory.pages import drop_mapped_pages
-from ..kernels.attention_rows import AttentionRows, attention_unavailable
+from ..kernels.attention_rows import attention_unavailable
 from ..kernels.onednn import onednn_available
 from ..kernels.row_ops import RowOps, row_ops_unavailable
 from ..kernels.products import RowProduct, build_product, is_float_linear, is_int8_linear, is_weight_int8
@@ -78,7 +78,8 @@ from ..kv.store import KVArena
 from ..precision import activations_quantised, cast_module
 from .attention import RowAttention, SlotRows, keys_needed
 from .families import ACTIVATIONS, FAMILIES, Family, activation_of, family_of, layer_windows, structure_reason
-from .glued import BoundShapes, run_blocks
+from . import glued
+from .glued import BoundShapes
 
 __all__ = ["FusedForward", "unsupported_reason", "release_block_weights", "rms_norm", "RELEASED"]
 
@@ -273,11 +274,11 @@ class FusedForward:
         self.rotary_kinds = list(config.layer_types[:count]) if kinds else [None] * count
         self._rotary_static = not {"dynamic", "longrope"} & _rope_types(config)
         self._rotary_rows: tuple[int, dict] | None = None        # (positions held, tables), see rotary_tables
-        # Attention on the compiled kernel (every row of a layer in one call) or on PyTorch's, for life: the two
-        # round differently, and a row must come out the same in every forward.
-        self.attention_kernel = attention_unavailable() is None
-        # The work between the products in compiled calls (forward/glued.py) where the row kernel builds too.
-        self.row_ops = RowOps() if self.attention_kernel and row_ops_unavailable() is None else None
+        # Attention and the work between the products in compiled calls (forward/glued.py) where both kernels
+        # build, else on PyTorch's operations, for life: the two round differently, and a row must come out the
+        # same in every forward.
+        compiled = attention_unavailable() is None and row_ops_unavailable() is None
+        self.row_ops = RowOps() if compiled else None
         self.bound_blocks = BoundShapes(self)          # the glued blocks bound to buffers, by row count
         self.blocks = [self._block(block, self.family, self.q8) for block in layers]
         head = module.get_output_embeddings()
@@ -422,53 +423,16 @@ class FusedForward:
         positions = (torch.arange(n) + past).unsqueeze(0)                           # (1, n)
         tables = self.rotary_tables(x, positions, run=True)
         if self.row_ops is not None:
-            return self._call_glued(x, tables, cache, positions, keep)
-        if self.attention_kernel:           # row (b, t) reads sequence b's keys
-            slots = torch.arange(batch).repeat_interleave(n)
-            attentions = {window: AttentionRows(positions[0].repeat(batch), slots, window)
-                          for window in set(self.windows)}
-        else:
-            attentions = {window: RowAttention(past, n, window) for window in set(self.windows)}
+            return glued.call(self, x, tables, cache, positions, keep)
+        attentions = {window: RowAttention(past, n, window) for window in set(self.windows)}
         for index, block in enumerate(self.blocks):
             attention = attentions[self.windows[index]]
             q, k, v = self._qkv(block, x, *tables[self.rotary_kinds[index]])
-            if self.attention_kernel:
-                k, v = cache.append(k, v, index)                                    # (batch, kv, >= past+n, d)
-                rows = attention(q.transpose(1, 2).reshape(batch * n, self.heads, self.head_dim), k, v, self.scale)
-                attended = rows.view(batch, n, self.heads, self.head_dim).transpose(1, 2)
-            else:
-                k, v = cache.append(k, v, index, attention.keys)                    # (batch, kv, >= past+n, d)
-                attended = attention(q, k, v, self.scale)
-            x = self._after_attention(block, x, attended)
+            k, v = cache.append(k, v, index, attention.keys)                        # (batch, kv, >= past+n, d)
+            x = self._after_attention(block, x, attention(q, k, v, self.scale))
         if keep:
             x = x[:, -keep:]
         return self._head(x)
-
-    def _call_glued(self, x: torch.Tensor, tables: dict, cache: KVCache, positions: torch.Tensor, keep: int
-                    ) -> torch.Tensor:
-        """:meth:`_call` with the blocks' glue compiled (:func:`~speculum.models.hf.forward.glued.run_blocks`):
-        row ``(b, t)`` of the batch attends sequence ``b``'s keys."""
-        batch, n, hidden = x.shape
-        plans = {window: AttentionRows(positions[0].repeat(batch), torch.arange(batch).repeat_interleave(n), window)
-                 for window in set(self.windows)}
-        row_tables = {kind: (cos[0, 0], sin[0, 0]) if batch == 1 else (cos[0, 0].repeat(batch, 1),
-                                                                       sin[0, 0].repeat(batch, 1))
-                      for kind, (cos, sin) in tables.items()}
-        shape = (batch, n, self.kv_heads, self.head_dim)
-
-        room_for = getattr(cache, "room_for", None) if batch == 1 else None
-
-        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-            room = room_for(n, index) if room_for is not None else None
-            if room is not None:            # the kernel writes the new keys and values into the cache's room
-                return plans[self.windows[index]](q, *room, self.scale, out, k, v)
-            keys, values = cache.append(k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2), index)
-            return plans[self.windows[index]](q, keys, values, self.scale, out)
-
-        normed = run_blocks(self, x.view(batch * n, hidden), row_tables, attend).view(batch, n, hidden)
-        if keep:
-            normed = normed[:, -keep:]
-        return self.head(normed.reshape(-1, hidden)).view(batch, normed.shape[1], -1)
 
     @torch.inference_mode()
     def forward_packed(self, token_lists: list[list[int]], caches: list[KVCache], keep: list[int] | None = None
@@ -493,13 +457,9 @@ class FusedForward:
             with store.lock:
                 return self._forward_store(x, tables, position, pasts, bounds, caches, store, keep)
         if self.row_ops is not None:
-            return self._packed_glued(x, tables, pasts, bounds, caches, keep)
-        if self.attention_kernel:
-            attentions = {window: [AttentionRows(torch.arange(n) + past, torch.zeros(n, dtype=torch.long), window)
-                                   for past, n in zip(pasts, lengths)] for window in set(self.windows)}
-        else:
-            attentions = {window: [RowAttention(past, n, window) for past, n in zip(pasts, lengths)]
-                          for window in set(self.windows)}
+            return glued.packed(self, x, tables, pasts, bounds, caches, keep)
+        attentions = {window: [RowAttention(past, n, window) for past, n in zip(pasts, lengths)]
+                      for window in set(self.windows)}
         with contextlib.ExitStack() as held:
             for cache in caches:
                 held.enter_context(cache.exclusive())
@@ -508,14 +468,10 @@ class FusedForward:
                 attn = q.new_empty(1, q.shape[2], self.heads, self.head_dim)          # (1, T, heads, d)
                 for b, (cache, attention) in enumerate(zip(caches, attentions[self.windows[index]])):
                     at = slice(bounds[b], bounds[b + 1])
-                    if self.attention_kernel:
-                        keys, values = cache.append(k[:, :, at], v[:, :, at], index)
-                        attn[0, at] = attention(q[0, :, at].transpose(0, 1), keys, values, self.scale)
-                    else:
-                        keys, values = cache.append(k[:, :, at], v[:, :, at], index, attention.keys)
-                        attn[:, at] = attention(q[:, :, at], keys, values, self.scale).transpose(1, 2)
+                    keys, values = cache.append(k[:, :, at], v[:, :, at], index, attention.keys)
+                    attn[:, at] = attention(q[:, :, at], keys, values, self.scale).transpose(1, 2)
                 x = self._after_attention(block, x, attn.transpose(1, 2))
-        return self._kept_logits(x, bounds, keep)
+        return self.kept_logits(x, bounds, keep)
 
     def _forward_store(self, x: torch.Tensor, tables: dict, position: torch.Tensor,
                        pasts: list[int], bounds: list[int], caches: list[SlotCache], arena: KVArena,
@@ -529,20 +485,7 @@ class FusedForward:
         arena.reserve(max(keys_needed(past + n) for past, n in zip(pasts, lengths)))
         slot = torch.tensor([cache.slot for cache, n in zip(caches, lengths) for _ in range(n)])   # (T,)
         if self.row_ops is not None:
-            plans = {window: AttentionRows(position, slot, window) for window in set(self.windows)}
-
-            def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
-                       ) -> torch.Tensor:
-                # The kernel writes the new keys and values at their slots and positions, then attends.
-                return plans[self.windows[index]](q, arena.keys[index], arena.values[index], self.scale, out, k, v)
-
-            normed = run_blocks(self, x[0], {kind: (cos[0, 0], sin[0, 0]) for kind, (cos, sin) in tables.items()},
-                                attend)
-            for cache, past, n in zip(caches, pasts, lengths):
-                cache.filled_to(past + n)
-            return self._kept_logits(normed.unsqueeze(0), bounds, keep, normed=True)
-        if self.attention_kernel:
-            return self._forward_store_kernel(x, tables, position, slot, pasts, lengths, bounds, caches, arena, keep)
+            return glued.packed_on_store(self, x, tables, position, slot, pasts, lengths, bounds, caches, arena, keep)
         singles = [b for b, n in enumerate(lengths) if n == 1]
         single_rows = torch.tensor([bounds[b] for b in singles], dtype=torch.long)  # their rows in the packing
         windows = set(self.windows)
@@ -566,54 +509,9 @@ class FusedForward:
             x = self._after_attention(block, x, attn.transpose(1, 2))
         for cache, past, n in zip(caches, pasts, lengths):
             cache.filled_to(past + n)
-        return self._kept_logits(x, bounds, keep)
+        return self.kept_logits(x, bounds, keep)
 
-    def _forward_store_kernel(self, x: torch.Tensor, tables: dict, position: torch.Tensor, slot: torch.Tensor,
-                              pasts: list[int], lengths: list[int], bounds: list[int], caches: list[SlotCache],
-                              arena: KVArena, keep: list[int] | None) -> list[torch.Tensor]:
-        """:meth:`_forward_store` with attention on the compiled kernel: every row of every sequence attends in
-        one call a layer (:class:`~speculum.models.hf.kernels.attention_rows.AttentionRows`)."""
-        attentions = {window: AttentionRows(position, slot, window) for window in set(self.windows)}
-        for index, block in enumerate(self.blocks):
-            q, k, v = self._qkv(block, x, *tables[self.rotary_kinds[index]])    # (1, heads, T, d)
-            keys, values = arena.keys[index], arena.values[index]
-            keys[slot, :, position] = k[0].transpose(0, 1)                       # (T, kv_heads, d)
-            values[slot, :, position] = v[0].transpose(0, 1)
-            rows = attentions[self.windows[index]](q[0].transpose(0, 1), keys, values, self.scale)   # (T, heads, d)
-            x = self._after_attention(block, x, rows.unsqueeze(0).transpose(1, 2))
-        for cache, past, n in zip(caches, pasts, lengths):
-            cache.filled_to(past + n)
-        return self._kept_logits(x, bounds, keep)
-
-    def _packed_glued(self, x: torch.Tensor, tables: dict, pasts: list[int], bounds: list[int], caches: list[KVCache],
-                      keep: list[int] | None) -> list[torch.Tensor]:
-        """:meth:`forward_packed` on caches of their own with the blocks' glue compiled: each sequence's rows
-        attend its own cache, one kernel call a sequence and layer."""
-        lengths = [end - start for start, end in zip(bounds, bounds[1:])]
-        plans = {window: [AttentionRows(torch.arange(n) + past, torch.zeros(n, dtype=torch.long), window)
-                          for past, n in zip(pasts, lengths)] for window in set(self.windows)}
-
-        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-            for b, (cache, plan) in enumerate(zip(caches, plans[self.windows[index]])):
-                at = slice(bounds[b], bounds[b + 1])
-                room_for = getattr(cache, "room_for", None)
-                room = room_for(lengths[b], index) if room_for is not None else None
-                if room is not None:        # the kernel writes the new keys and values into the cache's room
-                    plan(q[at], *room, self.scale, out[at], k[at], v[at])
-                    continue
-                keys, values = cache.append(k[at].unsqueeze(0).transpose(1, 2), v[at].unsqueeze(0).transpose(1, 2),
-                                            index)
-                plan(q[at], keys, values, self.scale, out[at])
-            return out
-
-        with contextlib.ExitStack() as held:
-            for cache in caches:
-                held.enter_context(cache.exclusive())
-            normed = run_blocks(self, x[0], {kind: (cos[0, 0], sin[0, 0]) for kind, (cos, sin) in tables.items()},
-                                attend)
-        return self._kept_logits(normed.unsqueeze(0), bounds, keep, normed=True)
-
-    def _kept_logits(self, x: torch.Tensor, bounds: list[int], keep: list[int] | None, normed: bool = False
+    def kept_logits(self, x: torch.Tensor, bounds: list[int], keep: list[int] | None, normed: bool = False
                      ) -> list[torch.Tensor]:
         """The logits of the last ``keep[b]`` positions of each sequence ``b`` (``x[:, bounds[b]:bounds[b+1]]``):
         the vocabulary head runs on those rows only (a deferred prompt needs none of its own). ``normed``: the

@@ -16,6 +16,11 @@ How, per block (``x`` is the residual stream, ``h`` its normalised rows):
   4. ``gate_up`` product; one call gates (SiLU or GELU-tanh times up); ``down`` product; one call adds it to
      ``x`` (after the post-MLP norm) and normalises with the next block's input norm, or the final norm.
 
+Entry points, one per way the fused forward holds keys: :func:`call` (one cache, a batch of sequences),
+:func:`packed` (packed sequences on caches of their own), :func:`packed_on_store` (packed sequences on slots
+of one KV store). Where a cache has room (a store's slots; an own cache's buffers), the attention kernel
+writes the rows' new keys and values itself before attending.
+
 A forward of at most :data:`BOUND_ROWS` rows (decode steps, verification blocks, packed steps of a few
 sessions) runs on buffers kept for its row count, every product and row operation bound to them once
 (:class:`BoundBlocks`): a step then makes the same C calls without the checks, allocations and argument
@@ -28,15 +33,20 @@ for its whole life.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ..kernels.attention_rows import AttentionRows
+
 if TYPE_CHECKING:
+    from ..kv.cache import KVCache, SlotCache
+    from ..kv.store import KVArena
     from .fused import FusedForward
 
-__all__ = ["run_blocks", "Attend", "BoundBlocks", "BOUND_ROWS"]
+__all__ = ["run_blocks", "call", "packed", "packed_on_store", "Attend", "BoundBlocks", "BOUND_ROWS"]
 
 # attend(block index, q (T, heads, d), k (T, kv_heads, d), v (T, kv_heads, d), out (T, heads, d)): writes the
 # new keys and values where the forward keeps them, attends into out and returns it.
@@ -44,6 +54,78 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 
 BOUND_ROWS = 64         # forwards of at most this many rows run on bound buffers
 _BOUND_SHAPES = 16      # row counts whose buffers a forward keeps (past them, the oldest is dropped)
+
+
+def call(forward: "FusedForward", x: torch.Tensor, tables: dict, cache: "KVCache", positions: torch.Tensor,
+         keep: int) -> torch.Tensor:
+    """The fused forward's call on one cache: embedded rows ``x (batch, n, hidden)`` at ``positions (1, n)``
+    with their rotary ``tables`` -> logits ``(batch, keep or n, vocab)``; row ``(b, t)`` attends sequence
+    ``b``'s keys. A batch-1 cache with room takes its new keys from the attention kernel itself."""
+    batch, n, hidden = x.shape
+    plans = {window: AttentionRows(positions[0].repeat(batch), torch.arange(batch).repeat_interleave(n), window)
+             for window in set(forward.windows)}
+    row_tables = {kind: (cos[0, 0], sin[0, 0]) if batch == 1 else (cos[0, 0].repeat(batch, 1), sin[0, 0].repeat(batch, 1))
+                  for kind, (cos, sin) in tables.items()}
+    shape = (batch, n, forward.kv_heads, forward.head_dim)
+    room_for = getattr(cache, "room_for", None) if batch == 1 else None
+
+    def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        room = room_for(n, index) if room_for is not None else None
+        if room is not None:            # the kernel writes the new keys and values into the cache's room
+            return plans[forward.windows[index]](q, *room, forward.scale, out, k, v)
+        keys, values = cache.append(k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2), index)
+        return plans[forward.windows[index]](q, keys, values, forward.scale, out)
+
+    normed = run_blocks(forward, x.view(batch * n, hidden), row_tables, attend).view(batch, n, hidden)
+    if keep:
+        normed = normed[:, -keep:]
+    return forward.head(normed.reshape(-1, hidden)).view(batch, normed.shape[1], -1)
+
+
+def packed(forward: "FusedForward", x: torch.Tensor, tables: dict, pasts: list[int], bounds: list[int],
+           caches: list["KVCache"], keep: list[int] | None) -> list[torch.Tensor]:
+    """The fused forward's packed sequences on caches of their own (``x (1, T, hidden)``, sequence ``b`` rows
+    ``bounds[b]:bounds[b+1]`` after ``pasts[b]`` cached tokens): each sequence's rows attend its own cache, one
+    kernel call a sequence and layer -> each sequence's kept logits."""
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    plans = {window: [AttentionRows(torch.arange(n) + past, torch.zeros(n, dtype=torch.long), window)
+                      for past, n in zip(pasts, lengths)] for window in set(forward.windows)}
+
+    def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        for b, (cache, plan) in enumerate(zip(caches, plans[forward.windows[index]])):
+            at = slice(bounds[b], bounds[b + 1])
+            room_for = getattr(cache, "room_for", None)
+            room = room_for(lengths[b], index) if room_for is not None else None
+            if room is not None:        # the kernel writes the new keys and values into the cache's room
+                plan(q[at], *room, forward.scale, out[at], k[at], v[at])
+                continue
+            keys, values = cache.append(k[at].unsqueeze(0).transpose(1, 2), v[at].unsqueeze(0).transpose(1, 2), index)
+            plan(q[at], keys, values, forward.scale, out[at])
+        return out
+
+    with contextlib.ExitStack() as held:
+        for cache in caches:
+            held.enter_context(cache.exclusive())
+        normed = run_blocks(forward, x[0], {kind: (cos[0, 0], sin[0, 0]) for kind, (cos, sin) in tables.items()},
+                            attend)
+    return forward.kept_logits(normed.unsqueeze(0), bounds, keep, normed=True)
+
+
+def packed_on_store(forward: "FusedForward", x: torch.Tensor, tables: dict, position: torch.Tensor,
+                    slot: torch.Tensor, pasts: list[int], lengths: list[int], bounds: list[int],
+                    caches: list["SlotCache"], arena: "KVArena", keep: list[int] | None) -> list[torch.Tensor]:
+    """The fused forward's packed sequences on slots of one KV store (row ``t`` at ``position[t]`` in slot
+    ``slot[t]``): every row of every sequence attends in one kernel call a layer, which first writes the rows'
+    new keys and values at their slots and positions -> each sequence's kept logits."""
+    plans = {window: AttentionRows(position, slot, window) for window in set(forward.windows)}
+
+    def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return plans[forward.windows[index]](q, arena.keys[index], arena.values[index], forward.scale, out, k, v)
+
+    normed = run_blocks(forward, x[0], {kind: (cos[0, 0], sin[0, 0]) for kind, (cos, sin) in tables.items()}, attend)
+    for cache, past, n in zip(caches, pasts, lengths):
+        cache.filled_to(past + n)
+    return forward.kept_logits(normed.unsqueeze(0), bounds, keep, normed=True)
 
 
 def run_blocks(forward: "FusedForward", x: torch.Tensor, tables: dict, attend: Attend) -> torch.Tensor:
