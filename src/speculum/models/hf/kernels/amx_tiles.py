@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import platform
 import subprocess
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ...cpu import cpu_flags
-from .build import build, kernels_disabled, load_library
+from .build import KernelLibrary, build, kernels_disabled
 from .cache import read_record, untrusted, write_record
 
 __all__ = ["forget", "self_test", "tile_source", "TileProduct", "tiles_unavailable"]
@@ -49,36 +48,41 @@ def tile_source() -> Path:
 def tiles_unavailable() -> str | None:
     """None when the tile kernel is built and permitted on this machine, else why not (one line);
     ``SPECULUM_KERNELS=off`` is read at each call."""
-    return kernels_disabled() or _loaded()[1]
+    return _LIBRARY.unavailable()
 
 
 def forget() -> None:
     """Drop what this process remembers about the tile kernel (loaded, or why not): the next use looks for
     it, builds it and tries it again, in the cache ``SPECULUM_CACHE`` names then. Products built before
     keep their kernel."""
-    _loaded.cache_clear()
+    _LIBRARY.forget()
 
 
-@functools.lru_cache(maxsize=1)
-def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
+def _requires() -> str | None:
     if platform.system() != "Linux" or not {"amx_tile", "amx_bf16"} <= cpu_flags():
-        return None, "this CPU has no AMX-BF16 tiles"
-    library, reason = load_library("tiles", _SOURCE, "bfloat16 tile products (oneDNN multiplies instead)")
-    if library is None:
-        return None, reason
+        return "this CPU has no AMX-BF16 tiles"
+    return None
+
+
+def _configure(library: ctypes.CDLL) -> str | None:
+    """Checks the library compiled for AMX, runs the tiles in a child process (:func:`self_test`), and sets
+    the product's argument types."""
     if not library.tiles_compiled():
-        return None, "the compiler did not target AMX-BF16"
+        return "the compiler did not target AMX-BF16"
     reason = self_test(build("tiles", _SOURCE))      # the cached file just loaded (a lookup, not a build)
     if reason is not None:
         _log.info("bfloat16 tile products unavailable (%s); using oneDNN", reason)
-        return None, reason
+        return reason
     if not library.tiles_permitted():
-        return None, "Linux did not grant this process the AMX tiles"
+        return "Linux did not grant this process the AMX tiles"
     library.tiles_product.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     library.tiles_product.restype = None
-    return library, None
+    return None
+
+
+_LIBRARY = KernelLibrary("tiles", _SOURCE, "bfloat16 tile products (oneDNN multiplies instead)", _requires,
+                         _configure)
 
 
 def self_test(library: Path) -> str | None:
@@ -125,7 +129,7 @@ class TileProduct:
     __slots__ = ("packed", "in_features", "out_features", "_inputs", "_outputs", "_function")
 
     def __init__(self, weight: torch.Tensor) -> None:
-        library, reason = _loaded()
+        library, reason = _LIBRARY.loaded()
         reason = kernels_disabled() or reason
         if reason is not None:
             raise RuntimeError(f"bfloat16 tile products are unavailable: {reason}")

@@ -24,12 +24,11 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from .build import kernels_disabled, load_library
+from .build import KernelLibrary
 
 __all__ = ["AttentionRows", "attention_unavailable", "attention_source", "forget"]
 
@@ -45,29 +44,28 @@ def attention_source() -> Path:
 def attention_unavailable() -> str | None:
     """None when the attention kernel is built and runs here, else why not (one line);
     ``SPECULUM_KERNELS=off`` is read at each call."""
-    return kernels_disabled() or _loaded()[1]
+    return _LIBRARY.unavailable()
 
 
 def forget() -> None:
     """Drop what this process remembers about the kernel (loaded, or why not): the next use looks for it and
     builds it again. Plans made before keep their kernel."""
-    _loaded.cache_clear()
+    _LIBRARY.forget()
 
 
-@functools.lru_cache(maxsize=1)
-def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
-    library, reason = load_library("attention", _SOURCE, "attention rows (PyTorch's kernel attends instead)")
-    if library is None:
-        return None, reason
+def _configure(library: ctypes.CDLL) -> str | None:
     if library.attention_rows_lanes() != _LANES:
-        return None, "the kernel's lane count differs from its wrapper's"
+        return "the kernel's lane count differs from its wrapper's"
     pointer, count = ctypes.c_void_p, ctypes.c_int64
     library.attention_rows.argtypes = [count, count, count, count, pointer, count, pointer, pointer, count,
                                        pointer, pointer, pointer, ctypes.c_float, pointer, pointer, pointer, count,
                                        ctypes.c_int]
     library.attention_rows.restype = ctypes.c_int
-    return library, None
+    return None
+
+
+_LIBRARY = KernelLibrary("attention", _SOURCE, "attention rows (PyTorch's kernel attends instead)",
+                         configure=_configure)
 
 
 class AttentionRows:
@@ -80,7 +78,7 @@ class AttentionRows:
     __slots__ = ("rows", "slots", "first", "last", "_end", "_slot_end", "_offsets", "_function")
 
     def __init__(self, positions: torch.Tensor, slots: torch.Tensor, window: int | None = None) -> None:
-        library, reason = _loaded()         # SPECULUM_KERNELS is read where a model chooses its attention, once
+        library, reason = _LIBRARY.loaded()     # SPECULUM_KERNELS is read where a model chooses its attention, once
         if library is None:
             raise RuntimeError(f"the attention kernel is unavailable: {reason}")
         if positions.shape != slots.shape or positions.dim() != 1 or (window is not None and window < 1):

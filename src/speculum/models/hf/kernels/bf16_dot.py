@@ -24,13 +24,12 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
 from ...cpu import cpu_flags
-from .build import kernels_disabled, load_library
+from .build import KernelLibrary, kernels_disabled
 
 __all__ = ["forget", "dot_source", "DotProduct", "dot_unavailable"]
 
@@ -46,30 +45,31 @@ def dot_source() -> Path:
 def dot_unavailable() -> str | None:
     """None when the dot-product kernel is built and runs on this machine, else why not (one line);
     ``SPECULUM_KERNELS=off`` is read at each call."""
-    return kernels_disabled() or _loaded()[1]
+    return _LIBRARY.unavailable()
 
 
 def forget() -> None:
     """Drop what this process remembers about the dot-product kernel (loaded, or why not): the next use
     looks for it and builds it again, in the cache ``SPECULUM_CACHE`` names then. Products built before keep
     their kernel."""
-    _loaded.cache_clear()
+    _LIBRARY.forget()
 
 
-@functools.lru_cache(maxsize=1)
-def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
-    if "avx512_bf16" not in cpu_flags():
-        return None, "this CPU has no AVX-512 BF16"
-    library, reason = load_library("bf16dot", _SOURCE, "bfloat16 dot products (oneDNN multiplies instead)")
-    if library is None:
-        return None, reason
+def _requires() -> str | None:
+    return None if "avx512_bf16" in cpu_flags() else "this CPU has no AVX-512 BF16"
+
+
+def _configure(library: ctypes.CDLL) -> str | None:
     if not library.bf16_dot_compiled():
-        return None, "the compiler did not target AVX-512 BF16"
+        return "the compiler did not target AVX-512 BF16"
     library.bf16_dot_product.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     library.bf16_dot_product.restype = None
-    return library, None
+    return None
+
+
+_LIBRARY = KernelLibrary("bf16dot", _SOURCE, "bfloat16 dot products (oneDNN multiplies instead)", _requires,
+                         _configure)
 
 
 class DotProduct:
@@ -82,7 +82,7 @@ class DotProduct:
     __slots__ = ("packed", "in_features", "out_features", "_width", "_function")
 
     def __init__(self, weight: torch.Tensor) -> None:
-        library, reason = _loaded()
+        library, reason = _LIBRARY.loaded()
         reason = kernels_disabled() or reason
         if reason is not None:
             raise RuntimeError(f"bfloat16 dot products are unavailable: {reason}")

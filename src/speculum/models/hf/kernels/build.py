@@ -26,8 +26,13 @@ the process would hold two thread pools. So the library links the runtime PyTorc
 ``SPECULUM_KERNELS=off`` turns every compiled kernel off (:func:`kernels_disabled`): each product takes
 its fallback on PyTorch's kernels.
 
+Loading: each kernel module holds one :class:`KernelLibrary`, which builds and loads its library once per
+process on first use, after the module's own checks (a CPU flag before building; argument types and
+compiled-in probes after loading), and says why it is unavailable where it is.
+
 Example:
     >>> path = build("grouped", Path(__file__).with_name("gguf_groups.c"))   # doctest: +SKIP
+    >>> KernelLibrary("rowops", Path(__file__).with_name("row_ops.c"), "row operations").unavailable()  # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -43,14 +48,15 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch  # noqa: F401  (loads PyTorch's OpenMP runtime, which the kernels link)
 
 from ...cpu import cpu_identity
 from .cache import kernel_folder, private_folder, read_record, untrusted, write_record
 
-__all__ = ["build", "load_library", "kernels_disabled", "compiler_command", "library_release", "library_stem",
-           "openmp_runtime", "FLAGS"]
+__all__ = ["build", "load_library", "KernelLibrary", "kernels_disabled", "compiler_command", "library_release",
+           "library_stem", "openmp_runtime", "FLAGS"]
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC"]      # compiling, not linking
 _OFF = {"off", "0", "no", "false"}
@@ -125,6 +131,57 @@ def load_library(name: str, source: Path, what: str) -> tuple[ctypes.CDLL | None
             reason = " ".join(str(exc).split())
             _log.info("%s unavailable (%s)", what, reason)
             return None, reason
+
+
+class KernelLibrary:
+    """One compiled kernel library of this package: built and loaded once per process, on first use.
+
+    ``name``, ``source`` and ``what`` are :func:`load_library`'s. ``requires()`` runs before building: a
+    reason (one line) means the library is unavailable and nothing is built (a CPU without the instructions
+    the source needs). ``configure(library)`` runs after loading: it sets the functions' argument types and
+    runs compiled-in checks; a reason means the library is unavailable."""
+
+    def __init__(self, name: str, source: Path, what: str, requires: Callable[[], str | None] | None = None,
+                 configure: Callable[[ctypes.CDLL], str | None] | None = None) -> None:
+        self.name, self.source, self.what = name, source, what
+        self._requires, self._configure = requires, configure
+        self._result: tuple[ctypes.CDLL | None, str | None] | None = None
+        self._lock = threading.Lock()
+
+    def loaded(self) -> tuple[ctypes.CDLL | None, str | None]:
+        """(the library, None), or (None, why it is unavailable): found once per process (until
+        :meth:`forget`), whatever ``SPECULUM_KERNELS`` says."""
+        result = self._result
+        if result is None:
+            with self._lock:
+                if self._result is None:
+                    self._result = self._load()
+                result = self._result
+        return result
+
+    def library(self) -> ctypes.CDLL | None:
+        """The loaded library; None where it is unavailable or ``SPECULUM_KERNELS=off`` (read at each call)."""
+        return None if kernels_disabled() else self.loaded()[0]
+
+    def unavailable(self) -> str | None:
+        """None when the library is built and loaded here, else why not (one line); ``SPECULUM_KERNELS=off``
+        is read at each call."""
+        return kernels_disabled() or self.loaded()[1]
+
+    def forget(self) -> None:
+        """Drop the library found (or why not): the next use looks for it and builds it again."""
+        with self._lock:
+            self._result = None
+
+    def _load(self) -> tuple[ctypes.CDLL | None, str | None]:
+        reason = self._requires() if self._requires is not None else None
+        if reason is not None:
+            return None, reason
+        library, reason = load_library(self.name, self.source, self.what)
+        if library is None:
+            return None, reason
+        reason = self._configure(library) if self._configure is not None else None
+        return (None, reason) if reason is not None else (library, None)
 
 
 def build(name: str, source: Path) -> Path:

@@ -38,7 +38,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .build import kernels_disabled, load_library
+from .build import KernelLibrary
 from .gguf_records import GGUF_KINDS, GROUP, LANES, RECORD_BYTES, GroupedWeight, pack
 
 __all__ = ["forget", "kernel_source", "GroupedProduct", "GroupedProducts", "GroupedWeight", "attach_groups",
@@ -116,7 +116,7 @@ def grouped_run(weights: list[GroupedWeight]) -> GroupedProduct | GroupedProduct
     """The product computing the concatenated outputs of ``weights`` (one input width): one kernel call
     where they are of one kind, else one call per run of consecutive weights of one kind. None where the
     widths differ or the kernel is unavailable."""
-    library = _kernel()
+    library = _LIBRARY.library()
     if library is None or not weights or len({w.in_features for w in weights}) != 1:
         return None
     runs: list[list[GroupedWeight]] = []
@@ -167,33 +167,26 @@ def kernel_source() -> Path:
 def kernel_unavailable() -> str | None:
     """None when the grouped kernel is built and loaded on this machine, else why not (one line);
     ``SPECULUM_KERNELS=off`` is read at each call."""
-    return kernels_disabled() or _loaded()[1]
+    return _LIBRARY.unavailable()
 
 
 def forget() -> None:
     """Drop what this process remembers about the grouped kernel (loaded, or why not): the next use looks
     for it and builds it again, in the cache ``SPECULUM_CACHE`` names then. Products built before keep
     their kernel."""
-    _loaded.cache_clear()
+    _LIBRARY.forget()
 
 
-def _kernel() -> ctypes.CDLL | None:
-    return None if kernels_disabled() else _loaded()[0]
-
-
-@functools.lru_cache(maxsize=1)
-def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
-    library, reason = load_library("grouped", _SOURCE,
-                                   "grouped float32 products (oneDNN multiplies the expanded weights)")
-    if library is None:
-        return None, reason
+def _configure(library: ctypes.CDLL) -> None:
     for kind in RECORD_BYTES:
         function = getattr(library, f"{kind}_product")
         function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                              ctypes.c_void_p, ctypes.c_int]
         function.restype = None
-    return library, None
+
+
+_LIBRARY = KernelLibrary("grouped", _SOURCE, "grouped float32 products (oneDNN multiplies the expanded weights)",
+                         configure=_configure)
 
 
 # ------------------------------------------------------------------------------------------ GGUF groups

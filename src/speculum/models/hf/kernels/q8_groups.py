@@ -29,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from pathlib import Path
 from typing import Callable
@@ -37,7 +36,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .build import kernels_disabled, load_library
+from .build import KernelLibrary
 from .gguf_records import GROUP, LANES, RECORD_BYTES, GroupedWeight
 
 __all__ = ["forget", "Q8_KINDS", "Q8Product", "Q8Products", "q8_run", "q8_unavailable", "quantised_rows", "repack",
@@ -101,7 +100,7 @@ def quantised_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     float32 and the sums of each block's quants over its inputs 0..15 and 16..31 ``(m, in / 32, 2)`` int32,
     each block of 32 inputs of each row by itself (see the C source). Raises RuntimeError where the kernel is
     unavailable."""
-    library = _kernel()
+    library = _LIBRARY.library()
     if library is None:
         raise RuntimeError(f"8-bit products unavailable: {q8_unavailable()}")
     rows = rows.contiguous()
@@ -177,7 +176,7 @@ def q8_run(weights: list[GroupedWeight]) -> Q8Product | Q8Products:
     """The 8-bit product computing the concatenated outputs of ``weights`` (one input width): one kernel call
     per run of consecutive weights of one kind. Raises ValueError (one line) for a kind the kernel does not
     multiply or widths that differ, RuntimeError where the kernel is unavailable."""
-    library = _kernel()
+    library = _LIBRARY.library()
     if library is None:
         raise RuntimeError(f"8-bit products unavailable: {q8_unavailable()}")
     if not weights or len({w.in_features for w in weights}) != 1:
@@ -206,31 +205,22 @@ def q8_source() -> Path:
 
 def q8_unavailable() -> str | None:
     """None when the 8-bit kernel is built and loaded on this machine, else why not (one line)."""
-    return kernels_disabled() or _loaded()[1]
+    return _LIBRARY.unavailable()
 
 
 def vector_bits() -> int | None:
     """The kernel's vector path: 512 (AVX-512 VNNI) or 256 (AVX2); None where it is unavailable."""
-    library = _kernel()
+    library = _LIBRARY.library()
     return None if library is None else int(library.q8_vector_bits())
 
 
 def forget() -> None:
     """Drop what this process remembers about the 8-bit kernel (loaded, or why not): the next use looks for it
     and builds it again. Products built before keep their kernel."""
-    _loaded.cache_clear()
+    _LIBRARY.forget()
 
 
-def _kernel() -> ctypes.CDLL | None:
-    return None if kernels_disabled() else _loaded()[0]
-
-
-@functools.lru_cache(maxsize=1)
-def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
-    library, reason = load_library("q8", _SOURCE, "8-bit products")
-    if library is None:
-        return None, reason
+def _configure(library: ctypes.CDLL) -> None:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.quantise_rows.argtypes = [pointer, size, size, pointer, pointer, pointer, ctypes.c_int]
     library.quantise_rows.restype = None
@@ -239,4 +229,6 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
         function.argtypes = [pointer, size, size, pointer, size, pointer, ctypes.c_int]
         function.restype = ctypes.c_int
     library.q8_vector_bits.argtypes, library.q8_vector_bits.restype = [], ctypes.c_int
-    return library, None
+
+
+_LIBRARY = KernelLibrary("q8", _SOURCE, "8-bit products", configure=_configure)

@@ -31,13 +31,12 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from .build import kernels_disabled, load_library
+from .build import KernelLibrary, kernels_disabled
 
 __all__ = ["RowOps", "Bound", "bind", "forget", "row_ops_unavailable", "row_ops_source"]
 
@@ -65,22 +64,13 @@ def row_ops_source() -> Path:
 def row_ops_unavailable() -> str | None:
     """None when the row kernel is built and runs here, else why not (one line); ``SPECULUM_KERNELS=off`` is
     read at each call."""
-    return kernels_disabled() or _loaded()[1]
+    return _LIBRARY.unavailable()
 
 
 def forget() -> None:
     """Drop what this process remembers about the row kernel (loaded, or why not): the next use looks for
     it and builds it again, in the cache ``SPECULUM_CACHE`` names then. Bound :class:`RowOps` keep theirs."""
-    _loaded.cache_clear()
-
-
-@functools.lru_cache(maxsize=1)
-def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the kernel library, None), or (None, why it is unavailable): built and loaded once per process."""
-    library, reason = load_library("rowops", _SOURCE, "row operations (PyTorch's element-wise operations instead)")
-    if library is None:
-        return None, reason
-    return bind(library), None
+    _LIBRARY.forget()
 
 
 def bind(library: ctypes.CDLL) -> ctypes.CDLL:
@@ -90,6 +80,14 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, None
     return library
+
+
+def _configure(library: ctypes.CDLL) -> None:
+    bind(library)
+
+
+_LIBRARY = KernelLibrary("rowops", _SOURCE, "row operations (PyTorch's element-wise operations instead)",
+                         configure=_configure)
 
 
 class RowOps:
@@ -104,7 +102,7 @@ class RowOps:
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         """``library``: a build bound by :func:`bind` (default: this process's, when available)."""
         if library is None:
-            library, reason = _loaded()
+            library, reason = _LIBRARY.loaded()
             reason = kernels_disabled() or reason
             if reason is not None:
                 raise RuntimeError(f"row operations are unavailable: {reason}")
