@@ -61,6 +61,14 @@ def test_product_rows_are_alone_and_exact_to_float32(kind):
     assert run(x[:0]).shape == (0, 64)
     with pytest.raises(ValueError, match="float32 rows of 96"):
         run(x[:, :32])
+    if isinstance(run, GroupedProduct):     # bound to buffers: the same rows, whatever they hold at the call
+        rows, out = torch.empty(5, 96), torch.empty(5, 64)
+        bound = run.bind(rows, out)
+        rows.copy_(x[3:8])
+        bound(torch.get_num_threads())
+        assert torch.equal(out, full[3:8])
+        with pytest.raises(ValueError, match="cannot bind"):
+            run.bind(rows, torch.empty(4, 64))
 
 
 def test_query_rows_put_back_as_transformers_does():

@@ -142,6 +142,13 @@ def test_products_do_not_depend_on_the_thread_count():
         assert torch.equal(product(rows), alone)
     finally:
         torch.set_num_threads(before)
+    held, out = torch.empty(37, 128), torch.empty(37, 64)     # bound to buffers: the same rows
+    bound = product.bind(held, out)
+    held.copy_(rows)
+    bound(2)
+    assert torch.equal(out, alone)
+    with pytest.raises(ValueError, match="cannot bind"):
+        product.bind(held.double(), out)
 
 
 def test_layers_of_two_kinds_run_side_by_side():

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .build import KernelLibrary
-from .gguf_records import GGUF_KINDS, GROUP, LANES, RECORD_BYTES, GroupedWeight, pack
+from .gguf_records import GGUF_KINDS, GROUP, LANES, RECORD_BYTES, GroupedWeight, check_binding, checked_rows, pack
 
 __all__ = ["forget", "kernel_source", "GroupedProduct", "GroupedProducts", "GroupedWeight", "attach_groups",
            "grouped_run", "kernel_unavailable", "load_groups", "multiply_by_groups", "pack", "read_groups", "save_groups", "GROUPS"]
@@ -61,10 +61,7 @@ class GroupedProduct:
         self.in_features, self.out_features = in_features, out_features
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        rows = rows.contiguous()
-        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != self.in_features:
-            raise ValueError(f"grouped product: expected float32 rows of {self.in_features}, got {rows.dtype} "
-                             f"{tuple(rows.shape)}")
+        rows = checked_rows("grouped product", rows, self.in_features)
         out = rows.new_empty(rows.shape[0], self.out_features)
         if rows.shape[0]:
             self._function(rows.data_ptr(), rows.shape[0], self.in_features, self.records.data_ptr(),
@@ -75,11 +72,7 @@ class GroupedProduct:
         """This product from ``rows (m, in_features)`` into ``out (m, out_features)``, both contiguous float32,
         checked once: the returned call (of the thread count) multiplies whatever ``rows`` holds then, as
         :meth:`__call__` would."""
-        if (rows.dtype != torch.float32 or out.dtype != torch.float32 or not rows.is_contiguous()
-                or not out.is_contiguous() or rows.dim() != 2 or rows.shape[1] != self.in_features
-                or tuple(out.shape) != (rows.shape[0], self.out_features)):
-            raise ValueError(f"grouped product: cannot bind rows {tuple(rows.shape)} and out {tuple(out.shape)} to "
-                             f"{self.in_features} -> {self.out_features}")
+        check_binding("grouped product", rows, out, self.in_features, self.out_features)
         return functools.partial(self._function, rows.data_ptr(), rows.shape[0], self.in_features,
                                  self.records.data_ptr(), self.out_features, out.data_ptr())
 

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["GroupedWeight", "pack", "record_kind", "GGUF_KINDS", "LANES", "GROUP", "RECORD_BYTES"]
+__all__ = ["GroupedWeight", "pack", "record_kind", "checked_rows", "check_binding", "GGUF_KINDS", "LANES", "GROUP",
+           "RECORD_BYTES"]
 
 LANES = 16                        # output features sharing one record (gguf_groups.c)
 GROUP = 32                        # inputs sharing one record
@@ -218,3 +219,22 @@ def _q6_k(b):
 
 _UNPACK = {"q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1, "q8_0": _q8_0, "q4_k": _q4_k,
            "q5_k": _q5_k, "q6_k": _q6_k}
+
+
+def checked_rows(what: str, rows: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``rows`` as a product over weight groups multiplies them: contiguous float32 ``(m, in_features)``;
+    ValueError naming the product (``what``) otherwise."""
+    rows = rows.contiguous()
+    if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != in_features:
+        raise ValueError(f"{what}: expected float32 rows of {in_features}, got {rows.dtype} {tuple(rows.shape)}")
+    return rows
+
+
+def check_binding(what: str, rows: torch.Tensor, out: torch.Tensor, in_features: int, out_features: int) -> None:
+    """ValueError naming the product (``what``) unless ``rows (m, in_features)`` and ``out (m, out_features)`` are
+    contiguous float32: what a product bound to them reads and writes on every call."""
+    if (rows.dtype != torch.float32 or out.dtype != torch.float32 or not rows.is_contiguous()
+            or not out.is_contiguous() or rows.dim() != 2 or rows.shape[1] != in_features
+            or tuple(out.shape) != (rows.shape[0], out_features)):
+        raise ValueError(f"{what}: cannot bind rows {tuple(rows.shape)} and out {tuple(out.shape)} to "
+                         f"{in_features} -> {out_features}")

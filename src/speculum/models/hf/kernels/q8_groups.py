@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .build import KernelLibrary
-from .gguf_records import GROUP, LANES, RECORD_BYTES, GroupedWeight
+from .gguf_records import GROUP, LANES, RECORD_BYTES, GroupedWeight, check_binding, checked_rows
 
 __all__ = ["forget", "Q8_KINDS", "Q8Product", "Q8Products", "q8_run", "q8_unavailable", "quantised_rows", "repack",
            "q8_source", "vector_bits"]
@@ -127,26 +127,18 @@ class Q8Product:
         self.in_features, self.out_features = in_features, out_features
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        rows = rows.contiguous()
-        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != self.in_features:
-            raise ValueError(f"8-bit product: expected float32 rows of {self.in_features}, got {rows.dtype} "
-                             f"{tuple(rows.shape)}")
+        rows = checked_rows("8-bit product", rows, self.in_features)
         out = rows.new_empty(rows.shape[0], self.out_features)
         if rows.shape[0] and self._function(rows.data_ptr(), rows.shape[0], self.in_features, self.records.data_ptr(),
                                             self.out_features, out.data_ptr(), torch.get_num_threads()):
             raise MemoryError(f"8-bit product: no memory for {rows.shape[0]} quantised rows")
         return out
 
-
     def bind(self, rows: torch.Tensor, out: torch.Tensor) -> Callable[[int], None]:
         """This product from ``rows (m, in_features)`` into ``out (m, out_features)``, both contiguous float32,
         checked once: the returned call (of the thread count) multiplies whatever ``rows`` holds then, as
         :meth:`__call__` would."""
-        if (rows.dtype != torch.float32 or out.dtype != torch.float32 or not rows.is_contiguous()
-                or not out.is_contiguous() or rows.dim() != 2 or rows.shape[1] != self.in_features
-                or tuple(out.shape) != (rows.shape[0], self.out_features)):
-            raise ValueError(f"8-bit product: cannot bind rows {tuple(rows.shape)} and out {tuple(out.shape)} to "
-                             f"{self.in_features} -> {self.out_features}")
+        check_binding("8-bit product", rows, out, self.in_features, self.out_features)
         arguments = (rows.data_ptr(), rows.shape[0], self.in_features, self.records.data_ptr(), self.out_features,
                      out.data_ptr())
         function = self._function
