@@ -2,7 +2,7 @@
 
 Why: on a small model the products are only part of a decode step. Between them a block runs about twenty
 small PyTorch operations (RMSNorms, the rotary rotation, residual adds, the gate), each a few microseconds
-of dispatch for nanoseconds of arithmetic: on SmolLM2-135M's 30 blocks that was more than the products.
+of dispatch for nanoseconds of arithmetic: on SmolLM2-135M's 30 blocks they cost more than the products.
 Here each stretch of row-wise work between two products is one C call
 (:mod:`~speculum.models.hf.kernels.row_ops`), and attention one more
 (:mod:`~speculum.models.hf.kernels.attention_rows`).
