@@ -4,12 +4,17 @@ Invariants, where the kernel builds: each (row, head) is softmax attention over 
 to float32 rounding of a float64 reference, with grouped key/value heads and sliding windows; every row is
 bitwise the same alone or among others, at 1 or 2 threads, in any slot; keys past a row's position (or
 before its window) are never read (NaN there changes nothing); a call that does not fit its plan is refused
-before the kernel reads anything; given the rows' new keys, it writes them first. An own cache gives room
+before the kernel reads anything; given the rows' new keys, it writes them first; AVX2 and baseline builds of
+the source attend to the native build's bits. An own cache gives room
 for the kernel to write into once it holds buffers with room. Everywhere: ``SPECULUM_KERNELS=off`` turns it
 off with that reason, and the fused forward's blocks then run on PyTorch's operations (the fused forward on
 the kernel: test_glued.py).
 """
 from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
 
 import pytest
 from hypothesis import given, settings
@@ -19,7 +24,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from speculum.models.hf.kernels import attention_rows  # noqa: E402
-from speculum.models.hf.kernels.attention_rows import AttentionRows, attention_unavailable  # noqa: E402
+from speculum.models.hf.kernels.attention_rows import AttentionRows, attention_source, attention_unavailable  # noqa: E402
+from speculum.models.hf.kernels.build import FLAGS  # noqa: E402
 from support.hf_tiny import save_tiny_model  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(attention_unavailable() is not None,
@@ -177,3 +183,31 @@ def test_an_own_cache_gives_room_for_keys_once_it_holds_buffers_with_room():
     assert torch.equal(room[0][:, :, :3], first) and torch.equal(room[1][:, :, 3:5], torch.cat([one, one], 2) + 1)
     cache.trim(2)
     assert cache.room_for(1, 0) is None and cache.length == 5   # a trim drops the buffers with room
+
+
+@needs_kernel
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
+@pytest.mark.parametrize("target", ["x86-64-v3", "x86-64"])
+def test_avx2_and_baseline_builds_attend_to_the_same_bits(tmp_path, target):
+    # Without OpenMP (no second runtime in this process): the other build runs its rows on one thread.
+    flags = [f"-march={target}" if flag == "-march=native" else flag for flag in FLAGS if flag != "-fopenmp"]
+    built = tmp_path / f"attention-{target}.so"
+    subprocess.run(["gcc", *flags, "-shared", str(attention_source()), "-o", str(built)], check=True,
+                   capture_output=True)
+    other = ctypes.CDLL(str(built)).attention_rows
+    pointer, count = ctypes.c_void_p, ctypes.c_int64
+    other.argtypes = [count, count, count, count, pointer, count, pointer, pointer, count, pointer, pointer, pointer,
+                      ctypes.c_float, pointer, pointer, pointer, count, ctypes.c_int]
+    other.restype = ctypes.c_int
+    generator = torch.Generator().manual_seed(5)
+    for dim in (64, 24):                        # a width the native build inlines, and one with a partial chunk
+        keys, values = store(2, 2, 300, dim, generator)
+        positions, slots = torch.randint(0, 300, (12,), generator=generator), torch.randint(0, 2, (12,), generator=generator)
+        q = torch.randn(12, 6, dim, generator=generator)
+        plan = AttentionRows(positions, slots, window=100)
+        ours, theirs = plan(q, keys, values, 0.3), torch.empty(12, 6, dim)
+        offsets = slots * keys.stride(0)
+        assert other(12, 6, 2, dim, q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), keys.stride(1),
+                     offsets.data_ptr(), plan.first.data_ptr(), plan.last.data_ptr(), 0.3, theirs.data_ptr(), None,
+                     None, 0, 1) == 0
+        assert torch.equal(ours, theirs)
