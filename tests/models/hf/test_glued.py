@@ -102,3 +102,14 @@ def test_bound_blocks_give_the_unbound_calls_rows_bitwise(model, monkeypatch, ro
         again = [model.fused(tokens[:, 10 + i * rows:10 + (i + 1) * rows], cache) for i in range(2) if 10 + (i + 1) * rows <= 80]
         results.append(torch.cat([first, *again], dim=1))
     assert torch.equal(*results)
+
+
+def test_forwards_from_two_threads_get_their_own_rows(model):
+    from concurrent.futures import ThreadPoolExecutor
+
+    generator = torch.Generator().manual_seed(7)
+    sequences = [torch.randint(3, model.vocab_size, (1, 3), generator=generator) for _ in range(24)]
+    alone = [model.fused(tokens, OwnCache()) for tokens in sequences]
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(lambda tokens: model.fused(tokens, OwnCache()), sequences))
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))

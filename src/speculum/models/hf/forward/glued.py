@@ -131,12 +131,12 @@ def packed_on_store(forward: "FusedForward", x: torch.Tensor, tables: dict, posi
 def run_blocks(forward: "FusedForward", x: torch.Tensor, tables: dict, attend: Attend) -> torch.Tensor:
     """Every block of ``forward`` over the embedded rows ``x (T, hidden)`` (updated in place: the residual
     stream), with ``tables`` ``{layer kind: (cos, sin)}`` each ``(T, head_dim)`` (rows contiguous, any row
-    stride) -> the rows after the final norm, ``(T, hidden)``, what the vocabulary head multiplies (a buffer
-    the next forward of as many rows reuses: read it before then)."""
+    stride) -> the rows after the final norm, ``(T, hidden)``, what the vocabulary head multiplies."""
     bound = forward.bound_blocks.get(x.shape[0]) if x.shape[0] <= BOUND_ROWS else None
     if bound is not None:
         with bound.lock:
-            return bound(x, tables, attend)
+            # A copy: once the lock is let go, another thread's forward of as many rows may refill the buffers.
+            return bound(x, tables, attend).clone()
     ops = forward.row_ops
     rows = x.shape[0]
     heads, kv_heads, dim = forward.heads, forward.kv_heads, forward.head_dim
