@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
+from support.bf16_products import check_bfloat16_product  # noqa: E402
 from speculum.models.hf.kernels import bf16_dot  # noqa: E402
 from speculum.models.hf.kernels.amx_tiles import tiles_unavailable  # noqa: E402
 from speculum.models.hf.kernels.bf16_dot import DotProduct, dot_unavailable  # noqa: E402
@@ -27,17 +28,7 @@ needs_dot = pytest.mark.skipif(dot_unavailable() is not None, reason=f"no bfloat
 @given(st.integers(1, 70), st.integers(1, 100), st.integers(0, 40), st.integers(0, 2**31))
 @settings(max_examples=60, deadline=None)
 def test_dot_products_are_float32_sums_of_the_rounded_rows_each_row_alone(out_features, in_features, rows, seed):
-    generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
-    inputs = torch.randn(rows, in_features, generator=generator) * 10
-    product = DotProduct(weight)
-    out = product(inputs)
-    assert out.shape == (rows, out_features) and out.dtype == torch.float32 and out.is_contiguous()
-    terms = inputs.bfloat16().double()[:, None, :] * weight.double()[None, :, :]     # (rows, out, in)
-    # float32 sums of exact products: within a few float32 roundings of the sum of the terms' sizes.
-    assert torch.all((out.double() - terms.sum(-1)).abs() <= 4 * in_features * 2**-24 * terms.abs().sum(-1) + 1e-30)
-    for start in range(rows):
-        assert torch.equal(product(inputs[start:start + 1]), out[start:start + 1])
+    check_bfloat16_product(DotProduct, out_features, in_features, rows, seed)
 
 
 @needs_dot

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
+from support.bf16_products import check_bfloat16_product  # noqa: E402
 from speculum.models.hf.kernels import amx_tiles  # noqa: E402
 from speculum.models.hf.kernels.amx_tiles import TileProduct, tiles_unavailable  # noqa: E402
 from speculum.models.hf.kernels.probe import gives_rows_alone  # noqa: E402
@@ -26,20 +27,7 @@ needs_tiles = pytest.mark.skipif(tiles_unavailable() is not None, reason=f"no AM
 @given(st.integers(1, 70), st.integers(1, 100), st.integers(0, 40), st.integers(0, 2**31))
 @settings(max_examples=60, deadline=None)
 def test_tile_products_are_float32_sums_of_the_rounded_rows_each_row_alone(out_features, in_features, rows, seed):
-    generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
-    inputs = torch.randn(rows, in_features, generator=generator) * 10
-    product = TileProduct(weight)
-    out = product(inputs)
-    assert out.shape == (rows, out_features) and out.dtype == torch.float32 and out.is_contiguous()
-    terms = inputs.bfloat16().double()[:, None, :] * weight.double()[None, :, :]     # (rows, out, in)
-    exact = terms.sum(-1)
-    # float32 sums of exact products: within a few float32 roundings of the sum of the terms' sizes.
-    assert torch.all((out.double() - exact).abs() <= 4 * in_features * 2**-24 * terms.abs().sum(-1) + 1e-30)
-    for start in range(rows):
-        assert torch.equal(product(inputs[start:start + 1]), out[start:start + 1])
-    if rows > 3:
-        assert torch.equal(product(inputs[1:rows - 1]), out[1:rows - 1])
+    check_bfloat16_product(TileProduct, out_features, in_features, rows, seed)
 
 
 @needs_tiles
