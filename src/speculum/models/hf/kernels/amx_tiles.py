@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ...cpu import cpu_flags
-from .build import KernelLibrary, build, kernels_disabled
+from .build import KernelLibrary, build
 from .cache import read_record, untrusted, write_record
 
 __all__ = ["forget", "self_test", "tile_source", "TileProduct", "tiles_unavailable"]
@@ -129,10 +129,7 @@ class TileProduct:
     __slots__ = ("packed", "in_features", "out_features", "_inputs", "_outputs", "_function")
 
     def __init__(self, weight: torch.Tensor) -> None:
-        library, reason = _LIBRARY.loaded()
-        reason = kernels_disabled() or reason
-        if reason is not None:
-            raise RuntimeError(f"bfloat16 tile products are unavailable: {reason}")
+        library = _LIBRARY.require("bfloat16 tile products")
         self._function = library.tiles_product
         self.out_features, self.in_features = weight.shape
         self._inputs, self._outputs = _padded(self.in_features, _STEP), _padded(self.out_features, _COLUMNS)

@@ -78,9 +78,8 @@ class AttentionRows:
     __slots__ = ("rows", "slots", "first", "last", "_end", "_slot_end", "_offsets", "_function")
 
     def __init__(self, positions: torch.Tensor, slots: torch.Tensor, window: int | None = None) -> None:
-        library, reason = _LIBRARY.loaded()     # SPECULUM_KERNELS is read where a model chooses its attention, once
-        if library is None:
-            raise RuntimeError(f"the attention kernel is unavailable: {reason}")
+        # SPECULUM_KERNELS is read where a model chooses its attention, once: a plan keeps to that choice.
+        library = _LIBRARY.require("attention rows", off_switch=False)
         if positions.shape != slots.shape or positions.dim() != 1 or (window is not None and window < 1):
             raise ValueError(f"attention rows need positions and slots of one length and a window >= 1, not "
                              f"{tuple(positions.shape)}, {tuple(slots.shape)}, window={window}")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ...cpu import cpu_flags
-from .build import KernelLibrary, kernels_disabled
+from .build import KernelLibrary
 
 __all__ = ["forget", "dot_source", "DotProduct", "dot_unavailable"]
 
@@ -82,10 +82,7 @@ class DotProduct:
     __slots__ = ("packed", "in_features", "out_features", "_width", "_function")
 
     def __init__(self, weight: torch.Tensor) -> None:
-        library, reason = _LIBRARY.loaded()
-        reason = kernels_disabled() or reason
-        if reason is not None:
-            raise RuntimeError(f"bfloat16 dot products are unavailable: {reason}")
+        library = _LIBRARY.require("bfloat16 dot products")
         self._function = library.bf16_dot_product
         self.out_features, self.in_features = weight.shape
         self._width = self.in_features + self.in_features % 2

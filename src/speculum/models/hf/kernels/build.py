@@ -168,6 +168,15 @@ class KernelLibrary:
         is read at each call."""
         return kernels_disabled() or self.loaded()[1]
 
+    def require(self, what: str, off_switch: bool = True) -> ctypes.CDLL:
+        """The loaded library, or RuntimeError ``"<what> are unavailable: <why>"``. ``off_switch``: the reason
+        includes ``SPECULUM_KERNELS=off`` (False for what a model chose at load and must keep for life)."""
+        library, reason = self.loaded()
+        reason = (kernels_disabled() if off_switch else None) or reason
+        if reason is not None:
+            raise RuntimeError(f"{what} are unavailable: {reason}")
+        return library
+
     def forget(self) -> None:
         """Drop the library found (or why not): the next use looks for it and builds it again."""
         with self._lock:

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from .build import KernelLibrary, kernels_disabled
+from .build import KernelLibrary
 
 __all__ = ["RowOps", "Bound", "bind", "forget", "row_ops_unavailable", "row_ops_source"]
 
@@ -102,10 +102,7 @@ class RowOps:
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         """``library``: a build bound by :func:`bind` (default: this process's, when available)."""
         if library is None:
-            library, reason = _LIBRARY.loaded()
-            reason = kernels_disabled() or reason
-            if reason is not None:
-                raise RuntimeError(f"row operations are unavailable: {reason}")
+            library = _LIBRARY.require("row operations")
         self._norm, self._residual_norm = library.rowops_norm, library.rowops_residual_norm
         self._rotate, self._gated, self._exp = library.rowops_rotate, library.rowops_gated, library.rowops_exp
 
