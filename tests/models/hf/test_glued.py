@@ -2,7 +2,8 @@
 
 Invariants, where the row and attention kernels build: a model takes the compiled path; its logits equal
 the PyTorch path's to float32 rounding, in batches of several sequences and packed; packed sequences on
-caches of their own equal each alone, bitwise; greedy output is the same on both paths.
+caches of their own equal each alone, bitwise; greedy output is the same on both paths; buffers kept for a
+row count give bitwise the rows fresh buffers give, and forwards from two threads each get their own.
 """
 from __future__ import annotations
 
@@ -84,14 +85,14 @@ def test_greedy_output_is_the_same_on_both_paths(model):
 
 
 class Unbound:
-    """Bound blocks that are never available: every forward runs the unbound calls."""
+    """Kept buffers that are never available: every forward binds buffers of its own."""
 
     def get(self, rows: int) -> None:
         return None
 
 
 @pytest.mark.parametrize("rows", [1, 4, 64, 65])
-def test_bound_blocks_give_the_unbound_calls_rows_bitwise(model, monkeypatch, rows):
+def test_kept_buffers_give_fresh_buffers_rows_bitwise(model, monkeypatch, rows):
     tokens = torch.randint(3, model.vocab_size, (1, 80), generator=torch.Generator().manual_seed(rows))
     results = []
     for bound in (True, False):

@@ -21,10 +21,11 @@ Entry points, one per way the fused forward holds keys: :func:`call` (one cache,
 of one KV store). Where a cache has room (a store's slots; an own cache's buffers), the attention kernel
 writes the rows' new keys and values itself before attending.
 
-A forward of at most :data:`BOUND_ROWS` rows (decode steps, verification blocks, packed steps of a few
-sessions) runs on buffers kept for its row count, every product and row operation bound to them once
-(:class:`BoundBlocks`): a step then makes the same C calls without the checks, allocations and argument
-building around each, and gives bitwise the rows the unbound calls give (tested).
+Every forward runs its blocks on buffers with every product and row operation bound to them once
+(:class:`BoundBlocks`). A forward of at most :data:`BOUND_ROWS` rows (decode steps, verification blocks,
+packed steps of a few sessions) reuses the buffers kept for its row count: a step then makes the same C
+calls without the checks, allocations and argument building around each, and gives bitwise the rows fresh
+buffers give (tested).
 
 Guarantee: the formulas of :class:`~speculum.models.hf.forward.fused.FusedForward`'s PyTorch path, to
 float32 rounding (sums in another fixed order, exp by a polynomial: tested against it); ROW-CANONICAL, as
@@ -91,11 +92,12 @@ def packed(forward: "FusedForward", x: torch.Tensor, tables: dict, pasts: list[i
     plans = {window: [AttentionRows(torch.arange(n) + past, torch.zeros(n, dtype=torch.long), window)
                       for past, n in zip(pasts, lengths)] for window in set(forward.windows)}
 
+    room_fors = [getattr(cache, "room_for", None) for cache in caches]
+
     def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         for b, (cache, plan) in enumerate(zip(caches, plans[forward.windows[index]])):
             at = slice(bounds[b], bounds[b + 1])
-            room_for = getattr(cache, "room_for", None)
-            room = room_for(lengths[b], index) if room_for is not None else None
+            room = room_fors[b](lengths[b], index) if room_fors[b] is not None else None
             if room is not None:        # the kernel writes the new keys and values into the cache's room
                 plan(q[at], *room, forward.scale, out[at], k[at], v[at])
                 continue
@@ -129,49 +131,25 @@ def packed_on_store(forward: "FusedForward", x: torch.Tensor, tables: dict, posi
 
 
 def run_blocks(forward: "FusedForward", x: torch.Tensor, tables: dict, attend: Attend) -> torch.Tensor:
-    """Every block of ``forward`` over the embedded rows ``x (T, hidden)`` (updated in place: the residual
-    stream), with ``tables`` ``{layer kind: (cos, sin)}`` each ``(T, head_dim)`` (rows contiguous, any row
-    stride) -> the rows after the final norm, ``(T, hidden)``, what the vocabulary head multiplies."""
-    bound = forward.bound_blocks.get(x.shape[0]) if x.shape[0] <= BOUND_ROWS else None
-    if bound is not None:
-        with bound.lock:
-            # A copy: once the lock is let go, another thread's forward of as many rows may refill the buffers.
-            return bound(x, tables, attend).clone()
-    ops = forward.row_ops
+    """Every block of ``forward`` over the embedded rows ``x (T, hidden)``, with ``tables`` ``{layer kind: (cos,
+    sin)}`` each ``(T, head_dim)`` (rows contiguous, any row stride) -> the rows after the final norm,
+    ``(T, hidden)``, what the vocabulary head multiplies. At most :data:`BOUND_ROWS` rows run on the buffers
+    the forward keeps for their count; more rows, or buffers in use by another thread, on buffers of the
+    call's own (the same calls, bound once more)."""
     rows = x.shape[0]
-    heads, kv_heads, dim = forward.heads, forward.kv_heads, forward.head_dim
-    k_from, v_from = heads * dim, (heads + kv_heads) * dim
-    blocks = forward.blocks
-    normed = torch.empty_like(x)
-    ops.norm(x, blocks[0].attn_norm.weight, blocks[0].attn_norm.eps, normed)
-    gated = None
-    for index, block in enumerate(blocks):
-        qkv = block.qkv(normed).contiguous()                                 # (T, q + k + v features)
-        cos, sin = tables[forward.rotary_kinds[index]]
-        head_norm = block.qk_norm
-        ops.rotate(qkv, heads, kv_heads, dim, cos, sin, block.qkv_bias,
-                   None if head_norm is None else head_norm.weight, 0.0 if head_norm is None else head_norm.eps)
-        attended = attend(index, qkv[:, :k_from].view(rows, heads, dim), qkv[:, k_from:v_from].view(rows, kv_heads, dim),
-                          qkv[:, v_from:].view(rows, kv_heads, dim), qkv.new_empty(rows, heads, dim))
-        post = block.attn_out_norm
-        ops.residual_norm(x, block.out(attended.view(rows, k_from)).contiguous(), block.mlp_norm.weight,
-                          block.mlp_norm.eps, normed, None if post is None else post.weight,
-                          0.0 if post is None else post.eps)
-        gate_up = block.gate_up(normed).contiguous()
-        if gated is None:
-            gated = gate_up.new_empty(rows, gate_up.shape[1] // 2)
-        ops.gated(gate_up, forward.activation_name, gated)
-        following = blocks[index + 1].attn_norm if index + 1 < len(blocks) else forward.norm
-        post = block.mlp_out_norm
-        ops.residual_norm(x, block.down(gated).contiguous(), following.weight, following.eps, normed,
-                          None if post is None else post.weight, 0.0 if post is None else post.eps)
-    return normed
+    bound = forward.bound_blocks.get(rows) if rows <= BOUND_ROWS else None
+    if bound is None:
+        return BoundBlocks(forward, rows)(x, tables, attend)
+    with bound.lock:
+        # A copy: once the lock is let go, another thread's forward of as many rows may refill the buffers.
+        return bound(x, tables, attend).clone()
 
 
 class BoundBlocks:
-    """:func:`run_blocks` for forwards of ``rows`` rows on buffers of its own: each product and row operation
-    bound to them once (``bind``), so a forward calls each with the thread count alone. ``lock`` is held
-    while a forward runs on the buffers; a forward that finds it held runs unbound."""
+    """The blocks for forwards of ``rows`` rows on buffers of its own: each product and row operation bound to
+    them once (``bind``), so a forward calls each with the thread count alone. ``lock`` is held while a forward
+    runs on buffers a forward keeps; a forward that finds it held makes buffers of its own. The calls a block
+    makes are the module's steps 1 to 4."""
 
     def __init__(self, forward: "FusedForward", rows: int) -> None:
         ops, blocks = forward.row_ops, forward.blocks
@@ -213,7 +191,8 @@ class BoundBlocks:
             ))
 
     def __call__(self, x: torch.Tensor, tables: dict, attend: Attend) -> torch.Tensor:
-        """:func:`run_blocks` of ``x`` on the bound buffers (the caller holds ``lock``)."""
+        """The blocks over ``x`` on the bound buffers (see :func:`run_blocks`; where the buffers are a
+        forward's to keep, the caller holds ``lock``) -> the normed rows, a buffer of this object."""
         self.x.copy_(x)
         for kind, (cos, sin) in self.tables.items():
             cos.copy_(tables[kind][0])
