@@ -140,6 +140,7 @@ def test_kernels_off_turns_it_off_and_the_fused_forward_attends_on_pytorch(monke
 
 
 def test_forget_looks_for_the_kernel_again(monkeypatch):
+    monkeypatch.delenv("SPECULUM_KERNELS", raising=False)      # the suite may run with the kernels off
     before = attention_unavailable()
     attention_rows.forget()
     monkeypatch.setenv("SPECULUM_KERNELS", "off")
