@@ -127,4 +127,10 @@ def test_q8_on_a_model_directory_is_refused_in_one_line(capsys, tiny_dir):
     code = main(["generate", PROMPT, "--target", tiny_dir, "--dtype", "q8", "--raw", "--max-new-tokens", "2"])
     captured = capsys.readouterr()
     assert code == 2 and "Traceback" not in captured.err
-    assert "q8 multiplies a GGUF file's weight groups: load a GGUF file or the embedded model" in captured.err
+    from speculum.models.hf.kernels.q8_groups import q8_unavailable
+
+    # The first cause found names the refusal: no kernel here (no compiler, SPECULUM_KERNELS=off), else no groups.
+    reason = q8_unavailable()
+    expected = (f"q8 needs its compiled kernel: {reason}" if reason is not None
+                else "q8 multiplies a GGUF file's weight groups: load a GGUF file or the embedded model")
+    assert expected in captured.err
