@@ -4,6 +4,9 @@ formula the C source states (bit for bit), against float32 (close), and row by r
 from __future__ import annotations
 
 import copy
+import ctypes
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -16,9 +19,11 @@ import speculum  # noqa: E402
 from speculum.drafts import PromptLookup  # noqa: E402
 from speculum.drafts.twins import int8_twin, truncated_draft  # noqa: E402
 from speculum.models.hf import HFModel  # noqa: E402
+from speculum.models.hf.kernels.build import FLAGS  # noqa: E402
 from speculum.models.hf.kernels.gguf_records import pack  # noqa: E402
 from speculum.models.hf.kernels.probe import gives_rows_alone  # noqa: E402
-from speculum.models.hf.kernels.q8_groups import Q8Product, q8_run, q8_unavailable, quantised_rows  # noqa: E402
+from speculum.models.hf.kernels.q8_groups import (Q8_KINDS, Q8Product, q8_run, q8_source, q8_unavailable,  # noqa: E402
+                                                  quantised_rows, vector_bits)
 from speculum.models.hf.precision import DTYPES, dtype_advice, parse_dtype, prepare_module  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 from support.grouped_weights import grouped_tiny  # noqa: E402
@@ -161,6 +166,39 @@ def test_layers_of_two_kinds_run_side_by_side():
     assert torch.equal(product(rows), torch.cat([q8_run([w])(rows) for w in weights], dim=1))
     with pytest.raises(ValueError, match="one input width"):
         q8_run([weights[0], pack("q8_0", _blocks("q8_0", 16, 32, rng))])
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
+def test_avx2_build_computes_the_native_builds_bits(tmp_path):
+    """The AVX2 path (4 rows a pass, its own quantiser) against this CPU's build: quantised rows, with zeros,
+    halves and NaN among them, and every record kind at every row count across the passes and the tiles."""
+    if vector_bits() != 512:
+        pytest.skip("this CPU builds the AVX2 path itself")
+    # Without OpenMP (no second runtime in this process): one thread gives the same bits as any other count.
+    flags = ["-march=x86-64-v3" if flag == "-march=native" else flag for flag in FLAGS if flag != "-fopenmp"]
+    built = tmp_path / "q8-avx2.so"
+    subprocess.run(["gcc", *flags, "-shared", str(q8_source()), "-o", str(built)], check=True, capture_output=True)
+    other = ctypes.CDLL(str(built))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    assert other.q8_vector_bits() == 256
+    rows = torch.randn(300, 256, generator=torch.Generator().manual_seed(8)) * 3
+    rows[1, :32], rows[2, 32:64], rows[3, 70] = 0, torch.arange(32) - 15.5, float("nan")
+    theirs = (torch.empty(300, 256, dtype=torch.int8), torch.empty(300, 8), torch.empty(300, 8, 2, dtype=torch.int32))
+    other.quantise_rows.argtypes = [pointer, size, size, pointer, pointer, pointer, ctypes.c_int]
+    other.quantise_rows(rows.data_ptr(), 300, 256, *(t.data_ptr() for t in theirs), 1)
+    for ours, its in zip(quantised_rows(rows), theirs):
+        assert torch.equal(ours, its)
+    rows[3, 70] = 1.0
+    rng = np.random.default_rng(9)
+    for gguf_type in ("q4_0", "q4_1", "q5_0", "q5_1", "q6_k", "q8_0"):
+        product = q8_run([pack(gguf_type, _blocks(gguf_type, 32, 256, rng))])
+        assert product.kind in Q8_KINDS
+        function = getattr(other, f"{product.kind}_rows")
+        function.argtypes = [pointer, size, size, pointer, size, pointer, ctypes.c_int]
+        for count in (*range(1, 19), 129, 300):
+            out = torch.empty(count, 32)
+            assert function(rows.data_ptr(), count, 256, product.records.data_ptr(), 32, out.data_ptr(), 1) == 0
+            assert torch.equal(out, product(rows[:count])), (gguf_type, count)
 
 
 # ------------------------------------------------------------------------------------------ the q8 target

@@ -41,18 +41,80 @@
 #define Q8_0_RECORD (SCALES + 512)
 
 enum { Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0 };
+/* 4 quantised inputs read in place as one int32, the operand each dot product broadcasts. */
+typedef int32_t unaligned_int32 __attribute__((aligned(1), may_alias));
 
 /* ------------------------------------------------------------------------------------------ the rows */
 
-/* roundf's rounding (half away from zero) for |v| < 2^31, without the C library: the fraction v - trunc(v)
- * is exact in float32. */
-static inline int round_away(float v)
+/* Block b (row r, group g) of 32 inputs quantised: quants at q, its scale, the sums of its inputs 0..15 and
+ * 16..31, and (where `fsum` is given) their total as a float32. amax is the largest |x| ignoring NaN (max is
+ * exact in any order); each quant is x * inverse (float32) rounded half away from zero as roundf does, from
+ * its truncation and the exact fraction v - trunc(v); a NaN input gives the quant 0 (the conversion's
+ * 0x80000000, truncated to 8 bits). The AVX-512 and AVX2 paths give the same bits (tested). */
+static inline void quantise_block(const float *xb, int8_t *q, float *d, int32_t *sums, float *fsum)
 {
-    int i = (int)v;
-    const float fraction = v - (float)i;
-    if (fraction >= 0.5f) i++;
-    else if (fraction <= -0.5f) i--;
-    return i;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    /* max_ps(a, b) is b where a is NaN: NaN inputs leave the running maximum as it is */
+    __m512 top = _mm512_max_ps(_mm512_and_ps(x0, sign), _mm512_setzero_ps());
+    top = _mm512_max_ps(_mm512_and_ps(x1, sign), top);
+    const float amax = _mm512_reduce_max_ps(top);
+    const float scale = amax / 127.0f;
+    const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    int32_t sum[2];
+    for (int half = 0; half < 2; half++) {
+        const __m512 v = _mm512_mul_ps(half ? x1 : x0, _mm512_set1_ps(inverse));
+        __m512i i = _mm512_cvttps_epi32(v);
+        const __m512 fraction = _mm512_sub_ps(v, _mm512_cvtepi32_ps(i));
+        const __m512i one = _mm512_set1_epi32(1);
+        i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(fraction, _mm512_set1_ps(0.5f), _CMP_GE_OQ), i, one);
+        i = _mm512_mask_sub_epi32(i, _mm512_cmp_ps_mask(fraction, _mm512_set1_ps(-0.5f), _CMP_LE_OQ), i, one);
+        _mm_storeu_si128((__m128i *)(q + 16 * half), _mm512_cvtepi32_epi8(i));
+        sum[half] = _mm512_reduce_add_epi32(i);
+    }
+#elif defined(__AVX2__)
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 x[4], top = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        x[j] = _mm256_loadu_ps(xb + 8 * j);
+        top = _mm256_max_ps(_mm256_and_ps(x[j], sign), top);
+    }
+    __m128 high = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    high = _mm_max_ps(high, _mm_movehl_ps(high, high));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(high, _mm_movehdup_ps(high)));
+    const float scale = amax / 127.0f;
+    const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    __m256i i[4];
+    for (int j = 0; j < 4; j++) {
+        const __m256 v = _mm256_mul_ps(x[j], _mm256_set1_ps(inverse));
+        i[j] = _mm256_cvttps_epi32(v);
+        const __m256 fraction = _mm256_sub_ps(v, _mm256_cvtepi32_ps(i[j]));
+        /* the comparisons' masks are -1 where true */
+        i[j] = _mm256_sub_epi32(i[j], _mm256_castps_si256(_mm256_cmp_ps(fraction, _mm256_set1_ps(0.5f), _CMP_GE_OQ)));
+        i[j] = _mm256_add_epi32(i[j], _mm256_castps_si256(_mm256_cmp_ps(fraction, _mm256_set1_ps(-0.5f), _CMP_LE_OQ)));
+    }
+    int32_t sum[2];
+    for (int half = 0; half < 2; half++) {
+        const __m256i both = _mm256_add_epi32(i[2 * half], i[2 * half + 1]);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        sum[half] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+    }
+    /* the low byte of each int32 (truncation, as AVX-512's vpmovdb), in input order */
+    const __m256i byte = _mm256_set1_epi32(0xff);
+    const __m256i words01 = _mm256_packus_epi32(_mm256_and_si256(i[0], byte), _mm256_and_si256(i[1], byte));
+    const __m256i words23 = _mm256_packus_epi32(_mm256_and_si256(i[2], byte), _mm256_and_si256(i[3], byte));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(words01, words23),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, bytes);
+#else
+#error "8-bit products need AVX2, or AVX-512 VNNI"
+#endif
+    *d = scale;
+    sums[0] = sum[0];
+    sums[1] = sum[1];
+    if (fsum) *fsum = (float)(sum[0] + sum[1]);
 }
 
 /* Rows (rows, in_features) -> quants (rows, in_features) int8, scales (rows, in_features / 32) float32, sums
@@ -62,25 +124,8 @@ void quantise_rows(const float *x, int64_t rows, int64_t in_features, int8_t *q,
 {
     const int64_t blocks = rows * (in_features / GROUP);
     #pragma omp parallel for schedule(static) num_threads(threads) if (blocks >= 4096)
-    for (int64_t b = 0; b < blocks; b++) {
-        const float *xb = x + b * GROUP;
-        float amax = 0.0f;
-        for (int j = 0; j < GROUP; j++) {
-            const float a = xb[j] < 0.0f ? -xb[j] : xb[j];
-            amax = a > amax ? a : amax;
-        }
-        const float scale = amax / 127.0f;
-        const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-        int32_t sum[2] = {0, 0};
-        for (int j = 0; j < GROUP; j++) {
-            const int v = round_away(xb[j] * inverse);
-            q[b * GROUP + j] = (int8_t)v;
-            sum[j / 16] += v;
-        }
-        d[b] = scale;
-        sums[2 * b] = sum[0];
-        sums[2 * b + 1] = sum[1];
-    }
+    for (int64_t b = 0; b < blocks; b++)
+        quantise_block(x + b * GROUP, q + b * GROUP, d + b, sums + 2 * b, NULL);
 }
 
 /* ------------------------------------------------------------------------------------------ the vectors */
@@ -106,6 +151,7 @@ static inline ivec q8_weights(ivec w) { return _mm512_xor_si512(w, _mm512_set1_e
 static inline ivec dot_s8(ivec acc, ivec w, int32_t x4) { return dot_u8(acc, w, x4); }
 #define Q8_OFFSET 128
 static inline ivec isub(ivec a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+static inline ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 static inline fvec fzero(void) { return _mm512_setzero_ps(); }
 static inline fvec fload(const float *p) { return _mm512_loadu_ps(p); }
 static inline void fstore(float *p, fvec v) { _mm512_storeu_ps(p, v); }
@@ -145,6 +191,7 @@ static inline ivec dot_s8(ivec acc, ivec w, int32_t x4)
 }
 #define Q8_OFFSET 0
 static inline ivec isub(ivec a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+static inline ivec iadd(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
 static inline fvec fzero(void) { return _mm256_setzero_ps(); }
 static inline fvec fload(const float *p) { return _mm256_loadu_ps(p); }
 static inline void fstore(float *p, fvec v) { _mm256_storeu_ps(p, v); }
@@ -182,96 +229,138 @@ static inline __attribute__((always_inline)) void quads(const int kind, const ui
     }
 }
 
-/* `rows` rows (a constant in each inlined copy) times lanes `part` * WIDTH .. of one lane block. */
-static inline __attribute__((always_inline)) void lanes(const int kind, const int record, const int rows,
-        const int8_t *q, const float *d, const int32_t *sums, int64_t in_features, const uint8_t *block, int part,
-        float *out, int64_t out_features)
+/* The integer dot products of quads k0 .. k1 - 1 of one group for `rows` rows: quad-outer, row-inner, so that
+ * the rows' sums are independent chains the CPU overlaps (a row's 8 dot products in one chain would wait on
+ * each other's latency); one or two rows keep two chains each. Integer sums are exact: any split is the same. */
+static inline __attribute__((always_inline)) void dots(const int kind, const int rows, const int8_t *xq,
+        const ivec w[8], int k0, int k1, ivec sum[ROWS_A_PASS])
 {
-    const int64_t groups = in_features / GROUP;
+    ivec spare[2] = {izero(), izero()};
+    for (int r = 0; r < rows; r++) sum[r] = izero();
+    #pragma GCC unroll 8
+    for (int k = k0; k < k1; k++) {
+        #pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            const int32_t x4 = ((const unaligned_int32 *)(xq + r * GROUP))[k];
+            ivec *into = rows <= 2 && (k & 1) ? &spare[r] : &sum[r];
+            *into = kind == Q8_0 ? dot_s8(*into, w[k], x4) : dot_u8(*into, w[k], x4);
+        }
+    }
+    if (rows <= 2)
+        for (int r = 0; r < rows; r++) sum[r] = iadd(sum[r], spare[r]);
+}
+
+/* `rows` rows (a constant in each inlined copy) of one pass times lanes `part` * WIDTH .. of one lane block. The
+ * pass is laid out group-major (passed_rows): group g's quants, scales and sums of its rows side by side. */
+static inline __attribute__((always_inline)) void lanes(const int kind, const int record, const int rows,
+        const int8_t *q, const float *d, const int32_t *sums, const float *fsum, int64_t groups,
+        const uint8_t *block, int part, float *out, int64_t out_features)
+{
     fvec acc[ROWS_A_PASS];
     for (int r = 0; r < rows; r++) acc[r] = fzero();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *at = block + g * record;
         const float *scales = (const float *)at;
-        ivec w[8];
+        const float *dg = d + g * rows, *fg = fsum + g * rows;
+        const int32_t *sg = sums + 2 * g * rows;
+        ivec w[8], sum[ROWS_A_PASS];
         quads(kind, at, part, w);
         const fvec scale = fload(scales + part * WIDTH);
+        /* inputs 0..31 (q6_k: 0..15, its first scale) */
+        dots(kind, rows, q + g * rows * GROUP, w, 0, kind == Q6_K ? 4 : 8, sum);
+        #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
-            const int8_t *xq = q + r * in_features + g * GROUP;
-            ivec low = izero(), high = izero();          /* inputs 0..15, 16..31 */
-            for (int k = 0; k < 8; k++) {
-                int32_t x4;
-                memcpy(&x4, xq + 4 * k, 4);
-                if (kind == Q8_0) low = dot_s8(low, w[k], x4);
-                else if (kind == Q6_K && k >= 4) high = dot_u8(high, w[k], x4);
-                else low = dot_u8(low, w[k], x4);
-            }
-            const float dr = d[r * groups + g];
-            const int32_t s_low = sums[2 * (r * groups + g)], s_high = sums[2 * (r * groups + g) + 1];
-            const int32_t sr = s_low + s_high;
+            const int32_t s_low = sg[2 * r], sr = s_low + sg[2 * r + 1];
+            ivec low = sum[r];
             if (kind == Q4_0) low = isub(low, 8 * sr);
             if (kind == Q5_0) low = isub(low, 16 * sr);
             if (kind == Q8_0 && Q8_OFFSET) low = isub(low, Q8_OFFSET * sr);
-            if (kind == Q6_K) {
-                low = isub(low, 32 * s_low);
-                high = isub(high, 32 * s_high);
-            }
-            acc[r] = fadd(acc[r], fmul(fmul(scale, fset1(dr)), to_float(low)));
+            if (kind == Q6_K) low = isub(low, 32 * s_low);
+            acc[r] = fadd(acc[r], fmul(fmul(scale, fset1(dg[r])), to_float(low)));
             if (kind == Q4_1 || kind == Q5_1) {
                 const fvec minimum = fload(scales + LANES + part * WIDTH);
-                acc[r] = fadd(acc[r], fmul(fmul(minimum, fset1(dr)), fset1((float)sr)));
+                acc[r] = fadd(acc[r], fmul(fmul(minimum, fset1(dg[r])), fset1(fg[r])));
             }
-            if (kind == Q6_K) {
-                const fvec second = fload(scales + LANES + part * WIDTH);
-                acc[r] = fadd(acc[r], fmul(fmul(second, fset1(dr)), to_float(high)));
+        }
+        if (kind == Q6_K) {                       /* inputs 16..31, the second scale */
+            const fvec second = fload(scales + LANES + part * WIDTH);
+            dots(kind, rows, q + g * rows * GROUP, w, 4, 8, sum);
+            #pragma GCC unroll 8
+            for (int r = 0; r < rows; r++) {
+                const ivec high = isub(sum[r], 32 * sg[2 * r + 1]);
+                acc[r] = fadd(acc[r], fmul(fmul(second, fset1(dg[r])), to_float(high)));
             }
         }
     }
     for (int r = 0; r < rows; r++) fstore(out + r * out_features + part * WIDTH, acc[r]);
 }
 
+/* The scratch of `rows` rows in passes of ROWS_A_PASS: pass p (rows r0 = p ROWS_A_PASS .., n of them) holds at
+ * q + r0 in_features its quants [group][row][32], at d + r0 groups and fsum + r0 groups its scales and total
+ * sums [group][row], at sums + 2 r0 groups its half sums [group][row][2]: a pass reads one stream a kind. */
+static void passed_rows(const float *x, int64_t rows, int64_t in_features, int8_t *q, float *d, int32_t *sums,
+                        float *fsum, int threads)
+{
+    const int64_t groups = in_features / GROUP, blocks = rows * groups;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (blocks >= 4096)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t row = b / groups, g = b % groups, r0 = row - row % ROWS_A_PASS;
+        const int64_t n = rows - r0 < ROWS_A_PASS ? rows - r0 : ROWS_A_PASS;
+        const int64_t at = r0 * groups + g * n + (row - r0);
+        quantise_block(x + b * GROUP, q + at * GROUP, d + at, sums + 2 * at, fsum + at);
+    }
+}
+
 #define CASE(n) case n: lanes(kind, record, n, q + r0 * in_features, d + r0 * groups, sums + 2 * r0 * groups, \
-                              in_features, block, part, out + r0 * out_features + b * LANES, out_features); break;
+                              fsum + r0 * groups, groups, block, part, out + r0 * out_features + b * LANES,  \
+                              out_features); break;
 #if ROWS_A_PASS == 8
 #define PASSES CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #else
 #define PASSES CASE(1) CASE(2) CASE(3) CASE(4)
 #endif
 
-/* Lane blocks are shared among `threads` threads (PyTorch's count, passed in); each takes every row, ROWS_A_PASS
- * rows a pass, a group's quads unpacked once a pass. */
+/* Rows are taken in tiles of TILE_ROWS, each tile's quantised rows (at most 128 x in_features bytes) staying in
+ * the cache while every lane block multiplies them; the (tile, lane block) pairs are shared among `threads`
+ * threads (PyTorch's count, passed in), tile-major. A lane block takes its tile's rows ROWS_A_PASS a pass, a
+ * group's quads unpacked once a pass. */
+#define TILE_ROWS (16 * ROWS_A_PASS)
 #define PRODUCT(name, KIND, RECORD)                                                                          \
-void name(const int8_t *q, const float *d, const int32_t *sums, int64_t rows, int64_t in_features,           \
-          const uint8_t *packed, int64_t out_features, float *out, int threads)                              \
+static void name(const int8_t *q, const float *d, const int32_t *sums, const float *fsum, int64_t rows,      \
+                 int64_t in_features, const uint8_t *packed, int64_t out_features, float *out, int threads)  \
 {                                                                                                            \
     const int kind = KIND, record = RECORD;                                                                  \
     const int64_t blocks = out_features / LANES, groups = in_features / GROUP;                               \
+    const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;                                                \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                        \
-    for (int64_t b = 0; b < blocks; b++) {                                                                   \
+    for (int64_t item = 0; item < tiles * blocks; item++) {                                                  \
+        const int64_t b = item % blocks, first = item / blocks * TILE_ROWS;                                  \
+        const int64_t last = first + TILE_ROWS < rows ? first + TILE_ROWS : rows;                            \
         const uint8_t *block = packed + b * groups * record;                                                 \
         for (int part = 0; part < LANES / WIDTH; part++)                                                     \
-            for (int64_t r0 = 0; r0 < rows; r0 += ROWS_A_PASS) {                                             \
-                const int n = rows - r0 < ROWS_A_PASS ? (int)(rows - r0) : ROWS_A_PASS;                      \
+            for (int64_t r0 = first; r0 < last; r0 += ROWS_A_PASS) {                                         \
+                const int n = last - r0 < ROWS_A_PASS ? (int)(last - r0) : ROWS_A_PASS;                      \
                 switch (n) { PASSES }                                                                        \
             }                                                                                                \
     }                                                                                                        \
 }
 
-/* Float32 rows quantised (quantise_rows) into a buffer of this call, then multiplied: one call a product, as a
+/* Float32 rows quantised (passed_rows) into a buffer of this call, then multiplied: one call a product, as a
  * decode step makes ~120 of them. Returns 0, or -1 where the buffer cannot be allocated. */
 #define ROWS_PRODUCT(name, product)                                                                          \
 int name(const float *x, int64_t rows, int64_t in_features, const uint8_t *packed, int64_t out_features,     \
          float *out, int threads)                                                                            \
 {                                                                                                            \
     const int64_t groups = in_features / GROUP;                                                              \
-    /* quants (rows x in_features bytes: a multiple of 32), scales, then sums: each 4-byte aligned */        \
-    uint8_t *scratch = malloc((size_t)(rows * in_features + rows * groups * 12));                            \
+    /* quants (rows x in_features bytes: a multiple of 32), scales, sums, then float sums: 4-byte aligned */ \
+    uint8_t *scratch = malloc((size_t)(rows * in_features + rows * groups * 16));                            \
     if (scratch == NULL) return -1;                                                                          \
     int8_t *q = (int8_t *)scratch;                                                                           \
     float *d = (float *)(scratch + rows * in_features);                                                      \
     int32_t *sums = (int32_t *)(scratch + rows * in_features + rows * groups * 4);                           \
-    quantise_rows(x, rows, in_features, q, d, sums, threads);                                                \
-    product(q, d, sums, rows, in_features, packed, out_features, out, threads);                              \
+    float *fsum = (float *)(scratch + rows * in_features + rows * groups * 12);                              \
+    passed_rows(x, rows, in_features, q, d, sums, fsum, threads);                                            \
+    product(q, d, sums, fsum, rows, in_features, packed, out_features, out, threads);                        \
     free(scratch);                                                                                           \
     return 0;                                                                                                \
 }
