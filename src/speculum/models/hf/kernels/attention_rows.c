@@ -183,7 +183,9 @@ int attention_rows(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, c
         float *scores = malloc(sizeof(float) * (size_t)((longest + LANES - 1) / LANES * LANES));
         failed |= scores == NULL;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++) {
+        for (int64_t done = 0; done < items; done++) {
+            /* the last rows first: in a prompt they read the most keys, and the threads end together */
+            const int64_t item = items - 1 - done;
             if (scores == NULL) continue;
             const int64_t r = item / heads, h = item % heads;
             const int64_t at = offsets[r] + h / group * head_stride + first[r] * dim;

@@ -320,22 +320,27 @@ static void passed_rows(const float *x, int64_t rows, int64_t in_features, int8_
 #define PASSES CASE(1) CASE(2) CASE(3) CASE(4)
 #endif
 
-/* Rows are taken in tiles of TILE_ROWS, each tile's quantised rows (at most 128 x in_features bytes) staying in
- * the cache while every lane block multiplies them; the (tile, lane block) pairs are shared among `threads`
- * threads (PyTorch's count, passed in), tile-major. A lane block takes its tile's rows ROWS_A_PASS a pass, a
- * group's quads unpacked once a pass. */
+/* Rows are taken in tiles of at most TILE_ROWS, as even as whole passes allow, each tile's quantised rows (at
+ * most 128 x in_features bytes) staying in the cache while every lane block multiplies them; the (tile, lane
+ * block) pairs are shared among `threads` threads (PyTorch's count, passed in), tile-major. A lane block takes
+ * its tile's rows ROWS_A_PASS a pass, a group's quads unpacked once a pass. */
 #define TILE_ROWS (16 * ROWS_A_PASS)
+static inline int64_t tile_rows(int64_t rows)
+{
+    const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS, even = (rows + tiles - 1) / tiles;
+    return (even + ROWS_A_PASS - 1) / ROWS_A_PASS * ROWS_A_PASS;
+}
 #define PRODUCT(name, KIND, RECORD)                                                                          \
 static void name(const int8_t *q, const float *d, const int32_t *sums, const float *fsum, int64_t rows,      \
                  int64_t in_features, const uint8_t *packed, int64_t out_features, float *out, int threads)  \
 {                                                                                                            \
     const int kind = KIND, record = RECORD;                                                                  \
     const int64_t blocks = out_features / LANES, groups = in_features / GROUP;                               \
-    const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;                                                \
+    const int64_t tile = tile_rows(rows), tiles = (rows + tile - 1) / tile;                                  \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                        \
     for (int64_t item = 0; item < tiles * blocks; item++) {                                                  \
-        const int64_t b = item % blocks, first = item / blocks * TILE_ROWS;                                  \
-        const int64_t last = first + TILE_ROWS < rows ? first + TILE_ROWS : rows;                            \
+        const int64_t b = item % blocks, first = item / blocks * tile;                                       \
+        const int64_t last = first + tile < rows ? first + tile : rows;                                      \
         const uint8_t *block = packed + b * groups * record;                                                 \
         for (int part = 0; part < LANES / WIDTH; part++)                                                     \
             for (int64_t r0 = first; r0 < last; r0 += ROWS_A_PASS) {                                         \
