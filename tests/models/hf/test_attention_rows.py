@@ -52,7 +52,7 @@ def store(slots: int, kv_heads: int, length: int, dim: int, generator: torch.Gen
 
 
 @needs_kernel
-@given(kv_heads=st.integers(1, 3), group=st.integers(1, 4), dim=st.sampled_from([4, 8, 16, 24, 64, 80, 256]),
+@given(kv_heads=st.integers(1, 3), group=st.integers(1, 6), dim=st.sampled_from([4, 8, 16, 24, 64, 80, 256]),
        rows=st.integers(0, 12), window=st.one_of(st.none(), st.integers(1, 40)), seed=st.integers(0, 2**31))
 @settings(max_examples=40, deadline=None)
 def test_rows_are_attention_to_float32_rounding_and_each_row_alone(kv_heads, group, dim, rows, window, seed):

@@ -7,7 +7,8 @@
  * where reduce16 adds lane l and l + 8, then l and l + 4, l + 2, l + 1: one tree for every score. Every
  * operation is a float32 add, multiply or divide (no contraction, no fast-math), so the output is the same
  * function of the row's query and its keys and values whatever else the call holds, the thread that runs it,
- * or the vector width the compiler chose (ROW-CANONICAL by construction).
+ * or the vector width the compiler chose (ROW-CANONICAL by construction). Up to 4 query heads that share a
+ * key/value head are attended in one pass over its keys and values: they share the loads, not the arithmetic.
  *
  * Layouts: q row r, head h at q + r * q_row_stride + h * dim; row r's keys for key/value head g at
  * keys + offsets[r] + g * head_stride + position * dim (a slot of a store, or a sequence of a batch), its
@@ -87,67 +88,93 @@ static inline vec load_tail(const float *p, int64_t n) {
     return load(t);
 }
 
-/* One head of one row: `count` keys and values from k and v (rows of dim floats); scores holds count rounded up
- * to 16 floats. A width that is not a multiple of 16 ends in a partial chunk, zeros after it. Inlined with dim a
- * constant for the common widths (the same operations, unrolled and kept in registers). */
-static inline __attribute__((always_inline)) void attend_one(const float *q, const float *k, const float *v,
-                                                             int64_t count, const int64_t dim, float scale,
-                                                             float *scores, float *out) {
+#define GROUP_MAX 4          /* query heads attended together over one read of their shared keys and values */
+
+/* Heads h .. h + n - 1 (n <= GROUP_MAX) of one row, which share one key/value head: `count` keys and values
+ * from k and v (rows of dim floats), queries at q (n rows of dim floats), outputs at out (alike); scores holds
+ * n times count rounded up to 16 floats. Each head's operations are those of the head alone, in the same
+ * order; the heads only share the loads (a block of 16 keys stays in the first-level cache for all of them,
+ * and each value row is read once for all). A width that is not a multiple of 16 ends in a partial chunk,
+ * zeros after it. Inlined with dim and n constants for the common shapes. */
+static inline __attribute__((always_inline)) void attend_heads(const float *q, const int64_t n, const float *k,
+                                                               const float *v, int64_t count, const int64_t dim,
+                                                               float scale, float *scores, float *out) {
     const int64_t chunks = dim / LANES, tail = dim % LANES, used = chunks + (tail > 0);
-    vec query[used];
-    for (int64_t c = 0; c < chunks; c++) query[c] = load(q + c * LANES);
-    if (tail) query[chunks] = load_tail(q + chunks * LANES, tail);
-    for (int64_t j0 = 0; j0 < count; j0 += LANES) {
-        vec part[LANES];
-        const int64_t n = count - j0 < LANES ? count - j0 : LANES;
-        for (int64_t jj = 0; jj < LANES; jj++) {
-            vec sum = {0};
-            if (jj < n) {
-                const float *key = k + (j0 + jj) * dim;
-                sum = query[0] * (chunks ? load(key) : load_tail(key, tail));
-                for (int64_t c = 1; c < chunks; c++) sum += query[c] * load(key + c * LANES);
-                if (tail && chunks) sum += query[chunks] * load_tail(key + chunks * LANES, tail);
-            }
-            part[jj] = sum;
-        }
-        store(scores + j0, reduce16(part) * splat(scale));
-    }
     const int64_t padded = (count + LANES - 1) / LANES * LANES;
-    for (int64_t j = count; j < padded; j++) scores[j] = -INFINITY;
-    float best = scores[0];
-    for (int64_t j = 1; j < count; j++) best = scores[j] > best ? scores[j] : best;
-    vec total = {0};
-    for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
-        const vec e = exp_nonpositive(load(scores + j0) - splat(best));
-        store(scores + j0, e);
-        total += e;
+    for (int64_t j0 = 0; j0 < count; j0 += LANES) {
+        const int64_t n_keys = count - j0 < LANES ? count - j0 : LANES;
+        for (int64_t head = 0; head < n; head++) {
+            const float *qh = q + head * dim;
+            vec query[used];
+            for (int64_t c = 0; c < chunks; c++) query[c] = load(qh + c * LANES);
+            if (tail) query[chunks] = load_tail(qh + chunks * LANES, tail);
+            vec part[LANES];
+            for (int64_t jj = 0; jj < LANES; jj++) {
+                vec sum = {0};
+                if (jj < n_keys) {
+                    const float *key = k + (j0 + jj) * dim;
+                    sum = query[0] * (chunks ? load(key) : load_tail(key, tail));
+                    for (int64_t c = 1; c < chunks; c++) sum += query[c] * load(key + c * LANES);
+                    if (tail && chunks) sum += query[chunks] * load_tail(key + chunks * LANES, tail);
+                }
+                part[jj] = sum;
+            }
+            store(scores + head * padded + j0, reduce16(part) * splat(scale));
+        }
     }
-    const vec sum = splat(sum16(total));
-    /* Values in passes of up to 4 chunks, each pass's accumulators in registers. */
+    vec sum[GROUP_MAX];
+    for (int64_t head = 0; head < n; head++) {
+        float *sh = scores + head * padded;
+        for (int64_t j = count; j < padded; j++) sh[j] = -INFINITY;
+        float best = sh[0];
+        for (int64_t j = 1; j < count; j++) best = sh[j] > best ? sh[j] : best;
+        vec total = {0};
+        for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
+            const vec e = exp_nonpositive(load(sh + j0) - splat(best));
+            store(sh + j0, e);
+            total += e;
+        }
+        sum[head] = splat(sum16(total));
+    }
+    /* Values in passes of up to 4 chunks, each pass's accumulators (4 a head) in registers. */
     for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
         const int64_t width = chunks - c0 < 4 ? chunks - c0 : 4;
-        vec acc[4] = {{0}, {0}, {0}, {0}};
+        vec acc[GROUP_MAX][4];
+        for (int64_t head = 0; head < n; head++)
+            for (int64_t c = 0; c < 4; c++) acc[head][c] = (vec){0};
         for (int64_t j = 0; j < count; j++) {
-            const vec weight = splat(scores[j]);
             const float *value = v + j * dim + c0 * LANES;
-            for (int64_t c = 0; c < width; c++) acc[c] += weight * load(value + c * LANES);
+            vec row[4];
+            for (int64_t c = 0; c < width; c++) row[c] = load(value + c * LANES);
+            for (int64_t head = 0; head < n; head++) {
+                const vec weight = splat(scores[head * padded + j]);
+                for (int64_t c = 0; c < width; c++) acc[head][c] += weight * row[c];
+            }
         }
-        for (int64_t c = 0; c < width; c++) store(out + (c0 + c) * LANES, acc[c] / sum);
+        for (int64_t head = 0; head < n; head++)
+            for (int64_t c = 0; c < width; c++) store(out + head * dim + (c0 + c) * LANES, acc[head][c] / sum[head]);
     }
-    for (int64_t i = chunks * LANES; i < dim; i++) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < count; j++) acc += scores[j] * v[j * dim + i];
-        out[i] = acc / sum[0];
-    }
+    for (int64_t head = 0; head < n; head++)
+        for (int64_t i = chunks * LANES; i < dim; i++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < count; j++) acc += scores[head * padded + j] * v[j * dim + i];
+            out[head * dim + i] = acc / sum[head][0];
+        }
 }
 
-static void attend_any(const float *q, const float *k, const float *v, int64_t count, int64_t dim, float scale,
-                       float *scores, float *out) {
-    switch (dim) {
-    case 64: attend_one(q, k, v, count, 64, scale, scores, out); break;
-    case 128: attend_one(q, k, v, count, 128, scale, scores, out); break;
-    case 256: attend_one(q, k, v, count, 256, scale, scores, out); break;
-    default: attend_one(q, k, v, count, dim, scale, scores, out);
+#define HEADS(n) switch (dim) {                                                                               \
+    case 64: attend_heads(q, n, k, v, count, 64, scale, scores, out); break;                                  \
+    case 128: attend_heads(q, n, k, v, count, 128, scale, scores, out); break;                                \
+    case 256: attend_heads(q, n, k, v, count, 256, scale, scores, out); break;                                \
+    default: attend_heads(q, n, k, v, count, dim, scale, scores, out); }
+
+static void attend_any(const float *q, int64_t n, const float *k, const float *v, int64_t count, int64_t dim,
+                       float scale, float *scores, float *out) {
+    switch (n) {
+    case 1: HEADS(1) break;
+    case 2: HEADS(2) break;
+    case 3: HEADS(3) break;
+    default: HEADS(4) break;
     }
 }
 
@@ -177,20 +204,29 @@ int attention_rows(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, c
     }
     /* Threads only where the work outweighs waking them (a few microseconds). */
     const int parallel = threads > 1 && items > 1 && work * heads * dim >= (1 << 17);
+    /* A work item is up to GROUP_MAX heads of one row sharing a key/value head, or a single head where that
+     * would leave fewer items than two per thread: the same operations for each head either way. */
+    const int64_t together = group < GROUP_MAX ? group : GROUP_MAX;
+    const int64_t per_item = parallel && rows * kv_heads * ((group + together - 1) / together) < 2 * threads
+                             ? 1 : together;
+    const int64_t parts = (group + per_item - 1) / per_item, grouped = rows * kv_heads * parts;
     int failed = 0;
 #pragma omp parallel if (parallel) num_threads(threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)((longest + LANES - 1) / LANES * LANES));
+        const int64_t padded = (longest + LANES - 1) / LANES * LANES;
+        float *scores = malloc(sizeof(float) * (size_t)(padded * per_item));
         failed |= scores == NULL;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t done = 0; done < items; done++) {
+        for (int64_t done = 0; done < grouped; done++) {
             /* the last rows first: in a prompt they read the most keys, and the threads end together */
-            const int64_t item = items - 1 - done;
+            const int64_t item = grouped - 1 - done;
             if (scores == NULL) continue;
-            const int64_t r = item / heads, h = item % heads;
-            const int64_t at = offsets[r] + h / group * head_stride + first[r] * dim;
-            attend_any(q + r * q_row_stride + h * dim, keys + at, values + at, last[r] - first[r] + 1, dim, scale,
-                       scores, out + item * dim);
+            const int64_t r = item / (kv_heads * parts), g = item / parts % kv_heads, part = item % parts;
+            const int64_t h = g * group + part * per_item;
+            const int64_t n = group - part * per_item < per_item ? group - part * per_item : per_item;
+            const int64_t at = offsets[r] + g * head_stride + first[r] * dim;
+            attend_any(q + r * q_row_stride + h * dim, n, keys + at, values + at, last[r] - first[r] + 1, dim,
+                       scale, scores, out + (r * heads + h) * dim);
         }
         free(scores);
     }
