@@ -40,7 +40,20 @@
 #define Q6_K_RECORD (2 * SCALES + 256 + 128)
 #define Q8_0_RECORD (SCALES + 512)
 
-enum { Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0 };
+/* q4_1f, q5_1f: q4_1 and q5_1 records whose scales and minimums factor, over each super-block of 8 groups, into
+ * one float32 a lane times an int8 a group (K-quants: a float16 times a 6-bit integer). A super-block holds
+ * the lanes' factors (16 float32 for the scales, 16 for the minimums), then its 8 groups, each the lanes'
+ * int8 scale and minimum factors (16 + 16 bytes) and the quants as in q4_1 / q5_1. */
+#define FACTORS (2 * SCALES)
+#define Q4_1F_RECORD (2 * LANES + 256)
+#define Q5_1F_RECORD (2 * LANES + 256 + 64)
+
+enum { Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0, Q4_1F, Q5_1F };
+#define FACTORED(kind) ((kind) == Q4_1F || (kind) == Q5_1F)
+#define WITH_MINIMUM(kind) ((kind) == Q4_1 || (kind) == Q5_1 || FACTORED(kind))
+/* Bytes of one lane block's records over `groups` groups. */
+#define LANE_BLOCK(kind, record, groups) (FACTORED(kind) ? (groups) / 8 * (FACTORS + 8 * (record)) \
+                                                         : (groups) * (record))
 /* 4 quantised inputs read in place as one int32, the operand each dot product broadcasts. */
 typedef int32_t unaligned_int32 __attribute__((aligned(1), may_alias));
 
@@ -159,6 +172,10 @@ static inline fvec fset1(float v) { return _mm512_set1_ps(v); }
 static inline fvec fmul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
 static inline fvec fadd(fvec a, fvec b) { return _mm512_add_ps(a, b); }
 static inline fvec to_float(ivec v) { return _mm512_cvtepi32_ps(v); }
+static inline fvec int8_to_float(const uint8_t *p)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 #elif defined(__AVX2__)
 #define WIDTH 8
 #define ROWS_A_PASS 4
@@ -199,6 +216,10 @@ static inline fvec fset1(float v) { return _mm256_set1_ps(v); }
 static inline fvec fmul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
 static inline fvec fadd(fvec a, fvec b) { return _mm256_add_ps(a, b); }
 static inline fvec to_float(ivec v) { return _mm256_cvtepi32_ps(v); }
+static inline fvec int8_to_float(const uint8_t *p)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 #else
 #error "8-bit products need AVX2, or AVX-512 VNNI"
 #endif
@@ -213,13 +234,13 @@ static inline __attribute__((always_inline)) void quads(const int kind, const ui
         for (int k = 0; k < 8; k++) w[k] = q8_weights(iload(at + SCALES + k * 64 + part * bytes));
         return;
     }
-    const uint8_t *chunks = at + (kind == Q4_1 || kind == Q5_1 || kind == Q6_K ? 2 : 1) * SCALES;
+    const uint8_t *chunks = at + (FACTORED(kind) ? 2 * LANES : (WITH_MINIMUM(kind) || kind == Q6_K ? 2 : 1) * SCALES);
     for (int v = 0; v < 4; v++) {
         const ivec b = iload(chunks + v * 64 + part * bytes);
         w[v] = low_nibbles(b);
         w[4 + v] = high_nibbles(b);
     }
-    if (kind == Q5_0 || kind == Q5_1 || kind == Q6_K) {
+    if (kind == Q5_0 || kind == Q5_1 || kind == Q5_1F || kind == Q6_K) {
         const ivec fifth = iload(chunks + 256 + part * bytes);
         for (int k = 0; k < 8; k++) w[k] = plane_bit(w[k], fifth, k, 16);
     }
@@ -259,13 +280,22 @@ static inline __attribute__((always_inline)) void lanes(const int kind, const in
     fvec acc[ROWS_A_PASS];
     for (int r = 0; r < rows; r++) acc[r] = fzero();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *at = block + g * record;
+        const uint8_t *at = FACTORED(kind) ? block + g / 8 * (FACTORS + 8 * record) + FACTORS + g % 8 * record
+                                           : block + g * record;
         const float *scales = (const float *)at;
         const float *dg = d + g * rows, *fg = fsum + g * rows;
         const int32_t *sg = sums + 2 * g * rows;
         ivec w[8], sum[ROWS_A_PASS];
         quads(kind, at, part, w);
-        const fvec scale = fload(scales + part * WIDTH);
+        fvec scale, minimum = fzero();
+        if (FACTORED(kind)) {      /* float32 factor times int8 factor: exactly the q4_1 / q5_1 record's floats */
+            const float *factors = (const float *)(block + g / 8 * (FACTORS + 8 * record));
+            scale = fmul(fload(factors + part * WIDTH), int8_to_float(at + part * WIDTH));
+            minimum = fmul(fload(factors + LANES + part * WIDTH), int8_to_float(at + LANES + part * WIDTH));
+        } else {
+            scale = fload(scales + part * WIDTH);
+            if (WITH_MINIMUM(kind)) minimum = fload(scales + LANES + part * WIDTH);
+        }
         /* inputs 0..31 (q6_k: 0..15, its first scale) */
         dots(kind, rows, q + g * rows * GROUP, w, 0, kind == Q6_K ? 4 : 8, sum);
         #pragma GCC unroll 8
@@ -277,10 +307,7 @@ static inline __attribute__((always_inline)) void lanes(const int kind, const in
             if (kind == Q8_0 && Q8_OFFSET) low = isub(low, Q8_OFFSET * sr);
             if (kind == Q6_K) low = isub(low, 32 * s_low);
             acc[r] = fadd(acc[r], fmul(fmul(scale, fset1(dg[r])), to_float(low)));
-            if (kind == Q4_1 || kind == Q5_1) {
-                const fvec minimum = fload(scales + LANES + part * WIDTH);
-                acc[r] = fadd(acc[r], fmul(fmul(minimum, fset1(dg[r])), fset1(fg[r])));
-            }
+            if (WITH_MINIMUM(kind)) acc[r] = fadd(acc[r], fmul(fmul(minimum, fset1(dg[r])), fset1(fg[r])));
         }
         if (kind == Q6_K) {                       /* inputs 16..31, the second scale */
             const fvec second = fload(scales + LANES + part * WIDTH);
@@ -341,7 +368,7 @@ static void name(const int8_t *q, const float *d, const int32_t *sums, const flo
     for (int64_t item = 0; item < tiles * blocks; item++) {                                                  \
         const int64_t b = item % blocks, first = item / blocks * tile;                                       \
         const int64_t last = first + tile < rows ? first + tile : rows;                                      \
-        const uint8_t *block = packed + b * groups * record;                                                 \
+        const uint8_t *block = packed + b * LANE_BLOCK(kind, record, groups);                                \
         for (int part = 0; part < LANES / WIDTH; part++)                                                     \
             for (int64_t r0 = first; r0 < last; r0 += ROWS_A_PASS) {                                         \
                 const int n = last - r0 < ROWS_A_PASS ? (int)(last - r0) : ROWS_A_PASS;                      \
@@ -376,12 +403,16 @@ PRODUCT(q5_0_q8_product, Q5_0, Q5_0_RECORD)
 PRODUCT(q5_1_q8_product, Q5_1, Q5_1_RECORD)
 PRODUCT(q6_k_q8_product, Q6_K, Q6_K_RECORD)
 PRODUCT(q8_0_q8_product, Q8_0, Q8_0_RECORD)
+PRODUCT(q4_1f_q8_product, Q4_1F, Q4_1F_RECORD)
+PRODUCT(q5_1f_q8_product, Q5_1F, Q5_1F_RECORD)
 ROWS_PRODUCT(q4_0_rows, q4_0_q8_product)
 ROWS_PRODUCT(q4_1_rows, q4_1_q8_product)
 ROWS_PRODUCT(q5_0_rows, q5_0_q8_product)
 ROWS_PRODUCT(q5_1_rows, q5_1_q8_product)
 ROWS_PRODUCT(q6_k_rows, q6_k_q8_product)
 ROWS_PRODUCT(q8_0_rows, q8_0_q8_product)
+ROWS_PRODUCT(q4_1f_rows, q4_1f_q8_product)
+ROWS_PRODUCT(q5_1f_rows, q5_1f_q8_product)
 
 /* Which vector path this library was compiled with: 512 (AVX-512 VNNI) or 256 (AVX2). */
 int q8_vector_bits(void) { return WIDTH * 32; }
