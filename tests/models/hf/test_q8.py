@@ -136,27 +136,43 @@ def test_product_is_the_stated_formula_close_to_float32_and_row_alone(gguf_type)
     assert gives_rows_alone(product, 256, torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("gguf_type", ["q4_k", "q5_k"])
+@pytest.mark.parametrize("gguf_type", ["q4_k", "q5_k", "q6_k"])
 def test_k_quant_floats_are_kept_factored_smaller_and_multiply_to_the_same_bits(gguf_type):
-    """Q4_K / Q5_K records' scales and minimums factor per super-block (a float32 a lane times an int8 a group):
-    a fifth fewer bytes, the same outputs as the records' float32 values, for several super-blocks and
-    negative or zero scales among them."""
+    """K-quant records' floats factor per super-block (a float32 a lane times an int8 a group): fewer bytes,
+    the same outputs as the records' float32 values, for several super-blocks, with negative d (Q6_K's
+    scale -128 times it needs the factor negated), zero scales and minimums among them."""
     rng = np.random.default_rng(6)
     blocks = _blocks(gguf_type, 32, 768, rng)
-    blocks[0, 0:2] = np.float16(-0.003).reshape(1).view(np.uint8)             # a negative d
-    blocks[1, 4:16] = 0                                                         # every sub-block scale and minimum 0
+    d_at, scales_at = {"q6_k": (208, slice(192, 208))}.get(gguf_type, (0, slice(4, 16)))
+    blocks[0, d_at:d_at + 2] = np.float16(-0.003).reshape(1).view(np.uint8)    # a negative d
+    blocks[2, d_at:d_at + 2] = np.float16(-0.003).reshape(1).view(np.uint8)
+    blocks[2, scales_at] = 0x80 if gguf_type == "q6_k" else blocks[2, scales_at]     # its scales -128
+    blocks[1, scales_at] = 0                                                    # every sub-block scale (and minimum) 0
     weight = pack(gguf_type, blocks)
     product = q8_run([weight])
-    assert product.kind == {"q4_k": "q4_1f", "q5_k": "q5_1f"}[gguf_type]
-    assert product.records.numel() * 6 <= weight.records.numel() * 5 - 1        # 4.75 (5.75) bits, not 6 (7)
+    assert product.kind == {"q4_k": "q4_1f", "q5_k": "q5_1f", "q6_k": "q6_kf"}[gguf_type]
+    assert product.records.numel() * 6 <= weight.records.numel() * 5 - 1        # at least a sixth fewer bytes
     rows = torch.randn(19, 768, generator=torch.Generator().manual_seed(4))
     assert np.array_equal(product(rows).numpy(), reference_product(weight, rows.numpy()))
 
 
+def unfactored(weight):
+    """``weight`` with one float of its first record replaced by one that factors with no other (a float32
+    of 24 significant bits): its product keeps the unfactored records."""
+    records = weight.records.clone()
+    records[0, 0, :4] = torch.tensor([0.1234567], dtype=torch.float32).view(torch.uint8)
+    return type(weight)(weight.kind, records, weight.out_features, weight.in_features)
+
+
 def test_floats_that_do_not_factor_keep_their_records():
     rng = np.random.default_rng(7)
-    assert factored(repack(pack("q4_1", _blocks("q4_1", 16, 256, rng)))) is None     # independent float16 scales
-    assert factored(repack(pack("q4_k", _blocks("q4_k", 16, 256, rng)))[:, :4]) is None   # not whole super-blocks
+    weight = unfactored(pack("q6_k", _blocks("q6_k", 16, 512, rng)))
+    product = q8_run([weight])
+    rows = torch.randn(11, 512, generator=torch.Generator().manual_seed(5))
+    assert product.kind == "q6_k" and np.array_equal(product(rows).numpy(), reference_product(weight, rows.numpy()))
+    assert factored("q4_1", repack(pack("q4_1", _blocks("q4_1", 16, 256, rng)))) is None   # independent float16s
+    assert factored("q4_1", repack(pack("q4_k", _blocks("q4_k", 16, 256, rng)))[:, :4]) is None   # not whole
+    assert factored("q8_0", repack(pack("q8_0", _blocks("q8_0", 16, 256, rng)))) is None    # no factored form
     assert q8_run([pack("q4_1", _blocks("q4_1", 16, 256, rng))]).kind == "q4_1"
 
 
@@ -214,9 +230,12 @@ def test_avx2_build_computes_the_native_builds_bits(tmp_path):
         assert torch.equal(ours, its)
     rows[3, 70] = 1.0
     rng = np.random.default_rng(9)
-    for gguf_type in ("q4_0", "q4_1", "q5_0", "q5_1", "q6_k", "q8_0", "q4_k", "q5_k"):
-        product = q8_run([pack(gguf_type, _blocks(gguf_type, 32, 256, rng))])
-        assert product.kind in (*Q8_KINDS, "q4_1f", "q5_1f")
+    for gguf_type in ("q4_0", "q4_1", "q5_0", "q5_1", "q6_k", "q8_0", "q4_k", "q5_k", "q6_k unfactored"):
+        weight = pack(gguf_type.split()[0], _blocks(gguf_type.split()[0], 32, 256, rng))
+        if gguf_type == "q6_k unfactored":
+            weight = unfactored(weight)
+        product = q8_run([weight])
+        assert product.kind in (*Q8_KINDS, "q4_1f", "q5_1f", "q6_kf")
         function = getattr(other, f"{product.kind}_rows")
         function.argtypes = [pointer, size, size, pointer, size, pointer, ctypes.c_int]
         for count in (*range(1, 19), 129, 300):

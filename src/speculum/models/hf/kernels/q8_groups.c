@@ -40,19 +40,22 @@
 #define Q6_K_RECORD (2 * SCALES + 256 + 128)
 #define Q8_0_RECORD (SCALES + 512)
 
-/* q4_1f, q5_1f: q4_1 and q5_1 records whose scales and minimums factor, over each super-block of 8 groups, into
- * one float32 a lane times an int8 a group (K-quants: a float16 times a 6-bit integer). A super-block holds
- * the lanes' factors (16 float32 for the scales, 16 for the minimums), then its 8 groups, each the lanes'
- * int8 scale and minimum factors (16 + 16 bytes) and the quants as in q4_1 / q5_1. */
-#define FACTORS (2 * SCALES)
+/* q4_1f, q5_1f, q6_kf: q4_1, q5_1 and q6_k records whose floats factor, over each super-block of 8 groups, into
+ * one float32 a lane times an int8 a group (K-quants: a float16 times a 6- or 8-bit integer). A super-block
+ * holds the lanes' float32 factors (q4_1f, q5_1f: 16 for the scales, then 16 for the minimums; q6_kf: 16 for
+ * both halves' scales), then its 8 groups, each the lanes' two int8 factors (16 + 16 bytes: scale and minimum,
+ * or the halves' scales) and the quants as in q4_1, q5_1 or q6_k. */
 #define Q4_1F_RECORD (2 * LANES + 256)
 #define Q5_1F_RECORD (2 * LANES + 256 + 64)
+#define Q6_KF_RECORD (2 * LANES + 256 + 128)
 
-enum { Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0, Q4_1F, Q5_1F };
-#define FACTORED(kind) ((kind) == Q4_1F || (kind) == Q5_1F)
-#define WITH_MINIMUM(kind) ((kind) == Q4_1 || (kind) == Q5_1 || FACTORED(kind))
+enum { Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0, Q4_1F, Q5_1F, Q6_KF };
+#define FACTORED(kind) ((kind) == Q4_1F || (kind) == Q5_1F || (kind) == Q6_KF)
+#define WITH_MINIMUM(kind) ((kind) == Q4_1 || (kind) == Q5_1 || (kind) == Q4_1F || (kind) == Q5_1F)
+#define SIX_BITS(kind) ((kind) == Q6_K || (kind) == Q6_KF)
+#define FACTORS(kind) ((kind) == Q6_KF ? SCALES : 2 * SCALES)      /* bytes of a super-block's float32 factors */
 /* Bytes of one lane block's records over `groups` groups. */
-#define LANE_BLOCK(kind, record, groups) (FACTORED(kind) ? (groups) / 8 * (FACTORS + 8 * (record)) \
+#define LANE_BLOCK(kind, record, groups) (FACTORED(kind) ? (groups) / 8 * (FACTORS(kind) + 8 * (record)) \
                                                          : (groups) * (record))
 /* 4 quantised inputs read in place as one int32, the operand each dot product broadcasts. */
 typedef int32_t unaligned_int32 __attribute__((aligned(1), may_alias));
@@ -240,11 +243,11 @@ static inline __attribute__((always_inline)) void quads(const int kind, const ui
         w[v] = low_nibbles(b);
         w[4 + v] = high_nibbles(b);
     }
-    if (kind == Q5_0 || kind == Q5_1 || kind == Q5_1F || kind == Q6_K) {
+    if (kind == Q5_0 || kind == Q5_1 || kind == Q5_1F || SIX_BITS(kind)) {
         const ivec fifth = iload(chunks + 256 + part * bytes);
         for (int k = 0; k < 8; k++) w[k] = plane_bit(w[k], fifth, k, 16);
     }
-    if (kind == Q6_K) {
+    if (SIX_BITS(kind)) {
         const ivec sixth = iload(chunks + 320 + part * bytes);
         for (int k = 0; k < 8; k++) w[k] = plane_bit(w[k], sixth, k, 32);
     }
@@ -280,24 +283,29 @@ static inline __attribute__((always_inline)) void lanes(const int kind, const in
     fvec acc[ROWS_A_PASS];
     for (int r = 0; r < rows; r++) acc[r] = fzero();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *at = FACTORED(kind) ? block + g / 8 * (FACTORS + 8 * record) + FACTORS + g % 8 * record
-                                           : block + g * record;
+        const uint8_t *super = block + g / 8 * (FACTORS(kind) + 8 * record);          /* factored kinds */
+        const uint8_t *at = FACTORED(kind) ? super + FACTORS(kind) + g % 8 * record : block + g * record;
         const float *scales = (const float *)at;
         const float *dg = d + g * rows, *fg = fsum + g * rows;
         const int32_t *sg = sums + 2 * g * rows;
         ivec w[8], sum[ROWS_A_PASS];
         quads(kind, at, part, w);
-        fvec scale, minimum = fzero();
-        if (FACTORED(kind)) {      /* float32 factor times int8 factor: exactly the q4_1 / q5_1 record's floats */
-            const float *factors = (const float *)(block + g / 8 * (FACTORS + 8 * record));
+        /* minimum: q4_1 and q5_1's; second: q6_k's scale of inputs 16..31 */
+        fvec scale, minimum = fzero(), second = fzero();
+        if (FACTORED(kind)) {      /* float32 factor times int8 factor: exactly the unfactored record's floats */
+            const float *factors = (const float *)super;
             scale = fmul(fload(factors + part * WIDTH), int8_to_float(at + part * WIDTH));
-            minimum = fmul(fload(factors + LANES + part * WIDTH), int8_to_float(at + LANES + part * WIDTH));
+            const fvec other = fmul(fload(factors + (kind == Q6_KF ? 0 : LANES) + part * WIDTH),
+                                    int8_to_float(at + LANES + part * WIDTH));
+            if (kind == Q6_KF) second = other;
+            else minimum = other;
         } else {
             scale = fload(scales + part * WIDTH);
             if (WITH_MINIMUM(kind)) minimum = fload(scales + LANES + part * WIDTH);
+            if (kind == Q6_K) second = fload(scales + LANES + part * WIDTH);
         }
         /* inputs 0..31 (q6_k: 0..15, its first scale) */
-        dots(kind, rows, q + g * rows * GROUP, w, 0, kind == Q6_K ? 4 : 8, sum);
+        dots(kind, rows, q + g * rows * GROUP, w, 0, SIX_BITS(kind) ? 4 : 8, sum);
         #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const int32_t s_low = sg[2 * r], sr = s_low + sg[2 * r + 1];
@@ -305,12 +313,11 @@ static inline __attribute__((always_inline)) void lanes(const int kind, const in
             if (kind == Q4_0) low = isub(low, 8 * sr);
             if (kind == Q5_0) low = isub(low, 16 * sr);
             if (kind == Q8_0 && Q8_OFFSET) low = isub(low, Q8_OFFSET * sr);
-            if (kind == Q6_K) low = isub(low, 32 * s_low);
+            if (SIX_BITS(kind)) low = isub(low, 32 * s_low);
             acc[r] = fadd(acc[r], fmul(fmul(scale, fset1(dg[r])), to_float(low)));
             if (WITH_MINIMUM(kind)) acc[r] = fadd(acc[r], fmul(fmul(minimum, fset1(dg[r])), fset1(fg[r])));
         }
-        if (kind == Q6_K) {                       /* inputs 16..31, the second scale */
-            const fvec second = fload(scales + LANES + part * WIDTH);
+        if (SIX_BITS(kind)) {                     /* inputs 16..31, the second scale */
             dots(kind, rows, q + g * rows * GROUP, w, 4, 8, sum);
             #pragma GCC unroll 8
             for (int r = 0; r < rows; r++) {
@@ -405,6 +412,7 @@ PRODUCT(q6_k_q8_product, Q6_K, Q6_K_RECORD)
 PRODUCT(q8_0_q8_product, Q8_0, Q8_0_RECORD)
 PRODUCT(q4_1f_q8_product, Q4_1F, Q4_1F_RECORD)
 PRODUCT(q5_1f_q8_product, Q5_1F, Q5_1F_RECORD)
+PRODUCT(q6_kf_q8_product, Q6_KF, Q6_KF_RECORD)
 ROWS_PRODUCT(q4_0_rows, q4_0_q8_product)
 ROWS_PRODUCT(q4_1_rows, q4_1_q8_product)
 ROWS_PRODUCT(q5_0_rows, q5_0_q8_product)
@@ -413,6 +421,7 @@ ROWS_PRODUCT(q6_k_rows, q6_k_q8_product)
 ROWS_PRODUCT(q8_0_rows, q8_0_q8_product)
 ROWS_PRODUCT(q4_1f_rows, q4_1f_q8_product)
 ROWS_PRODUCT(q5_1f_rows, q5_1f_q8_product)
+ROWS_PRODUCT(q6_kf_rows, q6_kf_q8_product)
 
 /* Which vector path this library was compiled with: 512 (AVX-512 VNNI) or 256 (AVX2). */
 int q8_vector_bits(void) { return WIDTH * 32; }

@@ -45,7 +45,7 @@ __all__ = ["factored", "forget", "Q8_KINDS", "Q8Product", "Q8Products", "q8_run"
            "repack", "q8_source", "vector_bits"]
 
 Q8_KINDS = ("q4_0", "q4_1", "q5_0", "q5_1", "q6_k", "q8_0")     # record kinds the integer kernel multiplies
-_FACTORED = {"q4_1": "q4_1f", "q5_1": "q5_1f"}    # kinds whose floats may factor per super-block (factored)
+_FACTORED = {"q4_1": "q4_1f", "q5_1": "q5_1f", "q6_k": "q6_kf"}   # kinds whose floats may factor (factored)
 _SUPER = 8                                        # groups a super-block (256 inputs, as the K-quants)
 _SOURCE = Path(__file__).with_name("q8_groups.c")
 _SCALES = LANES * 4
@@ -81,32 +81,39 @@ def repack(weight: GroupedWeight) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(packed))
 
 
-def factored(packed: torch.Tensor) -> torch.Tensor | None:
-    """Repacked q4_1 or q5_1 records (:func:`repack`) as the kernel's factored kinds, where every super-block of
-    8 groups factors each lane's scales and minimums exactly into one float32 times an int8 a group, as the
-    K-quants build them (Q4_K, Q5_K: a float16 times a 6-bit integer). Returns ``(lane blocks, groups / 8,
-    128 + 8 x (32 + quant bytes))`` uint8: per super-block the 16 lanes' float32 factors of the scales, then
-    of the minimums, then per group the lanes' int8 factors (scales, minimums) and its quants; None where the
-    groups are not whole super-blocks or a float does not factor (independent float16 scales, as Q4_1's).
+def factored(kind: str, packed: torch.Tensor) -> torch.Tensor | None:
+    """Repacked records of ``kind`` (q4_1, q5_1 or q6_k; :func:`repack`) as the kernel's factored kinds, where
+    every super-block of 8 groups factors each lane's floats exactly into one float32 times an int8 a group,
+    as the K-quants build them (Q4_K, Q5_K: a float16 times a 6-bit integer, for the scales and for the
+    minimums; Q6_K: a float16 times an int8, one per 16 inputs). Returns ``(lane blocks, groups / 8, factors +
+    8 x (32 + quant bytes))`` uint8: per super-block the 16 lanes' float32 factors (of the scales, then of the
+    minimums; q6_k: one set), then per group the lanes' two int8 factors and its quants; None where the
+    groups are not whole super-blocks, the kind has no factored form, or a float does not factor (independent
+    float16 scales, as Q4_1's).
 
-    Why: 4.75 bits a weight instead of 6, so a decode step, bound by reading the records, reads a fifth less;
-    the kernel multiplies the factors back into the very float32 values the records held (their product is
-    exact), so the outputs are the same bits."""
+    Why: 4.75 bits a weight instead of 6 (Q6_K: 6.6 instead of 8), so a decode step, bound by reading the
+    records, reads a fifth less; the kernel multiplies the factors back into the very float32 values the
+    records held (their product is exact), so the outputs are the same bits."""
     blocks, groups, size = packed.shape
-    if groups % _SUPER:
+    if kind not in _FACTORED or groups % _SUPER:
         return None
-    records = packed.numpy().reshape(blocks, groups // _SUPER, _SUPER, size)
-    floats = np.ascontiguousarray(records[..., :2 * _SCALES]).view(np.float32)     # (b, s, 8, 32)
-    values = floats.reshape(blocks, groups // _SUPER, _SUPER, 2, LANES).transpose(0, 1, 3, 4, 2)  # (b, s, 2, 16, 8)
+    supers = groups // _SUPER
+    records = packed.numpy().reshape(blocks, supers, _SUPER, size)
+    floats = np.ascontiguousarray(records[..., :2 * _SCALES]).view(np.float32).reshape(blocks, supers, _SUPER, 2,
+                                                                                          LANES)
+    if kind == "q6_k":      # one factor a lane for both halves' scales
+        values = floats.transpose(0, 1, 4, 2, 3).reshape(blocks, supers, 1, LANES, 2 * _SUPER)
+    else:                   # one for the scales, one for the minimums
+        values = floats.transpose(0, 1, 3, 4, 2)                                          # (b, s, 2, 16, 8)
     split = _factor(values)
     if split is None:
         return None
-    common, ints = split                                    # (b, s, 2, 16) float32, (b, s, 2, 16, 8) int8
-    per_group = np.ascontiguousarray(ints.transpose(0, 1, 4, 2, 3)).view(np.uint8).reshape(
-        blocks, groups // _SUPER, _SUPER, 2 * LANES)
-    group_records = np.concatenate([per_group, records[..., 2 * _SCALES:]], axis=-1)
-    head = np.ascontiguousarray(common).view(np.uint8).reshape(blocks, groups // _SUPER, 2 * _SCALES)
-    out = np.concatenate([head, group_records.reshape(blocks, groups // _SUPER, -1)], axis=-1)
+    common, ints = split
+    ints = ints.reshape(blocks, supers, -1, LANES, _SUPER, 2 if kind == "q6_k" else 1)
+    per_group = ints.transpose(0, 1, 4, 2, 5, 3).reshape(blocks, supers, _SUPER, 2 * LANES)   # [first 16, second 16]
+    group_records = np.concatenate([per_group.view(np.uint8), records[..., 2 * _SCALES:]], axis=-1)
+    head = np.ascontiguousarray(common).view(np.uint8).reshape(blocks, supers, -1)
+    out = np.concatenate([head, group_records.reshape(blocks, supers, -1)], axis=-1)
     return torch.from_numpy(np.ascontiguousarray(out))
 
 
@@ -128,10 +135,16 @@ def _factor(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     if (shift > 7).any():
         return None
     ints = np.where(nonzero, (odd // np.maximum(common, 1)[..., None]) << shift, 0)
-    if (ints > 127).any():
+    ints = np.where(values < 0, -ints, ints)
+    # int8 holds -128 but not 128: a factor whose integers reach +128 (Q6_K's scale -128 times a negative d)
+    # is negated.
+    flip = (ints == 128).any(axis=-1)
+    ints = np.where(flip[..., None], -ints, ints)
+    if (ints > 127).any() or (ints < -128).any():
         return None
-    ints = np.where(values < 0, -ints, ints).astype(np.int8)
-    factor = np.ldexp(common.astype(np.float64), low).astype(np.float32)
+    ints = ints.astype(np.int8)
+    factor = np.where(flip, -1.0, 1.0) * np.ldexp(common.astype(np.float64), low)
+    factor = factor.astype(np.float32)
     if not np.array_equal(factor[..., None] * ints.astype(np.float32), values):      # exact, or not at all
         return None
     return factor, ints
@@ -246,7 +259,7 @@ def q8_run(weights: list[GroupedWeight]) -> Q8Product | Q8Products:
     for run in runs:
         kind, packed = run[0].kind, [repack(w) for w in run]
         if kind in _FACTORED:
-            compact = [factored(records) for records in packed]
+            compact = [factored(kind, records) for records in packed]
             if all(records is not None for records in compact):
                 kind, packed = _FACTORED[kind], compact
         parts.append(Q8Product(library, kind, torch.cat(packed).contiguous(), run[0].in_features,
