@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from speculum.models.hf.logprobs import entries_at_least, log_mass  # noqa: E402
+from speculum.models.hf.logprobs import entries_at_least, log_mass, logprob_rows  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 
 
@@ -67,6 +67,24 @@ def test_log_mass_names_nan_and_infinite_logits_and_takes_no_rows():
         logits[1, 2] = bad
         with pytest.raises(InputError, match="NaN or infinite"):
             log_mass(logits)
+
+
+@given(logit_rows())
+@settings(max_examples=60, deadline=None)
+def test_logprob_rows_are_the_widened_logits_minus_the_mass_for_float32_and_float64(logits):
+    """The one formula, ``logits.double() - log_mass(logits)``, bitwise, whether the rows come as float32, as
+    the same values in float64, or as float64 values float32 cannot hold (another path: close)."""
+    expected = (logits.double() - log_mass(logits)[:, None]).numpy()
+    assert (logprob_rows(logits) == expected).all() and (logprob_rows(logits.double()) == expected).all()
+    finer = logits.double() + 1e-12 * torch.rand(logits.shape, dtype=torch.float64)
+    assert torch.allclose(log_mass(finer), torch.logsumexp(finer, dim=-1), rtol=1e-14, atol=0)
+
+
+def test_a_row_of_only_minus_infinity_is_refused_like_nan():
+    with pytest.raises(InputError, match="NaN or infinite"):
+        log_mass(torch.full((2, 40), float("-inf")))
+    with pytest.raises(InputError, match="NaN or infinite"):
+        logprob_rows(torch.tensor([[0.0, float("nan")]]))
 
 
 @given(logit_rows(max_width=300), st.data())

@@ -273,6 +273,12 @@ def test_avx2_and_baseline_builds_compute_the_same_bits(tmp_path, target):
     other.rowops_rotate(theirs.data_ptr(), 9, 4 * 48, 3, 48, cos.data_ptr(), 100, sin.data_ptr(), 100, None,
                         head.data_ptr(), 1e-6, 1)
     assert torch.equal(ours, theirs)
+    logits = torch.cat([x * 3, torch.full((9, 37), float("-inf"))], dim=1).contiguous()   # a tail of -inf
+    ours, ours_rows = torch.empty(9, dtype=torch.float64), torch.empty(9, 137, dtype=torch.float64)
+    theirs, theirs_rows = torch.empty_like(ours), torch.empty_like(ours_rows)
+    RowOps().log_mass(logits, ours, ours_rows)
+    other.rowops_log_mass(logits.data_ptr(), 9, 137, theirs.data_ptr(), theirs_rows.data_ptr(), 1)
+    assert torch.equal(ours, theirs) and torch.equal(ours_rows, theirs_rows)
 
 
 def test_the_switch_makes_it_unavailable_with_its_reason(monkeypatch):

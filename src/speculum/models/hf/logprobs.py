@@ -16,22 +16,29 @@ import numpy as np
 import torch
 
 from ...validation import InputError
+from .kernels.row_ops import RowOps, row_ops_unavailable
 
 __all__ = ["entries_at_least", "finite_counts", "log_mass", "logprob_rows"]
 
 _BLOCK = 64         # entries_at_least: columns per block maximum
+_ROW_KERNEL: list[RowOps | None] = []     # the row kernel or None, decided at first use for the process's life
 
 
 def log_mass(logits: torch.Tensor) -> torch.Tensor:
     """``(n,)`` float64 log-sum-exp of ``(n, vocab)`` logits; ``InputError`` for NaN / +inf, at the origin.
 
     float64 because float32 rows' mass drifts by ~1e-5, which downstream normalisation checks rightly
-    reject. ROW-CANONICAL: each row's sum is computed alone, by one thread, in NumPy's fixed pairwise order,
-    so a row's value is bitwise the same in any batch and at any thread count (PyTorch splits a lone row's
-    reduction across its threads, and so rounds it otherwise than the same row among others)."""
+    reject. ROW-CANONICAL: each row's sum is computed alone, by one thread, in one fixed order (the row
+    kernel's, else NumPy's pairwise order), so a row's value is bitwise the same in any batch and at any
+    thread count (PyTorch splits a lone row's reduction across its threads, and so rounds it otherwise than
+    the same row among others). Logits of float32 values take the row kernel where it runs (rows are shared
+    among threads, each row by one); float64 logits that float32 cannot hold take NumPy's path."""
     source = logits.detach()
     if source.dtype not in (torch.float32, torch.float64):
         source = source.float()                                                  # exact widening
+    narrow = _float32_rows(source)
+    if narrow is not None:
+        return _checked(_row_kernel().log_mass(narrow, torch.empty(narrow.shape[0], dtype=torch.float64)))
     rows = source.numpy()
     mass = np.empty(rows.shape[0], dtype=np.float64)                              # (n,); NaN / inf propagate
     shifted = np.empty(rows.shape[-1], dtype=np.float64)                          # one row's, reused
@@ -41,16 +48,45 @@ def log_mass(logits: torch.Tensor) -> torch.Tensor:
             top = 0.0 if top in (math.inf, -math.inf) else top
             np.subtract(rows[i], top, out=shifted, dtype=np.float64)              # the row widened exactly
             mass[i] = np.log(np.exp(shifted, out=shifted).sum()) + top
-    if not np.isfinite(mass).all():
-        raise InputError("the model produced NaN or infinite logits")
-    return torch.from_numpy(mass)
+    return _checked(torch.from_numpy(mass))
 
 
 def logprob_rows(logits: torch.Tensor) -> np.ndarray:
     """``(n, vocab)`` logits (any float dtype) -> ``(n, vocab)`` float64 NumPy log-probs, normalised."""
+    source = logits.detach()
+    narrow = _float32_rows(source if source.dtype in (torch.float32, torch.float64) else source.float())
+    if narrow is not None:      # the mass and the rows in one pass of the row kernel
+        rows = torch.empty(narrow.shape, dtype=torch.float64)
+        _checked(_row_kernel().log_mass(narrow, torch.empty(narrow.shape[0], dtype=torch.float64), rows))
+        return rows.numpy()
     rows = logits.to(torch.float64, copy=True)   # the one full-size float64 array, normalised in place
     rows -= log_mass(rows)[:, None]
     return rows.numpy()
+
+
+def _checked(mass: torch.Tensor) -> torch.Tensor:
+    if not bool(torch.isfinite(mass).all()):
+        raise InputError("the model produced NaN or infinite logits")
+    return mass
+
+
+def _row_kernel() -> RowOps | None:
+    """The row kernel where it runs, decided once a process, so that every log-prob it returns follows one
+    formula."""
+    if not _ROW_KERNEL:
+        _ROW_KERNEL.append(RowOps() if row_ops_unavailable() is None else None)
+    return _ROW_KERNEL[0]
+
+
+def _float32_rows(source: torch.Tensor) -> torch.Tensor | None:
+    """``source (n, vocab)`` float32 or float64 as contiguous float32 rows for the row kernel, where it runs
+    and float32 holds every value exactly (so both dtypes of one row get the same mass); else None."""
+    if _row_kernel() is None or source.dim() != 2:
+        return None
+    if source.dtype == torch.float32:
+        return source.contiguous()
+    narrow = source.float()
+    return narrow if torch.equal(narrow.double(), source) else None
 
 
 def finite_counts(logits: torch.Tensor) -> torch.Tensor:

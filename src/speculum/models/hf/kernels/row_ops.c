@@ -15,6 +15,10 @@
  * exp is a range-reduced polynomial (Cody-Waite reduction by ln 2, a degree-7 polynomial, scaling by two
  * powers of two so that results near overflow and in the subnormal range round once); it is within 2 ulp
  * of a correctly rounded expf over the float range, saturates to inf above 88.73 and to +0 below -103.98.
+ *
+ * log_mass is each row's float64 log-sum-exp of float32 logits (the normaliser of its log-probabilities),
+ * with a float64 exp of its own (Cody-Waite reduction, the Taylor polynomial to degree 13: a few ulp), the
+ * exponentials summed in 32 lanes, then one fixed tree.
  */
 #include <math.h>
 #include <stdint.h>
@@ -201,4 +205,79 @@ void rowops_exp(const float *x, float *out, int64_t n)
         int64_t m = n - i < LANES ? n - i : LANES;
         store_n(out + i, vexp(load_n(x + i, m)), m);
     }
+}
+
+/* ------------------------------------------------------------------------------------------ log-probabilities */
+
+typedef double vd __attribute__((vector_size(64)));       /* 8 doubles */
+typedef int64_t vl __attribute__((vector_size(64)));
+typedef float vh __attribute__((vector_size(32)));        /* the 8 floats widened into one vd */
+
+/* exp(x) for x <= 0: x = n ln2 + r (ln2 in two parts, the first exact times n), |r| <= ln2 / 2, exp(r) by
+ * Horner's rule on its Taylor series to r^13 (the rest below 1e-17 relative), times 2^n through the exponent
+ * bits; exactly 0 below -700 (a term that small is below an ulp of any sum holding exp(0) = 1), -inf too. */
+static inline vd vexp64(vd x)
+{
+    const vd low = (vd){0} - 700.0, magic = (vd){0} + 6755399441055744.0;   /* 1.5 * 2^52: rounds to an integer */
+    const vl under = x < low;
+    x = (vd)((~under & (vl)x) | (under & (vl)low));
+    const vd shifted = x * 1.4426950408889634 + magic;
+    const vd n = shifted - magic;
+    vd r = x - n * 6.93147180369123816490e-01;
+    r = r - n * 1.90821492927058770002e-10;
+    static const double taylor[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
+                                      1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600,
+                                      1.0 / 6227020800.0};
+    vd p = (vd){0} + taylor[13];
+    for (int k = 12; k >= 0; k--) p = p * r + taylor[k];
+    const vl exponent = ((vl)shifted - (vl)magic) << 52;
+    return (vd)(((vl)p + exponent) & ~under);
+}
+
+/* Each row's log-sum-exp (float64) of float32 logits (rows, vocab) into mass[row]; where out is given, also
+ * the row's log-probabilities out[row][j] = (double)logits[row][j] - mass[row]. A row holding NaN or +inf
+ * gets the mass NaN; a row whose largest logit is -inf (all -inf) gets -inf, as log(0). */
+void rowops_log_mass(const float *logits, int64_t rows, int64_t vocab, double *mass, double *out, int threads)
+{
+    FOR_ROWS(rows, vocab, threads, {
+        const float *x = logits + row * vocab;
+        vf top16 = broadcast(-INFINITY);
+        vi bad16 = {0};
+        for (int64_t i = 0; i < vocab; i += LANES) {
+            vf part = broadcast(-INFINITY);
+            memcpy(&part, x + i, (size_t)(vocab - i < LANES ? vocab - i : LANES) * 4);
+            bad16 |= (part != part) | (part == broadcast(INFINITY));
+            top16 = select(part > top16, part, top16);           /* exact in any order; NaN left out */
+        }
+        float top32 = top16[0];
+        int bad = bad16[0] != 0;
+        for (int l = 1; l < LANES; l++) {
+            top32 = top16[l] > top32 ? top16[l] : top32;
+            bad |= bad16[l] != 0;
+        }
+        const double top = top32 == -INFINITY ? 0.0 : (double)top32;
+        vd acc[4] = {{0}, {0}, {0}, {0}};
+        for (int64_t i = 0; i < vocab; i += 32) {
+            float chunk[32];
+            const int64_t m = vocab - i < 32 ? vocab - i : 32;
+            memcpy(chunk, x + i, (size_t)m * 4);
+            for (int64_t j = m; j < 32; j++) chunk[j] = -INFINITY;      /* exp(-inf) adds an exact 0 */
+            for (int k = 0; k < 4; k++) {
+                vh h;
+                memcpy(&h, chunk + 8 * k, sizeof h);
+                acc[k] += vexp64(__builtin_convertvector(h, vd) - top);
+            }
+        }
+        const vd both = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+        double lanes[8];
+        memcpy(lanes, &both, sizeof lanes);
+        for (int width = 4; width; width /= 2)
+            for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+        const double total = bad ? NAN : log(lanes[0]) + top;
+        mass[row] = total;
+        if (out != NULL) {
+            double *o = out + row * vocab;
+            for (int64_t j = 0; j < vocab; j++) o[j] = (double)x[j] - total;
+        }
+    });
 }

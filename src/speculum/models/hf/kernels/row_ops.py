@@ -53,6 +53,7 @@ _SIGNATURES = {
                       _POINTER, _FLOAT, _INT],
     "rowops_gated": [_POINTER, _POINTER, _INT64, _INT64, _INT, _INT],
     "rowops_exp": [_POINTER, _POINTER, _INT64],
+    "rowops_log_mass": [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT],
 }
 
 
@@ -97,7 +98,7 @@ class RowOps:
     The methods check only what is cheap (shapes, contiguity, float32 of the rows; weights are taken to be
     float32) and raise ValueError otherwise. ``rows`` may be any number, 0 included. Guarantee: ROW-CANONICAL."""
 
-    __slots__ = ("_norm", "_residual_norm", "_rotate", "_gated", "_exp")
+    __slots__ = ("_norm", "_residual_norm", "_rotate", "_gated", "_exp", "_log_mass")
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         """``library``: a build bound by :func:`bind` (default: this process's, when available)."""
@@ -105,6 +106,27 @@ class RowOps:
             library = _LIBRARY.require("row operations")
         self._norm, self._residual_norm = library.rowops_norm, library.rowops_residual_norm
         self._rotate, self._gated, self._exp = library.rowops_rotate, library.rowops_gated, library.rowops_exp
+        self._log_mass = library.rowops_log_mass
+
+    def log_mass(self, logits: torch.Tensor, mass: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``mass (rows,)`` float64: each row's log-sum-exp of ``logits (rows, vocab)`` float32 (its exponentials
+        by the kernel's float64 exp, within a few ulp, summed in one fixed order); with ``out (rows, vocab)``
+        float64 also the rows' log-probabilities ``logits - mass``. A row holding NaN or +inf gets NaN, a row
+        of -inf gets -inf. Returns ``mass``. Example:
+
+            >>> RowOps().log_mass(torch.zeros(1, 4), torch.empty(1, dtype=torch.float64)).tolist()  # doctest: +SKIP
+            [1.3862943611198906]
+        """
+        rows, vocab = logits.shape
+        if (logits.dtype is not _F32 or mass.dtype is not torch.float64 or mass.shape != (rows,)
+                or not (logits.is_contiguous() and mass.is_contiguous())
+                or (out is not None and (out.dtype is not torch.float64 or out.shape != logits.shape
+                                         or not out.is_contiguous()))):
+            raise ValueError(_wrong("log_mass", logits, mass, out))
+        elements = rows * vocab
+        self._log_mass(logits.data_ptr(), rows, vocab, mass.data_ptr(), None if out is None else out.data_ptr(),
+                       torch.get_num_threads() if elements > _PARALLEL_ELEMENTS else 1)
+        return mass
 
     def exp(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out = exp(x)`` element-wise by the kernel's polynomial (what its gates use), for contiguous float32
