@@ -1,5 +1,7 @@
 """Row-wise float32 operations between a decoder block's matrix products, one C call each: RMSNorm, the
-residual add with the next norm, the query/key bias, head norms and rotary rotation, the MLP's gate.
+residual add with the next norm, the query/key bias, head norms and rotary rotation, the MLP's gate; and
+after the head, each row's float64 log-sum-exp with its log-probabilities (:meth:`RowOps.log_mass`, what
+:mod:`~speculum.models.hf.logprobs` uses: one pass over a vocabulary-wide row, rows shared among threads).
 
 Why: on a small model a decode step runs one row through each block, and the glue between the products
 (RMSNorm, rotary embedding, residual adds, SiLU or GELU times up) is about twenty tiny PyTorch calls a
