@@ -13,9 +13,9 @@ by itself (per block of 32 inputs ``d = amax / 127``, ``q = roundf(x / d)``, the
 multiplies it by the weight records, repacked once (:func:`repack`) so that the 4 weights one 32-bit lane
 of ``vpdpbusd`` multiplies are adjacent. The C source states each output's float formula and its order.
 The repacked records are a second copy of the groups beside the ones attached to the layers (which
-:func:`~speculum.models.hf.precision.q8_refusal` reads when a draft shares the blocks). Q4_K and Q5_K
-weights keep their scales and minimums factored per super-block (:func:`factored`): 4.75 bits a weight
-instead of 6, the same outputs.
+:func:`~speculum.models.hf.precision.q8_refusal` reads when a draft shares the blocks). Q4_K, Q5_K and
+Q6_K weights keep their floats factored per super-block (:func:`factored`): 4.75, 5.75 and 6.6 bits a
+weight instead of 6, 7 and 8, the same outputs.
 
 Guarantee: EXACT for itself and ROW-CANONICAL (a row's quants depend on that row alone, the integer sums
 are exact, and the per-group float terms are added in one fixed order, whatever the rows beside it and
