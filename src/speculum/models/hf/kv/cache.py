@@ -125,9 +125,8 @@ class OwnCache:
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, layer: int, span: int = 0
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        layers = getattr(self.dynamic, "layers", None)
-        held = layers[layer] if isinstance(layers, list) and layer < len(layers) else None
-        if type(held).__name__ == "DynamicLayer" and getattr(held, "is_initialized", False):
+        held = self._held(layer)
+        if held is not None:
             return self._append_in_room(held, keys, values, layer, span)
         keys, values = self.dynamic.update(keys, values, layer)
         if span > keys.shape[2]:        # zeros past the held keys (a copy: the cache holds exactly its keys)
@@ -146,9 +145,10 @@ class OwnCache:
         length = held_keys.shape[2]
         end = length + keys.shape[2]
         reach = max(end, span)
-        room = self._room.get(layer)
-        if room is None or room[0].shape[2] < reach or room[0].data_ptr() != held_keys.data_ptr():
-            capacity = reach if room is None else max(reach, 2 * room[0].shape[2])
+        room = self._room_reaching(layer, held, reach)
+        if room is None:
+            previous = self._room.get(layer)
+            capacity = reach if previous is None else max(reach, 2 * previous[0].shape[2])
             room = tuple(old.new_empty(old.shape[0], old.shape[1], capacity, old.shape[3])
                          for old in (held_keys, held_values))
             for buffer, old in zip(room, (held_keys, held_values)):
@@ -164,16 +164,30 @@ class OwnCache:
         ``(batch, kv_heads, length + n, head_dim)`` whose last ``n`` positions the caller writes before anything
         reads them (what an attention kernel that writes its rows' keys does). None where the layer holds no
         buffers with room yet (its first append): call :meth:`append` then."""
-        layers = getattr(self.dynamic, "layers", None)
-        held = layers[layer] if isinstance(layers, list) and layer < len(layers) else None
-        if type(held).__name__ != "DynamicLayer" or not getattr(held, "is_initialized", False):
+        held = self._held(layer)
+        if held is None:
             return None
-        room = self._room.get(layer)
         end = held.keys.shape[2] + n
-        if room is None or room[0].shape[2] < end or room[0].data_ptr() != held.keys.data_ptr():
+        room = self._room_reaching(layer, held, end)
+        if room is None:
             return None
         held.keys, held.values = room[0][:, :, :end], room[1][:, :, :end]
         return held.keys, held.values
+
+    def _held(self, layer: int) -> Any:
+        """The layer's transformers ``DynamicLayer`` where it holds keys already (appends then go into room of
+        this cache's own), else None."""
+        layers = getattr(self.dynamic, "layers", None)
+        held = layers[layer] if isinstance(layers, list) and layer < len(layers) else None
+        return held if type(held).__name__ == "DynamicLayer" and getattr(held, "is_initialized", False) else None
+
+    def _room_reaching(self, layer: int, held: Any, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's buffers where the layer's keys are views of them and they reach ``end`` positions, else
+        None."""
+        room = self._room.get(layer)
+        if room is None or room[0].shape[2] < end or room[0].data_ptr() != held.keys.data_ptr():
+            return None
+        return room
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         held = self.dynamic.layers[layer]
