@@ -41,15 +41,27 @@ def tiny() -> HFModel:
 
 @contextmanager
 def small_first_buffers(store):
-    """``store`` (empty) starting with one slot of 2 tokens while in the block, so that tests grow it often."""
+    """``store`` (empty) starting with one slot of 2 tokens while in the block, so that tests grow it often. A
+    store left uninitialised (the compiled forward's) is filled with NaN instead: a forward that read past a
+    session's keys would spread it into the rows."""
     gc.collect()                          # sessions of earlier examples give their slots back
     assert store.in_use == 0 and store.keys == []
-    sizes = store.first_slots, store.first_capacity
+    sizes = store.first_slots, store.first_capacity, store.fill
     store.first_slots, store.first_capacity = 1, 2
+    if store.fill is None:
+        store.fill = float("nan")
     try:
         yield store
     finally:
-        store.first_slots, store.first_capacity = sizes
+        store.first_slots, store.first_capacity, store.fill = sizes
+
+
+def test_only_the_compiled_forward_leaves_the_store_uninitialised(tiny):
+    """Zeros where PyTorch's packed attention reads whole slots (masking past each session), none where the
+    compiled kernel reads each session's keys only (the test above fills it with NaN)."""
+    compiled = tiny.fused is not None and tiny.fused.row_ops is not None
+    assert (tiny.kv_store.fill is None) == compiled
+    assert tiny.kv_store.fill in (None, 0.0)
 
 
 # ----------------------------------------------------------------------- packed forwards over the store

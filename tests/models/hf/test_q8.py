@@ -49,9 +49,9 @@ def reference_quantised(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def reference_product(weight, rows: np.ndarray) -> np.ndarray:
-    """The C source's formula in numpy float32: per group in order, ``out += (scale * d) * I`` (and for q4_1,
-    q5_1 ``out += (minimum * d) * S``; for q6_k one term per 16 inputs), with I the exact integer dot product
-    of the group's quants (minus offset * S where the weight is ``scale * (q - offset)``)."""
+    """The C source's formula in numpy float32: per group in order, ``out = fma(scale * d, I, out)`` (and for
+    q4_1, q5_1 ``out = fma(minimum, d * S, out)``; for q6_k one term per 16 inputs), with I the exact integer
+    dot product of the group's quants (minus offset * S where the weight is ``scale * (q - offset)``)."""
     records = weight.records.numpy()
     blocks, groups = records.shape[:2]
     two = weight.kind in ("q4_1", "q5_1", "q6_k")
@@ -64,10 +64,25 @@ def reference_product(weight, rows: np.ndarray) -> np.ndarray:
         halves = [slice(0, 16), slice(16, 32)] if weight.kind == "q6_k" else [slice(0, 32)]
         for half, inputs in enumerate(halves):
             integer = np.einsum("rk,bkl->rbl", xq[:, g, inputs], quants[:, g, inputs]).astype(np.float32)
-            out = out + (floats[None, :, g, half] * d[:, g, None, None]) * integer
+            out = fma32(floats[None, :, g, half] * d[:, g, None, None], integer, out)
         if weight.kind in ("q4_1", "q5_1"):
-            out = out + (floats[None, :, g, 1] * d[:, g, None, None]) * sums[:, g, None, None].astype(np.float32)
+            d_sum = d[:, g] * sums[:, g].astype(np.float32)
+            out = fma32(floats[None, :, g, 1], d_sum[:, None, None], out)
     return out.reshape(rows.shape[0], -1)
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``a * b + c`` rounded once to float32, as the fused multiply-add instruction. The product of two float32
+    is exact in float64; the float64 sum is rounded to odd (Boldo and Melquiond 2008: inexact sums take the odd
+    one of their two float64 neighbours), which makes its rounding to float32 that of the exact sum."""
+    product = a.astype(np.float64) * b.astype(np.float64)
+    addend = np.broadcast_to(c, product.shape).astype(np.float64)
+    total = product + addend
+    virtual = total - product                      # Knuth's two-sum: what the float64 sum dropped, exactly
+    dropped = (product - (total - virtual)) + (addend - virtual)
+    even = (total.view(np.int64) & 1) == 0
+    odd = np.where(dropped > 0, np.nextafter(total, np.inf), np.nextafter(total, -np.inf))
+    return np.where((dropped != 0) & even, odd, total).astype(np.float32)
 
 
 def _signed_quants(kind: str, quants: np.ndarray) -> np.ndarray:

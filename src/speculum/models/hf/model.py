@@ -148,7 +148,12 @@ class HFModel(BaseModel):
         # The sessions' KV store for packed forwards (it holds no memory until a session moves in).
         # Its keys and values in the forward's activation dtype: float32 in the fused forward, whatever the weights.
         kv_dtype = torch.float32 if self._fused is not None else self.dtype
-        self._arena = KVArena(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=kv_dtype)
+        # The compiled forward reads each session's keys within its length only: its store needs no zeros, and
+        # uninitialised memory costs only the pages written, so it starts at a server's 8 slots of 512 tokens
+        # (no growth, which copies the store, in a typical burst of requests).
+        compiled = self._fused is not None and self._fused.row_ops is not None
+        sizes = {"fill": None, "first_slots": 8, "first_capacity": 512} if compiled else {}
+        self._arena = KVArena(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=kv_dtype, **sizes)
         self._kv_bytes_per_token = self._arena.bytes_for(1, 1)
 
     @property

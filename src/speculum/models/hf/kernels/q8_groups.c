@@ -17,12 +17,16 @@
  * Each output, for row r, lane n, summed over the groups g in order, from 0, with S = S_lo + S_hi:
  *   I = sum_k wq[n][k] * xq[r][k] over the group's 32 inputs (int32, exact), minus offset * S for the kinds
  *       whose weight is scale * (q - offset) (q4_0: 8, q5_0: 16); then
- *   q4_0, q5_0, q8_0:  out += (scale[n] * d) * (float)I
- *   q4_1, q5_1:        out += (scale[n] * d) * (float)I, then out += (minimum[n] * d) * (float)S
+ *   q4_0, q5_0, q8_0:  out = fma(scale[n] * d, (float)I, out)
+ *   q4_1, q5_1:        out = fma(scale[n] * d, (float)I, out), then out = fma(minimum[n], s, out), where
+ *                      s = d * (float)S is the block's float32 "d times sum", kept when the row is quantised
+ *                      (as llama.cpp's Q8_1 keeps it)
  *   q6_k (q - 32, a scale per 16 inputs): I_lo, I_hi over inputs 0..15 and 16..31, each minus 32 * S_lo or
- *                      32 * S_hi; out += (scale_lo[n] * d) * (float)I_lo, then out += (scale_hi[n] * d) * (float)I_hi
- * every product and sum rounded to float32 as written (no fused multiply-add: -ffp-contract=off). |I| is below
- * 2^24, so (float)I is exact. The order does not depend on the number of rows, their position or the thread
+ *                      32 * S_hi; out = fma(scale_lo[n] * d, (float)I_lo, out), then the same with scale_hi, I_hi
+ * every product rounded to float32 as written, fma(a, b, c) = a * b + c rounded once (the instruction, in both
+ * vector widths; nothing else is contracted: -ffp-contract=off). Two fused multiply-adds a group and row, where
+ * separate products and sums would take four multiplies and two adds on the pipes the dot products need. |I| is
+ * below 2^24, so (float)I is exact. The order does not depend on the number of rows, their position or the thread
  * split: a row's outputs never depend on the rows multiplied with it (ROW-CANONICAL).
  */
 #include <stdint.h>
@@ -63,7 +67,7 @@ typedef int32_t unaligned_int32 __attribute__((aligned(1), may_alias));
 /* ------------------------------------------------------------------------------------------ the rows */
 
 /* Block b (row r, group g) of 32 inputs quantised: quants at q, its scale, the sums of its inputs 0..15 and
- * 16..31, and (where `fsum` is given) their total as a float32. amax is the largest |x| ignoring NaN (max is
+ * 16..31, and (where `fsum` is given) s = d * (float)(their total), rounded to float32. amax is the largest |x| ignoring NaN (max is
  * exact in any order); each quant is x * inverse (float32) rounded half away from zero as roundf does, from
  * its truncation and the exact fraction v - trunc(v); a NaN input gives the quant 0 (the conversion's
  * 0x80000000, truncated to 8 bits). The AVX-512 and AVX2 paths give the same bits (tested). */
@@ -130,7 +134,7 @@ static inline void quantise_block(const float *xb, int8_t *q, float *d, int32_t 
     *d = scale;
     sums[0] = sum[0];
     sums[1] = sum[1];
-    if (fsum) *fsum = (float)(sum[0] + sum[1]);
+    if (fsum) *fsum = scale * (float)(sum[0] + sum[1]);
 }
 
 /* Rows (rows, in_features) -> quants (rows, in_features) int8, scales (rows, in_features / 32) float32, sums
@@ -174,12 +178,13 @@ static inline void fstore(float *p, fvec v) { _mm512_storeu_ps(p, v); }
 static inline fvec fset1(float v) { return _mm512_set1_ps(v); }
 static inline fvec fmul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
 static inline fvec fadd(fvec a, fvec b) { return _mm512_add_ps(a, b); }
+static inline fvec ffma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline fvec to_float(ivec v) { return _mm512_cvtepi32_ps(v); }
 static inline fvec int8_to_float(const uint8_t *p)
 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
 #define WIDTH 8
 #define ROWS_A_PASS 4
 typedef __m256i ivec;
@@ -218,13 +223,14 @@ static inline void fstore(float *p, fvec v) { _mm256_storeu_ps(p, v); }
 static inline fvec fset1(float v) { return _mm256_set1_ps(v); }
 static inline fvec fmul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
 static inline fvec fadd(fvec a, fvec b) { return _mm256_add_ps(a, b); }
+static inline fvec ffma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline fvec to_float(ivec v) { return _mm256_cvtepi32_ps(v); }
 static inline fvec int8_to_float(const uint8_t *p)
 {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 #else
-#error "8-bit products need AVX2, or AVX-512 VNNI"
+#error "8-bit products need AVX2 with FMA, or AVX-512 VNNI"
 #endif
 
 /* ------------------------------------------------------------------------------------------ the products */
@@ -314,15 +320,15 @@ static inline __attribute__((always_inline)) void lanes(const int kind, const in
             if (kind == Q5_0) low = isub(low, 16 * sr);
             if (kind == Q8_0 && Q8_OFFSET) low = isub(low, Q8_OFFSET * sr);
             if (SIX_BITS(kind)) low = isub(low, 32 * s_low);
-            acc[r] = fadd(acc[r], fmul(fmul(scale, fset1(dg[r])), to_float(low)));
-            if (WITH_MINIMUM(kind)) acc[r] = fadd(acc[r], fmul(fmul(minimum, fset1(dg[r])), fset1(fg[r])));
+            acc[r] = ffma(fmul(scale, fset1(dg[r])), to_float(low), acc[r]);
+            if (WITH_MINIMUM(kind)) acc[r] = ffma(minimum, fset1(fg[r]), acc[r]);
         }
         if (SIX_BITS(kind)) {                     /* inputs 16..31, the second scale */
             dots(kind, rows, q + g * rows * GROUP, w, 4, 8, sum);
             #pragma GCC unroll 8
             for (int r = 0; r < rows; r++) {
                 const ivec high = isub(sum[r], 32 * sg[2 * r + 1]);
-                acc[r] = fadd(acc[r], fmul(fmul(second, fset1(dg[r])), to_float(high)));
+                acc[r] = ffma(fmul(second, fset1(dg[r])), to_float(high), acc[r]);
             }
         }
     }
@@ -330,8 +336,8 @@ static inline __attribute__((always_inline)) void lanes(const int kind, const in
 }
 
 /* The scratch of `rows` rows in passes of ROWS_A_PASS: pass p (rows r0 = p ROWS_A_PASS .., n of them) holds at
- * q + r0 in_features its quants [group][row][32], at d + r0 groups and fsum + r0 groups its scales and total
- * sums [group][row], at sums + 2 r0 groups its half sums [group][row][2]: a pass reads one stream a kind. */
+ * q + r0 in_features its quants [group][row][32], at d + r0 groups and fsum + r0 groups its scales and
+ * d-times-sums [group][row], at sums + 2 r0 groups its half sums [group][row][2]: a pass reads one stream a kind. */
 static void passed_rows(const float *x, int64_t rows, int64_t in_features, int8_t *q, float *d, int32_t *sums,
                         float *fsum, int threads)
 {
@@ -391,7 +397,7 @@ int name(const float *x, int64_t rows, int64_t in_features, const uint8_t *packe
          float *out, int threads)                                                                            \
 {                                                                                                            \
     const int64_t groups = in_features / GROUP;                                                              \
-    /* quants (rows x in_features bytes: a multiple of 32), scales, sums, then float sums: 4-byte aligned */ \
+    /* quants (rows x in_features bytes: a multiple of 32), scales, sums, then d-times-sums: 4-byte aligned */ \
     uint8_t *scratch = malloc((size_t)(rows * in_features + rows * groups * 16));                            \
     if (scratch == NULL) return -1;                                                                          \
     int8_t *q = (int8_t *)scratch;                                                                           \

@@ -39,8 +39,13 @@ class KVArena:
     """Key and value buffers shared by the sessions of one model: a slot per session (see the module)."""
 
     def __init__(self, *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 first_slots: int = 4, first_capacity: int = 256) -> None:
+                 first_slots: int = 4, first_capacity: int = 256, fill: float | None = 0.0) -> None:
         self.layers, self.kv_heads, self.head_dim, self.dtype = layers, kv_heads, head_dim, dtype
+        # What new buffers hold past the sessions' keys: zeros for a reader that attends over a whole slot and
+        # masks what lies past a session's length (a masked key still enters q·k, and NaN bits would spread);
+        # None (uninitialised) where every reader stays within a session's length: pages never written are
+        # then never faulted in or cleared.
+        self.fill = fill
         self.first_slots, self.first_capacity = first_slots, first_capacity   # sizes of the first buffers
         self.lock = threading.RLock()
         self.keys: list[torch.Tensor] = []       # per layer (slots, kv_heads, capacity, head_dim)
@@ -82,10 +87,8 @@ class KVArena:
         replacing = self.slots > 0             # buffers to copy from, then free
         while capacity < length:
             capacity *= 2
-        # Zeros, not empty memory: a masked key still enters q·k before the mask, and NaN bits would spread.
         shape = (slots, self.kv_heads, capacity, self.head_dim)
-        keys = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.layers)]
-        values = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.layers)]
+        keys, values = ([self._new(shape) for _ in range(self.layers)] for _ in range(2))
         if self.slots:
             for new, old in zip(keys + values, self.keys + self.values):
                 new[: self.slots, :, : self.capacity] = old
@@ -94,4 +97,8 @@ class KVArena:
         self.keys, self.values, self.slots, self.capacity = keys, values, slots, capacity
         if replacing:
             trim_heap()        # the old buffers' blocks, which the C heap would otherwise keep resident
+
+    def _new(self, shape: tuple[int, ...]) -> torch.Tensor:
+        empty = torch.empty(shape, dtype=self.dtype)
+        return empty if self.fill is None else empty.fill_(self.fill)
 
