@@ -71,6 +71,29 @@ def test_product_rows_are_alone_and_exact_to_float32(kind):
             run.bind(rows, torch.empty(4, 64))
 
 
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_tiled_and_direct_products_give_the_same_bits(kind):
+    """Many rows decode each group's weights once into a tile, or inside every pass of rows: which one is
+    timed at load (``tiled_products``), so both must give the same bits at every row count."""
+    from speculum.models.hf.kernels import gguf_groups
+
+    rng = np.random.default_rng(3)
+    run = grouped_run([pack(kind, random_blocks(kind, 48, 96, rng))])
+    x = torch.from_numpy(rng.standard_normal((37, 96)).astype(np.float32))
+    library = gguf_groups._LIBRARY.library()
+    outputs = []
+    try:
+        for tiled_from in (1, 2**62):                       # always tiled, never tiled
+            library.grouped_tiled_from(tiled_from)
+            outputs.append([run(x[:count]) for count in range(1, 38)])
+    finally:
+        library.grouped_tiled_from(library.grouped_rows_a_pass() + 1 if gguf_groups.tiled_products() else 2**62)
+    for tiled, direct in zip(*outputs):
+        assert torch.equal(tiled, direct)
+    assert gguf_groups.tiled_products() in (True, False)
+
+
 def test_query_rows_put_back_as_transformers_does():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 

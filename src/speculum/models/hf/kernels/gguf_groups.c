@@ -279,17 +279,25 @@ static inline __attribute__((always_inline)) void direct(const int source, const
     }
 }
 
+/* Products of fewer rows than this decode each lane block's weights inside every pass of ROWS_A_PASS rows
+ * ("direct"); more rows decode each group once into a tile ("tiled"). Which is faster depends on the CPU (a
+ * CPU that runs one 512-bit FMA a cycle has room for the decode beside it; one that runs two has not), so
+ * the library's user times both and sets it once, before any product (grouped_tiled_from). */
+static int64_t tiled_from = ROWS_A_PASS + 1;
+void grouped_tiled_from(int64_t rows) { tiled_from = rows < 1 ? 1 : rows; }
+int64_t grouped_rows_a_pass(void) { return ROWS_A_PASS; }
+
 /* Lane blocks are shared among `threads` threads (PyTorch's count, passed in: the caller's thread may not be
- * the one that set it). Up to ROWS_A_PASS rows, each block's weights are decoded inside the product and the
- * sums stay in registers. More rows: TILE_BLOCKS blocks at a time, each group's weights are decoded once
- * into a small tile, every row multiplies them TILE_ROWS rows a pass, and the sums wait in cache between
- * groups. Each output gets the same products added in the same order either way: the same numbers. */
+ * the one that set it). Direct: each block's weights are decoded inside the product and the sums stay in
+ * registers. Tiled: TILE_BLOCKS blocks at a time, each group's weights are decoded once into a small tile,
+ * every row multiplies them TILE_ROWS rows a pass, and the sums wait in cache between groups. Each output
+ * gets the same products added in the same order either way: the same numbers. */
 #define PRODUCT(name, source, record)                                                                                \
 void name(const float *x, int64_t rows, int64_t in_features, const uint8_t *packed, int64_t out_features,            \
           float *out, int threads)                                                                                   \
 {                                                                                                                    \
     const int64_t blocks = out_features / LANES, groups = in_features / 32;                                          \
-    if (rows <= ROWS_A_PASS) {                                                                                       \
+    if (rows < tiled_from) {                                                                                         \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                                            \
         for (int64_t b = 0; b < blocks; b++)                                                                         \
             direct(source, record, x, rows, in_features, packed, b, out, out_features);                              \

@@ -42,7 +42,8 @@ from .build import KernelLibrary
 from .gguf_records import GGUF_KINDS, GROUP, LANES, RECORD_BYTES, GroupedWeight, check_binding, checked_rows, pack
 
 __all__ = ["forget", "kernel_source", "GroupedProduct", "GroupedProducts", "GroupedWeight", "attach_groups",
-           "grouped_run", "kernel_unavailable", "load_groups", "multiply_by_groups", "pack", "read_groups", "save_groups", "GROUPS"]
+           "grouped_run", "kernel_unavailable", "load_groups", "multiply_by_groups", "pack", "read_groups", "save_groups",
+           "tiled_products", "GROUPS"]
 
 GROUPS = "speculum_groups"        # the attribute of an ``nn.Linear`` holding its GroupedWeight
 _SOURCE = Path(__file__).with_name("gguf_groups.c")
@@ -176,6 +177,46 @@ def _configure(library: ctypes.CDLL) -> None:
         function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                              ctypes.c_void_p, ctypes.c_int]
         function.restype = None
+    library.grouped_tiled_from.argtypes = [ctypes.c_int64]
+    library.grouped_tiled_from.restype = None
+    library.grouped_rows_a_pass.restype = ctypes.c_int64
+    global _TILED
+    _TILED = _faster_tiled(library)
+    library.grouped_tiled_from(library.grouped_rows_a_pass() + 1 if _TILED else _NEVER)
+
+
+_NEVER = 2**62
+_TILED: bool | None = None
+
+
+def _faster_tiled(library: ctypes.CDLL, rows: int = 32, out_features: int = 1536, in_features: int = 576) -> bool:
+    """Whether products of many rows run faster with each group's weights decoded once into a tile than
+    decoded again inside every pass of rows, timed once a process on a product of ``rows`` rows (a few ms;
+    zero weights, whose products take the time of any others). The two give the same bits, so the choice
+    moves nothing but time."""
+    import time
+
+    records = torch.zeros(out_features // LANES, in_features // GROUP, RECORD_BYTES["q4_1"], dtype=torch.uint8)
+    x, out = torch.zeros(rows, in_features), torch.empty(rows, out_features)
+    function, threads = library.q4_1_product, torch.get_num_threads()
+    tiled_from = {True: library.grouped_rows_a_pass() + 1, False: _NEVER}
+    best: dict[bool, float] = {}
+    for _ in range(3):
+        for tiled, limit in tiled_from.items():
+            library.grouped_tiled_from(limit)
+            started = time.perf_counter()
+            for _ in range(3):
+                function(x.data_ptr(), rows, in_features, records.data_ptr(), out_features, out.data_ptr(), threads)
+            seconds = time.perf_counter() - started
+            best[tiled] = min(best.get(tiled, seconds), seconds)
+    return best[True] < best[False]
+
+
+def tiled_products() -> bool | None:
+    """Whether this process's grouped products of many rows (more than a pass: 8 rows with AVX-512, 4 with
+    AVX2) decode each group's weights once into a tile (True) or inside every pass of rows (False), as timed
+    when the kernel was loaded; None where the kernel is unavailable. Either gives the same bits."""
+    return None if _LIBRARY.library() is None else _TILED
 
 
 _LIBRARY = KernelLibrary("grouped", _SOURCE, "grouped float32 products (oneDNN multiplies the expanded weights)",
