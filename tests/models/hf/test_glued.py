@@ -105,6 +105,20 @@ def test_kept_buffers_give_fresh_buffers_rows_bitwise(model, monkeypatch, rows):
     assert torch.equal(*results)
 
 
+def test_row_counts_taking_turns_on_the_shared_buffers_give_fresh_buffers_rows(model, monkeypatch):
+    """Every kept row count binds the first rows of one set of buffers: forwards of counts taking turns (a
+    server's steps) give bitwise what buffers of their own give, and each count is bound once."""
+    counts = [5, 2, 9, 5, 1, 9, 2]
+    generator = torch.Generator().manual_seed(11)
+    sequences = [torch.randint(3, model.vocab_size, (1, n), generator=generator) for n in counts]
+    model.fused.bound_blocks.shapes.clear()
+    kept = [model.fused(tokens, OwnCache()) for tokens in sequences]
+    assert sorted(model.fused.bound_blocks.shapes) == sorted(set(counts))
+    monkeypatch.setattr(model.fused, "bound_blocks", Unbound())
+    fresh = [model.fused(tokens, OwnCache()) for tokens in sequences]
+    assert all(torch.equal(a, b) for a, b in zip(kept, fresh))
+
+
 def test_forwards_from_two_threads_get_their_own_rows(model):
     from concurrent.futures import ThreadPoolExecutor
 

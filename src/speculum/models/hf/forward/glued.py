@@ -54,7 +54,6 @@ __all__ = ["run_blocks", "call", "packed", "packed_on_store", "Attend", "BoundBl
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 BOUND_ROWS = 64         # forwards of at most this many rows run on bound buffers
-_BOUND_SHAPES = 16      # row counts whose buffers a forward keeps (past them, the oldest is dropped)
 
 
 def call(forward: "FusedForward", x: torch.Tensor, tables: dict, cache: "KVCache", positions: torch.Tensor,
@@ -151,21 +150,23 @@ class BoundBlocks:
     runs on buffers a forward keeps; a forward that finds it held makes buffers of its own. The calls a block
     makes are the module's steps 1 to 4."""
 
-    def __init__(self, forward: "FusedForward", rows: int) -> None:
+    def __init__(self, forward: "FusedForward", rows: int, shared: "SharedBuffers | None" = None) -> None:
         ops, blocks = forward.row_ops, forward.blocks
         heads, kv_heads, dim = forward.heads, forward.kv_heads, forward.head_dim
         hidden, inner = forward.embed.shape[1], forward.intermediate
-        self.lock = threading.Lock()
-        self.x, self.normed = torch.empty(rows, hidden), torch.empty(rows, hidden)
-        self.tables = {kind: (torch.empty(rows, dim), torch.empty(rows, dim)) for kind in set(forward.rotary_kinds)}
-        self.qkv = torch.empty(rows, (heads + 2 * kv_heads) * dim)
+        # Buffers of its own, or the first `rows` rows of buffers shared by every row count (and their lock).
+        buffer = (lambda *shape: torch.empty(rows, *shape)) if shared is None else shared.rows(rows)
+        self.lock = threading.Lock() if shared is None else shared.lock
+        self.x, self.normed = buffer(hidden), buffer(hidden)
+        self.tables = {kind: (buffer(dim), buffer(dim)) for kind in sorted(set(forward.rotary_kinds))}
+        self.qkv = buffer((heads + 2 * kv_heads) * dim)
         k_from, v_from = heads * dim, (heads + kv_heads) * dim
         self.q = self.qkv[:, :k_from].view(rows, heads, dim)
         self.k = self.qkv[:, k_from:v_from].view(rows, kv_heads, dim)
         self.v = self.qkv[:, v_from:].view(rows, kv_heads, dim)
-        self.attended = torch.empty(rows, heads, dim)
-        self.projected, self.mlp = torch.empty(rows, hidden), torch.empty(rows, hidden)
-        self.gate_up, self.gated = torch.empty(rows, 2 * inner), torch.empty(rows, inner)
+        self.attended = buffer(heads, dim)
+        self.projected, self.mlp = buffer(hidden), buffer(hidden)
+        self.gate_up, self.gated = buffer(2 * inner), buffer(inner)
         first = blocks[0].attn_norm
         self.first_norm = ops.norm(self.x, first.weight, first.eps, self.normed, bind=True)
         self.layers = []
@@ -213,20 +214,49 @@ class BoundBlocks:
         return self.normed
 
 
+class SharedBuffers:
+    """The buffers of :data:`BOUND_ROWS` rows that a forward's kept :class:`BoundBlocks` of every row count take
+    their first rows of (one forward runs on them at a time: ``lock``): the row counts of a server's steps
+    vary from step to step, and each is bound once, on memory allocated once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._buffers: list[torch.Tensor] = []
+        self._taken = 0
+
+    def rows(self, rows: int) -> Callable[..., torch.Tensor]:
+        """A maker of the next buffers, in the order a :class:`BoundBlocks` asks for them: the first ``rows``
+        rows of the shared buffer of that place and width (allocated by the first to ask)."""
+        self._taken = 0
+
+        def buffer(*shape: int) -> torch.Tensor:
+            if self._taken == len(self._buffers):
+                self._buffers.append(torch.empty(BOUND_ROWS, *shape))
+            kept = self._buffers[self._taken]
+            if tuple(kept.shape[1:]) != shape:
+                raise ValueError(f"shared buffer {self._taken} is {tuple(kept.shape)}, asked for rows of {shape}")
+            self._taken += 1
+            return kept[:rows]
+
+        return buffer
+
+
 class BoundShapes:
-    """A forward's :class:`BoundBlocks` by row count, made on first use (at most :data:`_BOUND_SHAPES` kept)."""
+    """A forward's :class:`BoundBlocks` by row count (up to :data:`BOUND_ROWS`), made on first use and kept, all
+    on one set of :class:`SharedBuffers`."""
 
     def __init__(self, forward: "FusedForward") -> None:
         self.forward = forward
         self.shapes: dict[int, BoundBlocks] = {}
         self.lock = threading.Lock()
+        self.shared = SharedBuffers()
 
     def get(self, rows: int) -> BoundBlocks | None:
-        """The bound blocks for ``rows`` rows, or None where they are in use by another thread."""
+        """The bound blocks for ``rows`` rows, or None where the shared buffers are in use by another thread."""
+        if self.shared.lock.locked():
+            return None
         with self.lock:
             bound = self.shapes.get(rows)
             if bound is None:
-                if len(self.shapes) >= _BOUND_SHAPES:
-                    self.shapes.pop(next(iter(self.shapes)))
-                bound = self.shapes[rows] = BoundBlocks(self.forward, rows)
+                bound = self.shapes[rows] = BoundBlocks(self.forward, rows, self.shared)
         return None if bound.lock.locked() else bound
