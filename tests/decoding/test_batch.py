@@ -53,6 +53,19 @@ def test_greedy_under_batching_is_plain_greedy_decoding(draft):
         assert out[request] == speculum.generate(target, prompt, max_new_tokens=length, temperature=0).tokens
 
 
+def test_generations_sharing_a_prompt_lookup_each_index_their_own_context():
+    """One PromptLookup passed to every generation of a batch: each generation proposes from an index of its
+    own (``per_generation``), so the shared object never takes turns re-indexing their contexts."""
+    target = MarkovModel.random(VOCAB, seed=7)
+    shared = PromptLookup()
+    joins = {0: [(prompt, dict(draft=shared, max_new_tokens=20, temperature=0, gamma=3))
+                 for prompt in ([0, 1, 2, 0, 1], [3, 4, 3, 4], [5, 6, 5])]}
+    out = run(Scheduler(target), joins)
+    assert shared._tokens == []
+    for request, (prompt, _) in enumerate(joins[0]):
+        assert out[request] == speculum.generate(target, prompt, max_new_tokens=20, temperature=0).tokens
+
+
 @pytest.mark.parametrize("draft", DRAFTS.values(), ids=DRAFTS.keys())
 def test_a_seeded_generation_does_not_depend_on_the_batch(draft):
     target = MarkovModel.random(VOCAB, seed=7)

@@ -65,6 +65,22 @@ def test_prompt_lookup_equals_brute_force_through_edits(max_ngram, data, edits, 
         assert lookup.propose_with_match(context, max_tokens) == expected
 
 
+@settings(max_examples=50, deadline=None)
+@given(contexts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=20), min_size=2, max_size=4),
+       max_ngram=st.integers(1, 3), num_pred_tokens=st.integers(1, 4))
+def test_a_generation_s_own_prompt_lookup_proposes_what_the_shared_one_does(contexts, max_ngram, num_pred_tokens):
+    """``per_generation`` gives an object of the same settings and an empty index of its own: taking turns
+    with other contexts on one shared object or each on its own, every proposal is the brute-force one."""
+    shared = PromptLookup(max_ngram=max_ngram, num_pred_tokens=num_pred_tokens, vocab_size=4)
+    own = [shared.per_generation() for _ in contexts]
+    assert all(o is not shared and o._tokens == [] for o in own) and len({id(o) for o in own}) == len(own)
+    for step in range(1, 21):                        # each context grows a token at a time, in turns
+        for context, mine in zip(contexts, own):
+            prefix = context[:step]
+            want = brute_prompt_lookup(prefix, max_ngram, 1, num_pred_tokens, 3, with_match=True)
+            assert shared.propose_with_match(prefix, 3) == mine.propose_with_match(prefix, 3) == want
+
+
 def test_prompt_lookup_prefers_longer_and_better_agreeing_matches():
     lookup = PromptLookup(max_ngram=2, min_ngram=1, num_pred_tokens=3)
     # tail (7, 1): only "7 1" at 0..1 matches with n=2, although "1" alone occurs more recently.

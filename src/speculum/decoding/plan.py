@@ -18,7 +18,7 @@ from ..models.base import AutoregressiveModel, Proposer, as_model, check_prompt,
 from ..validation import InputError, check_int
 from .warp import check_sampling_args
 
-__all__ = ["Plan", "plan_generation", "make_rngs", "MODEL_EOS", "MatchingProposer"]
+__all__ = ["Plan", "plan_generation", "make_rngs", "MODEL_EOS", "MatchingProposer", "PerGenerationProposer"]
 
 # The default of ``eos_token_id``: stop at the target's own eos (its ``eos_token_id`` attribute), if it has one.
 MODEL_EOS: Any = ...
@@ -40,6 +40,16 @@ class MatchingProposer(Protocol):
         ...
 
     def propose_with_match(self, context: Sequence[int], max_tokens: int) -> tuple[list[int], Hashable]:
+        ...
+
+
+@runtime_checkable
+class PerGenerationProposer(Protocol):
+    """A proposer whose state only follows the context it is given (an index of it), which makes an
+    object of its own for each generation: ``per_generation()``. Generations sharing one such object would
+    take turns at its state, each undoing the others' contexts (the proposals stay the same)."""
+
+    def per_generation(self) -> Any:
         ...
 
 
@@ -145,6 +155,8 @@ def plan_generation(target: Any, prompt_ids: Sequence[int], *, draft: Any, max_n
         eos_token_id = check_token_id(eos_token_id, vocab_size, name="eos_token_id")
     prompt = check_prompt(target, prompt_ids, name="prompt_ids")
     draft_kind, draft = _classify_draft(draft, vocab_size)
+    if draft_kind == "proposer" and isinstance(draft, PerGenerationProposer):
+        draft = draft.per_generation()
     budget, budget_reason = max_new_tokens, "max_new_tokens"
     max_context = target.max_context if isinstance(target, _DeclaresWindow) else None
     if max_context is not None:

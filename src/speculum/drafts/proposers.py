@@ -101,6 +101,13 @@ class PromptLookup(_Locked):
         with self._lock:
             self._truncate(0)
 
+    def per_generation(self) -> "PromptLookup":
+        """A proposer with the same settings and an index of its own, for one generation: generations that
+        share one object take turns at its index, and each turn undoes the other's context and indexes its
+        own again (O(context) a call instead of O(new tokens)). Proposals are the same either way."""
+        return PromptLookup(self.max_ngram, self.min_ngram, self.num_pred_tokens, vocab_size=self.vocab_size,
+                            max_agreement=self.max_agreement)
+
     def _truncate(self, length: int) -> None:
         tokens = self._tokens
         for end in range(len(tokens), length, -1):
