@@ -61,7 +61,7 @@ def test_generations_sharing_a_prompt_lookup_each_index_their_own_context():
     joins = {0: [(prompt, dict(draft=shared, max_new_tokens=20, temperature=0, gamma=3))
                  for prompt in ([0, 1, 2, 0, 1], [3, 4, 3, 4], [5, 6, 5])]}
     out = run(Scheduler(target), joins)
-    assert shared._tokens == []
+    assert shared.indexed == 0
     for request, (prompt, _) in enumerate(joins[0]):
         assert out[request] == speculum.generate(target, prompt, max_new_tokens=20, temperature=0).tokens
 

@@ -73,7 +73,7 @@ def test_a_generation_s_own_prompt_lookup_proposes_what_the_shared_one_does(cont
     with other contexts on one shared object or each on its own, every proposal is the brute-force one."""
     shared = PromptLookup(max_ngram=max_ngram, num_pred_tokens=num_pred_tokens, vocab_size=4)
     own = [shared.per_generation() for _ in contexts]
-    assert all(o is not shared and o._tokens == [] for o in own) and len({id(o) for o in own}) == len(own)
+    assert all(o is not shared and o.indexed == 0 for o in own) and len({id(o) for o in own}) == len(own)
     for step in range(1, 21):                        # each context grows a token at a time, in turns
         for context, mine in zip(contexts, own):
             prefix = context[:step]

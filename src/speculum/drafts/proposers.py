@@ -101,6 +101,11 @@ class PromptLookup(_Locked):
         with self._lock:
             self._truncate(0)
 
+    @property
+    def indexed(self) -> int:
+        """Tokens of context its index holds (the last context it proposed after)."""
+        return len(self._tokens)
+
     def per_generation(self) -> "PromptLookup":
         """A proposer with the same settings and an index of its own, for one generation: generations that
         share one object take turns at its index, and each turn undoes the other's context and indexes its

@@ -81,14 +81,13 @@ def test_tiled_and_direct_products_give_the_same_bits(kind):
     rng = np.random.default_rng(3)
     run = grouped_run([pack(kind, random_blocks(kind, 48, 96, rng))])
     x = torch.from_numpy(rng.standard_normal((37, 96)).astype(np.float32))
-    library = gguf_groups._LIBRARY.library()
     outputs = []
     try:
-        for tiled_from in (1, 2**62):                       # always tiled, never tiled
-            library.grouped_tiled_from(tiled_from)
+        for tiled in (True, False):
+            gguf_groups.use_tiled_products(tiled)
             outputs.append([run(x[:count]) for count in range(1, 38)])
     finally:
-        library.grouped_tiled_from(library.grouped_rows_a_pass() + 1 if gguf_groups.tiled_products() else 2**62)
+        gguf_groups.use_tiled_products(None)
     for tiled, direct in zip(*outputs):
         assert torch.equal(tiled, direct)
     assert gguf_groups.tiled_products() in (True, False)

@@ -280,9 +280,9 @@ static inline __attribute__((always_inline)) void direct(const int source, const
 }
 
 /* Products of fewer rows than this decode each lane block's weights inside every pass of ROWS_A_PASS rows
- * ("direct"); more rows decode each group once into a tile ("tiled"). Which is faster depends on the CPU (a
- * CPU that runs one 512-bit FMA a cycle has room for the decode beside it; one that runs two has not), so
- * the library's user times both and sets it once, before any product (grouped_tiled_from). */
+ * ("direct"); more rows decode each group once into a tile ("tiled"). Which is faster depends on the CPU (how
+ * much room its vector pipes leave beside the multiply-adds for decoding again), so the library's user times
+ * both and sets it once, before any product (grouped_tiled_from). */
 static int64_t tiled_from = ROWS_A_PASS + 1;
 void grouped_tiled_from(int64_t rows) { tiled_from = rows < 1 ? 1 : rows; }
 int64_t grouped_rows_a_pass(void) { return ROWS_A_PASS; }

@@ -31,6 +31,7 @@ import ctypes
 import functools
 import logging
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -42,8 +43,8 @@ from .build import KernelLibrary
 from .gguf_records import GGUF_KINDS, GROUP, LANES, RECORD_BYTES, GroupedWeight, check_binding, checked_rows, pack
 
 __all__ = ["forget", "kernel_source", "GroupedProduct", "GroupedProducts", "GroupedWeight", "attach_groups",
-           "grouped_run", "kernel_unavailable", "load_groups", "multiply_by_groups", "pack", "read_groups", "save_groups",
-           "tiled_products", "GROUPS"]
+           "grouped_run", "kernel_unavailable", "load_groups", "multiply_by_groups", "pack", "read_groups",
+           "save_groups", "tiled_products", "use_tiled_products", "GROUPS"]
 
 GROUPS = "speculum_groups"        # the attribute of an ``nn.Linear`` holding its GroupedWeight
 _SOURCE = Path(__file__).with_name("gguf_groups.c")
@@ -182,7 +183,7 @@ def _configure(library: ctypes.CDLL) -> None:
     library.grouped_rows_a_pass.restype = ctypes.c_int64
     global _TILED
     _TILED = _faster_tiled(library)
-    library.grouped_tiled_from(library.grouped_rows_a_pass() + 1 if _TILED else _NEVER)
+    library.grouped_tiled_from(library.grouped_rows_a_pass() + 1 if _TILED else _NEVER)     # as use_tiled_products
 
 
 _NEVER = 2**62
@@ -194,8 +195,6 @@ def _faster_tiled(library: ctypes.CDLL, rows: int = 32, out_features: int = 1536
     decoded again inside every pass of rows, timed once a process on a product of ``rows`` rows (a few ms;
     zero weights, whose products take the time of any others). The two give the same bits, so the choice
     moves nothing but time."""
-    import time
-
     records = torch.zeros(out_features // LANES, in_features // GROUP, RECORD_BYTES["q4_1"], dtype=torch.uint8)
     x, out = torch.zeros(rows, in_features), torch.empty(rows, out_features)
     function, threads = library.q4_1_product, torch.get_num_threads()
@@ -217,6 +216,16 @@ def tiled_products() -> bool | None:
     AVX2) decode each group's weights once into a tile (True) or inside every pass of rows (False), as timed
     when the kernel was loaded; None where the kernel is unavailable. Either gives the same bits."""
     return None if _LIBRARY.library() is None else _TILED
+
+
+def use_tiled_products(tiled: bool | None) -> None:
+    """Make this process's grouped products of many rows take the tiled path (True) or the direct one (False),
+    or the one timed at load (None): for comparing the two, which give the same bits. Nothing where the kernel
+    is unavailable."""
+    library = _LIBRARY.library()
+    if library is not None:
+        chosen = _TILED if tiled is None else tiled
+        library.grouped_tiled_from(library.grouped_rows_a_pass() + 1 if chosen else _NEVER)
 
 
 _LIBRARY = KernelLibrary("grouped", _SOURCE, "grouped float32 products (oneDNN multiplies the expanded weights)",

@@ -67,11 +67,11 @@ typedef int32_t unaligned_int32 __attribute__((aligned(1), may_alias));
 /* ------------------------------------------------------------------------------------------ the rows */
 
 /* Block b (row r, group g) of 32 inputs quantised: quants at q, its scale, the sums of its inputs 0..15 and
- * 16..31, and (where `fsum` is given) s = d * (float)(their total), rounded to float32. amax is the largest |x| ignoring NaN (max is
- * exact in any order); each quant is x * inverse (float32) rounded half away from zero as roundf does, from
- * its truncation and the exact fraction v - trunc(v); a NaN input gives the quant 0 (the conversion's
- * 0x80000000, truncated to 8 bits). The AVX-512 and AVX2 paths give the same bits (tested). */
-static inline void quantise_block(const float *xb, int8_t *q, float *d, int32_t *sums, float *fsum)
+ * 16..31, and (where `dsum` is given) s = d * (float)(their total), rounded to float32. amax is the largest
+ * |x| ignoring NaN (max is exact in any order); each quant is x * inverse (float32) rounded half away from zero
+ * as roundf does, from its truncation and the exact fraction v - trunc(v); a NaN input gives the quant 0 (the
+ * conversion's 0x80000000, truncated to 8 bits). The AVX-512 and AVX2 paths give the same bits (tested). */
+static inline void quantise_block(const float *xb, int8_t *q, float *d, int32_t *sums, float *dsum)
 {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
@@ -134,7 +134,7 @@ static inline void quantise_block(const float *xb, int8_t *q, float *d, int32_t 
     *d = scale;
     sums[0] = sum[0];
     sums[1] = sum[1];
-    if (fsum) *fsum = scale * (float)(sum[0] + sum[1]);
+    if (dsum) *dsum = scale * (float)(sum[0] + sum[1]);
 }
 
 /* Rows (rows, in_features) -> quants (rows, in_features) int8, scales (rows, in_features / 32) float32, sums
@@ -283,7 +283,7 @@ static inline __attribute__((always_inline)) void dots(const int kind, const int
 /* `rows` rows (a constant in each inlined copy) of one pass times lanes `part` * WIDTH .. of one lane block. The
  * pass is laid out group-major (passed_rows): group g's quants, scales and sums of its rows side by side. */
 static inline __attribute__((always_inline)) void lanes(const int kind, const int record, const int rows,
-        const int8_t *q, const float *d, const int32_t *sums, const float *fsum, int64_t groups,
+        const int8_t *q, const float *d, const int32_t *sums, const float *dsum, int64_t groups,
         const uint8_t *block, int part, float *out, int64_t out_features)
 {
     fvec acc[ROWS_A_PASS];
@@ -292,7 +292,7 @@ static inline __attribute__((always_inline)) void lanes(const int kind, const in
         const uint8_t *super = block + g / 8 * (FACTORS(kind) + 8 * record);          /* factored kinds */
         const uint8_t *at = FACTORED(kind) ? super + FACTORS(kind) + g % 8 * record : block + g * record;
         const float *scales = (const float *)at;
-        const float *dg = d + g * rows, *fg = fsum + g * rows;
+        const float *dg = d + g * rows, *dsg = dsum + g * rows;
         const int32_t *sg = sums + 2 * g * rows;
         ivec w[8], sum[ROWS_A_PASS];
         quads(kind, at, part, w);
@@ -321,7 +321,7 @@ static inline __attribute__((always_inline)) void lanes(const int kind, const in
             if (kind == Q8_0 && Q8_OFFSET) low = isub(low, Q8_OFFSET * sr);
             if (SIX_BITS(kind)) low = isub(low, 32 * s_low);
             acc[r] = ffma(fmul(scale, fset1(dg[r])), to_float(low), acc[r]);
-            if (WITH_MINIMUM(kind)) acc[r] = ffma(minimum, fset1(fg[r]), acc[r]);
+            if (WITH_MINIMUM(kind)) acc[r] = ffma(minimum, fset1(dsg[r]), acc[r]);
         }
         if (SIX_BITS(kind)) {                     /* inputs 16..31, the second scale */
             dots(kind, rows, q + g * rows * GROUP, w, 4, 8, sum);
@@ -336,10 +336,10 @@ static inline __attribute__((always_inline)) void lanes(const int kind, const in
 }
 
 /* The scratch of `rows` rows in passes of ROWS_A_PASS: pass p (rows r0 = p ROWS_A_PASS .., n of them) holds at
- * q + r0 in_features its quants [group][row][32], at d + r0 groups and fsum + r0 groups its scales and
+ * q + r0 in_features its quants [group][row][32], at d + r0 groups and dsum + r0 groups its scales and
  * d-times-sums [group][row], at sums + 2 r0 groups its half sums [group][row][2]: a pass reads one stream a kind. */
 static void passed_rows(const float *x, int64_t rows, int64_t in_features, int8_t *q, float *d, int32_t *sums,
-                        float *fsum, int threads)
+                        float *dsum, int threads)
 {
     const int64_t groups = in_features / GROUP, blocks = rows * groups;
     #pragma omp parallel for schedule(static) num_threads(threads) if (blocks >= 4096)
@@ -347,12 +347,12 @@ static void passed_rows(const float *x, int64_t rows, int64_t in_features, int8_
         const int64_t row = b / groups, g = b % groups, r0 = row - row % ROWS_A_PASS;
         const int64_t n = rows - r0 < ROWS_A_PASS ? rows - r0 : ROWS_A_PASS;
         const int64_t at = r0 * groups + g * n + (row - r0);
-        quantise_block(x + b * GROUP, q + at * GROUP, d + at, sums + 2 * at, fsum + at);
+        quantise_block(x + b * GROUP, q + at * GROUP, d + at, sums + 2 * at, dsum + at);
     }
 }
 
 #define CASE(n) case n: lanes(kind, record, n, q + r0 * in_features, d + r0 * groups, sums + 2 * r0 * groups, \
-                              fsum + r0 * groups, groups, block, part, out + r0 * out_features + b * LANES,  \
+                              dsum + r0 * groups, groups, block, part, out + r0 * out_features + b * LANES,  \
                               out_features); break;
 #if ROWS_A_PASS == 8
 #define PASSES CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
@@ -371,7 +371,7 @@ static inline int64_t tile_rows(int64_t rows)
     return (even + ROWS_A_PASS - 1) / ROWS_A_PASS * ROWS_A_PASS;
 }
 #define PRODUCT(name, KIND, RECORD)                                                                          \
-static void name(const int8_t *q, const float *d, const int32_t *sums, const float *fsum, int64_t rows,      \
+static void name(const int8_t *q, const float *d, const int32_t *sums, const float *dsum, int64_t rows,      \
                  int64_t in_features, const uint8_t *packed, int64_t out_features, float *out, int threads)  \
 {                                                                                                            \
     const int kind = KIND, record = RECORD;                                                                  \
@@ -403,9 +403,9 @@ int name(const float *x, int64_t rows, int64_t in_features, const uint8_t *packe
     int8_t *q = (int8_t *)scratch;                                                                           \
     float *d = (float *)(scratch + rows * in_features);                                                      \
     int32_t *sums = (int32_t *)(scratch + rows * in_features + rows * groups * 4);                           \
-    float *fsum = (float *)(scratch + rows * in_features + rows * groups * 12);                              \
-    passed_rows(x, rows, in_features, q, d, sums, fsum, threads);                                            \
-    product(q, d, sums, fsum, rows, in_features, packed, out_features, out, threads);                        \
+    float *dsum = (float *)(scratch + rows * in_features + rows * groups * 12);                              \
+    passed_rows(x, rows, in_features, q, d, sums, dsum, threads);                                            \
+    product(q, d, sums, dsum, rows, in_features, packed, out_features, out, threads);                        \
     free(scratch);                                                                                           \
     return 0;                                                                                                \
 }
