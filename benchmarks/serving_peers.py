@@ -152,13 +152,14 @@ def main() -> int:
             process, url = start(table[name])
             try:
                 ask(url, prompts[0], 4)                                      # warm-up
+                solo = None                                                  # the answers at concurrency 1
                 for concurrency in args.concurrency:
                     rate, answers, per_token = level(url, prompts, concurrency, args.max_tokens)
                     rates[name][concurrency].append(rate)
                     if concurrency == 1:
                         stream_ms[name].append(per_token)
                         solo = answers
-                    if concurrency == max(args.concurrency) and round_ == 0:
+                    if concurrency == max(args.concurrency) and round_ == 0 and solo is not None:
                         changed[name] = sum(a != b for a, b in zip(answers, solo))
                 memory[name] = max(memory.get(name, 0.0), resident_mib(process.pid))
             finally:
@@ -166,7 +167,8 @@ def main() -> int:
                 process.wait(60)
     report = {"cpu": cpu_name(), "max_tokens": args.max_tokens, "rounds": args.rounds,
               "rows": {name: {"tok_s": {c: statistics.median(v) for c, v in rates[name].items()},
-                              "ms_per_token": statistics.median(stream_ms[name]), "resident_mib": memory[name],
+                              "ms_per_token": statistics.median(stream_ms[name]) if stream_ms[name] else None,
+                              "resident_mib": memory[name],
                               f"changed_at_{max(args.concurrency)}": changed.get(name)} for name in chosen}}
     if args.json:
         print(json.dumps(report, indent=2))
@@ -178,8 +180,10 @@ def main() -> int:
     print("|---|" + "---:|" * (len(args.concurrency) + 3))
     for name, row in report["rows"].items():
         cells = " | ".join(f"{row['tok_s'][c]:.1f}" for c in args.concurrency)
-        print(f"| {name} | {cells} | {row['ms_per_token']:.1f} | {row['resident_mib']:.0f} | "
-              f"{row[f'changed_at_{max(args.concurrency)}']} of {len(prompts)} |")
+        stream = "" if row["ms_per_token"] is None else f"{row['ms_per_token']:.1f}"      # no concurrency 1
+        changed_here = row[f"changed_at_{max(args.concurrency)}"]
+        print(f"| {name} | {cells} | {stream} | {row['resident_mib']:.0f} | "
+              f"{'' if changed_here is None else f'{changed_here} of {len(prompts)}'} |")
     return 0
 
 
