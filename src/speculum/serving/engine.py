@@ -47,6 +47,9 @@ __all__ = ["Engine", "EngineBusy", "EngineClosed", "GenerationRequest", "Delta",
 MAX_TOP_LOGPROBS = MAX_TOP
 _WAKE = object()        # wakes a worker waiting for jobs; not a job
 MAX_SCORE_BATCH = 16    # score jobs scored together (a round's chunks share one forward)
+# While generations run, scoring rounds take at most this share of the time their steps take: a generation
+# beside a long echo waits for the round in progress, then runs 1.5x slower at most.
+SCORING_SHARE = 0.5
 
 
 class Engine:
@@ -120,7 +123,8 @@ class Engine:
         self._pools = {GENERATION: self._generating, SCORING: self._scoring}
         self._worked = False                    # ran a step or scored since the heap was last trimmed
         # Worker seconds scoring may still take before the next generation step, while generations run:
-        # scoring gets at most the time the generations get, so it can at most double their latency.
+        # scoring gets at most SCORING_SHARE of the time the generations get, so it adds at most that share
+        # to their latency (plus the round a generation arrives during).
         self._score_credit = 0.0
         self._round_costs = RoundCosts()         # seconds of the last scoring rounds (sizes the next ones)
         self._worker: threading.Thread | None = None
@@ -147,8 +151,8 @@ class Engine:
               reservation: Reservation | None = None) -> ScoreJob:
         """Queue ``prompt_ids`` for scoring (OpenAI's ``echo``): the worker teacher-forces it a chunk per
         round (:class:`~speculum.models.prompt_scores.PromptScorer`, sharing prefixes with recently scored
-        prompts), its rounds interleaved with the generations' steps (scoring takes at most as much of the
-        worker's time as the running generations), and the job's
+        prompts), its rounds interleaved with the generations' steps (scoring takes at most half as much of
+        the worker's time as the running generations), and the job's
         :meth:`~speculum.serving.jobs.ScoreJob.result` gives its exact log-probs and ``top`` likeliest
         tokens per position. A cancelled job stops at the next round. Counts toward the engine's bound like
         a generation.
@@ -327,7 +331,7 @@ class Engine:
         if self._generating:
             took = self._generate()
             # Unused time does not pile up: scoring never runs for long between two generation steps.
-            self._score_credit = min(self._score_credit + took, took)
+            self._score_credit = min(self._score_credit + SCORING_SHARE * took, SCORING_SHARE * took)
         if self._scoring and (not self._generating or self._score_credit >= 0):
             took = self._score_round(self._round_budget())
             self._score_credit = self._score_credit - took if self._generating else 0.0
