@@ -11,7 +11,7 @@ reference's (greedy-token agreement).
   evaluated by llama-cpp-python with every position's logits;
 * ``llama.cpp Q4_1``: the embedded file itself on llama.cpp, for scale.
 
-Two fixed text sets: 12 short texts written here, and the docstrings of 20 standard-library modules (the first
+Two fixed text sets: 12 short texts written here, and the docstrings of 19 standard-library modules (the first
 1,200 characters of each), whose thousands of positions make a 1 % difference in agreement tell.
 
 Usage:
@@ -66,7 +66,7 @@ TEXTS = [
 # A second, larger fixed set: the docstrings of standard-library modules (fixed for a Python version), each
 # cut to its first 1,200 characters; more positions make a 1 % difference in greedy agreement tell.
 DOCSTRING_MODULES = ("argparse", "bisect", "calendar", "collections", "csv", "difflib", "fractions", "functools",
-                     "heapq", "json", "logging", "pathlib", "random", "shlex", "statistics", "string",
+                     "heapq", "json", "logging", "random", "shlex", "statistics", "string",
                      "textwrap", "threading", "unittest", "zipfile")
 
 

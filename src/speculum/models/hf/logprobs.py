@@ -33,9 +33,7 @@ def log_mass(logits: torch.Tensor) -> torch.Tensor:
     thread count (PyTorch splits a lone row's reduction across its threads, and so rounds it otherwise than
     the same row among others). Logits of float32 values take the row kernel where it runs (rows are shared
     among threads, each row by one); float64 logits that float32 cannot hold take NumPy's path."""
-    source = logits.detach()
-    if source.dtype not in (torch.float32, torch.float64):
-        source = source.float()                                                  # exact widening
+    source = _widened(logits)
     narrow = _float32_rows(source)
     if narrow is not None:
         return _checked(_row_kernel().log_mass(narrow, torch.empty(narrow.shape[0], dtype=torch.float64)))
@@ -53,8 +51,7 @@ def log_mass(logits: torch.Tensor) -> torch.Tensor:
 
 def logprob_rows(logits: torch.Tensor) -> np.ndarray:
     """``(n, vocab)`` logits (any float dtype) -> ``(n, vocab)`` float64 NumPy log-probs, normalised."""
-    source = logits.detach()
-    narrow = _float32_rows(source if source.dtype in (torch.float32, torch.float64) else source.float())
+    narrow = _float32_rows(_widened(logits))
     if narrow is not None:      # the mass and the rows in one pass of the row kernel
         rows = torch.empty(narrow.shape, dtype=torch.float64)
         _checked(_row_kernel().log_mass(narrow, torch.empty(narrow.shape[0], dtype=torch.float64), rows))
@@ -62,6 +59,12 @@ def logprob_rows(logits: torch.Tensor) -> np.ndarray:
     rows = logits.to(torch.float64, copy=True)   # the one full-size float64 array, normalised in place
     rows -= log_mass(rows)[:, None]
     return rows.numpy()
+
+
+def _widened(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` detached, as float32 or float64 (other float dtypes widened to float32, exactly)."""
+    source = logits.detach()
+    return source if source.dtype in (torch.float32, torch.float64) else source.float()
 
 
 def _checked(mass: torch.Tensor) -> torch.Tensor:

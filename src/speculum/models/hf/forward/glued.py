@@ -253,10 +253,8 @@ class BoundShapes:
 
     def get(self, rows: int) -> BoundBlocks | None:
         """The bound blocks for ``rows`` rows, or None where the shared buffers are in use by another thread."""
-        if self.shared.lock.locked():
-            return None
         with self.lock:
             bound = self.shapes.get(rows)
             if bound is None:
                 bound = self.shapes[rows] = BoundBlocks(self.forward, rows, self.shared)
-        return None if bound.lock.locked() else bound
+        return None if bound.lock.locked() else bound      # the shared buffers' lock

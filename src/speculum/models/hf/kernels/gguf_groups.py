@@ -183,7 +183,7 @@ def _configure(library: ctypes.CDLL) -> None:
     library.grouped_rows_a_pass.restype = ctypes.c_int64
     global _TILED
     _TILED = _faster_tiled(library)
-    library.grouped_tiled_from(library.grouped_rows_a_pass() + 1 if _TILED else _NEVER)     # as use_tiled_products
+    _take_path(library, _TILED)
 
 
 _NEVER = 2**62
@@ -198,11 +198,10 @@ def _faster_tiled(library: ctypes.CDLL, rows: int = 32, out_features: int = 1536
     records = torch.zeros(out_features // LANES, in_features // GROUP, RECORD_BYTES["q4_1"], dtype=torch.uint8)
     x, out = torch.zeros(rows, in_features), torch.empty(rows, out_features)
     function, threads = library.q4_1_product, torch.get_num_threads()
-    tiled_from = {True: library.grouped_rows_a_pass() + 1, False: _NEVER}
     best: dict[bool, float] = {}
     for _ in range(3):
-        for tiled, limit in tiled_from.items():
-            library.grouped_tiled_from(limit)
+        for tiled in (True, False):
+            _take_path(library, tiled)
             started = time.perf_counter()
             for _ in range(3):
                 function(x.data_ptr(), rows, in_features, records.data_ptr(), out_features, out.data_ptr(), threads)
@@ -224,8 +223,12 @@ def use_tiled_products(tiled: bool | None) -> None:
     is unavailable."""
     library = _LIBRARY.library()
     if library is not None:
-        chosen = _TILED if tiled is None else tiled
-        library.grouped_tiled_from(library.grouped_rows_a_pass() + 1 if chosen else _NEVER)
+        _take_path(library, _TILED if tiled is None else tiled)
+
+
+def _take_path(library: ctypes.CDLL, tiled: bool) -> None:
+    """Products of more rows than a pass take the tiled path (True) or the direct one (False)."""
+    library.grouped_tiled_from(library.grouped_rows_a_pass() + 1 if tiled else _NEVER)
 
 
 _LIBRARY = KernelLibrary("grouped", _SOURCE, "grouped float32 products (oneDNN multiplies the expanded weights)",
