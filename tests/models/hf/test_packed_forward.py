@@ -9,7 +9,6 @@ rows of a prefilled one, alone or packed; a scheduler that packs prompts keeps e
 """
 from __future__ import annotations
 
-import gc
 import threading
 from contextlib import contextmanager
 
@@ -43,8 +42,8 @@ def tiny() -> HFModel:
 def small_first_buffers(store):
     """``store`` (empty) starting with one slot of 2 tokens while in the block, so that tests grow it often. A
     store left uninitialised (the compiled forward's) is filled with NaN instead: a forward that read past a
-    session's keys would spread it into the rows."""
-    gc.collect()                          # sessions of earlier examples give their slots back
+    session's keys would spread it into the rows. The sessions of earlier tests are gone by then (dropped
+    sessions give their slots back at once)."""
     assert store.in_use == 0 and store.keys == []
     sizes = store.first_slots, store.first_capacity, store.fill
     store.first_slots, store.first_capacity = 1, 2
@@ -73,7 +72,8 @@ def test_only_the_compiled_forward_leaves_the_store_uninitialised(tiny):
 def test_packed_sessions_on_the_store_equal_their_own_forwards(tiny, requests, seed):
     """Requests join (prompt of p tokens), take part in some rounds (a block of b tokens, then a rollback
     of r) and leave after their last round, on a store that grows from one 2-token slot: every row of
-    every packed call equals the session's own extend to float32 rounding, and states stay equal."""
+    every packed call equals the session's own extend to float32 rounding, states stay equal, and a session
+    dropped gives its slot back at once (reference counting, no garbage collection)."""
     rng = np.random.default_rng(seed)
     with small_first_buffers(tiny.kv_store):
         live: dict[int, tuple] = {}
@@ -104,7 +104,6 @@ def test_packed_sessions_on_the_store_equal_their_own_forwards(tiny, requests, s
         for solo, packed, _ in live.values():
             assert np.abs(solo.extend([3]) - packed.extend([3])).max() < 1e-4
         live = solo = packed = None
-        gc.collect()
         assert tiny.kv_store.in_use == 0 and tiny.kv_store.keys == []
 
 
