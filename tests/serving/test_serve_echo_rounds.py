@@ -18,7 +18,7 @@ from speculum.models import MarkovModel  # noqa: E402
 from speculum.serving import Engine, GenerationRequest  # noqa: E402
 from speculum.serving.engine import SCORING_SHARE  # noqa: E402
 from speculum.serving.rounds import (IDLE_ROUND_SECONDS, MIN_ROUND_TOKENS, MIN_SHARE_TOKENS, RoundCosts,  # noqa: E402
-                                     round_budget)
+                                     STOPPABLE_ROUND_SECONDS, round_budget)
 from speculum.models.prompt_scores import DEFAULT_CHUNK, PromptScorer, _shares, likeliest, likeliest_rows  # noqa: E402
 
 from support.serving import decode  # noqa: E402
@@ -278,6 +278,10 @@ def test_rounds_are_sized_by_the_time_they_have():
     # ten prompts, nothing generating: a share each
     assert round_budget(costs, prompts=10, credit=None) == 10 * MIN_SHARE_TOKENS > int(IDLE_ROUND_SECONDS / 0.0005)
     assert round_budget(costs, prompts=10, credit=0.02) == 40           # generations running: the credit
+    # a target whose rounds stop for an arriving generation: longer idle rounds, the same credit
+    assert round_budget(costs, prompts=1, credit=None, idle_seconds=STOPPABLE_ROUND_SECONDS) == int(
+        STOPPABLE_ROUND_SECONDS / 0.0005) > int(IDLE_ROUND_SECONDS / 0.0005)
+    assert round_budget(costs, prompts=10, credit=0.02, idle_seconds=STOPPABLE_ROUND_SECONDS) == 40
     assert round_budget(costs, prompts=10, credit=0.0) == MIN_ROUND_TOKENS
 
 

@@ -333,6 +333,10 @@ class Capabilities:
     in blocks, one at a time, deferred, packed with other sessions by ``extend_sessions``): a function of
     the tokens up to it alone. Greedy speculative output then equals plain greedy output bit for bit, and
     a scheduler's packed verification gives every generation its solo greedy output.
+    ``interruptible_rows``: ``interruptible(check)`` is a context within which ``extend_rows`` (on the calling
+    thread) stops between two layers once ``check()`` is True, raising
+    :class:`~speculum.models.interruption.Interrupted` with every session as before the call; a call that
+    is not stopped computes what it computes outside the context.
     ``independent_sessions`` (default True): each session keeps its own state, so several can advance in
     turn. False (llama.cpp's single resident KV cache: switching sessions re-evaluates the context): the
     serving engine and ``generate_batch`` run one generation at a time.
@@ -350,6 +354,7 @@ class Capabilities:
     canonical_rows: bool = False
     invariant_extend: bool = False
     prefix_levels: bool = False
+    interruptible_rows: bool = False
     independent_sessions: bool = True
     parallel_calls: int = 1
 

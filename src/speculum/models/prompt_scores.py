@@ -46,6 +46,7 @@ import torch
 
 from ..validation import InputError, check_int
 from .base import capabilities_of, check_token_ids
+from .interruption import Interrupted
 
 __all__ = ["PromptScorer", "PromptScores", "likeliest", "likeliest_rows", "DEFAULT_CHUNK",
            "DEFAULT_CACHE_TOKENS", "MAX_TOP", "ROUND_TOKENS"]
@@ -239,7 +240,9 @@ class PromptScorer:
         state part when what they share then saves more tokens than ``round_cost`` (a round's fixed cost,
         in tokens: stopping costs one more round). Returns the prompts it finished and those it failed with
         the error: a failing packed round starts its prompts again, each in forwards of its own from then
-        on, so that a prompt the model fails on fails alone."""
+        on, so that a prompt the model fails on fails alone. A round whose forward its caller stopped
+        (:class:`~speculum.models.interruption.Interrupted`, under the target's ``interruptible``) raises
+        it and changes nothing: a later round feeds the same tokens again."""
         if budget is not None:
             check_int(budget, "budget", minimum=1)
         check_int(round_cost, "round_cost", minimum=0)
@@ -254,6 +257,8 @@ class PromptScorer:
             try:
                 if group:
                     self._round(group, budget, round_cost)
+            except Interrupted:
+                raise                 # the caller asked for it: the prompts are where the round found them
             except Exception as exc:  # noqa: BLE001  (the prompt's own failure goes to its client)
                 if len(group) == 1:
                     failed.append((group[0], exc))

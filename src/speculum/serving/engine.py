@@ -24,6 +24,7 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -33,19 +34,21 @@ from typing import Any, Callable, Sequence
 from ..decoding.plan import plan_generation
 from ..decoding.scheduler import Scheduler
 from ..models.memory.allocator import trim_heap
-from ..models.base import check_token_ids
+from ..models.base import capabilities_of, check_token_ids
+from ..models.interruption import Interrupted
 from ..models.prompt_scores import DEFAULT_CACHE_TOKENS, MAX_TOP, PromptScorer
 from ..validation import InputError, check_int
 from .jobs import (GENERATION, SCORING, Delta, EngineBusy, EngineClosed, EngineJob, GenerationRequest, Job, Pool,
                    Reservation, ScoreJob, TokenLogprob)
 from .metrics import EngineMetrics
-from .rounds import RoundCosts, round_budget
+from .rounds import IDLE_ROUND_SECONDS, STOPPABLE_ROUND_SECONDS, RoundCosts, round_budget
 
 __all__ = ["Engine", "EngineBusy", "EngineClosed", "GenerationRequest", "Delta", "Job", "ScoreJob", "EngineMetrics",
            "TokenLogprob", "Reservation"]
 
 MAX_TOP_LOGPROBS = MAX_TOP
 _WAKE = object()        # wakes a worker waiting for jobs; not a job
+_NOTHING = object()     # an empty queue's head
 MAX_SCORE_BATCH = 16    # score jobs scored together (a round's chunks share one forward)
 # While generations run, scoring rounds take at most this share of the time their steps take: a generation
 # beside a long echo waits for the round in progress, then runs 1.5x slower at most.
@@ -127,6 +130,8 @@ class Engine:
         # to their latency (plus the round a generation arrives during).
         self._score_credit = 0.0
         self._round_costs = RoundCosts()         # seconds of the last scoring rounds (sizes the next ones)
+        # Rounds while no generation runs stop between two layers when one arrives, where the target can.
+        self._stoppable = capabilities_of(target).interruptible_rows and self.scorer.packs
         self._worker: threading.Thread | None = None
         if background:
             self._worker = threading.Thread(target=self.run, name="speculum-engine", daemon=True)
@@ -360,7 +365,21 @@ class Engine:
         """Tokens the next scoring round feeds (:func:`~speculum.serving.rounds.round_budget`: what fits its
         time on the last rounds' costs; while generations run, their last step's time at most, the credit)."""
         return round_budget(self._round_costs, prompts=len(self._scoring),
-                            credit=self._score_credit if self._generating else None)
+                            credit=self._score_credit if self._generating else None,
+                            idle_seconds=STOPPABLE_ROUND_SECONDS if self._stoppable else IDLE_ROUND_SECONDS)
+
+    def _scoring_should_stop(self) -> bool:
+        """Whether a scoring round run while no generation runs stops between two layers (its work is lost
+        and fed again later): a generation waits at the head of the queue with room to run, the engine is
+        closing or draining, or every prompt of the round was cancelled."""
+        with self._waiting.mutex:
+            waiting = self._waiting.queue
+            head = waiting[0] if waiting else _NOTHING
+        if head is None or head is _WAKE:
+            return True
+        if head is not _NOTHING and head.pool == GENERATION and self._generating.room():
+            return True
+        return all(job.cancelled for job in self._scoring.jobs.values())
 
     def _score_round(self, budget: int | None = None) -> float:
         """One round of the scorer (:meth:`PromptScorer.advance`: the next tokens of each prompt being
@@ -371,8 +390,15 @@ class Engine:
         self._drop_cancelled(self._scoring)
         scorer, metrics = self.scorer, self.metrics
         fed, forwarding = scorer.forwarded_tokens, scorer.forward_seconds
-        finished, failed = (scorer.advance(budget, round_cost=self._round_costs.fixed_tokens())
-                            if self._scoring else ([], []))
+        stoppable = self._stoppable and not self._generating
+        finished, failed, stopped = [], [], False
+        try:
+            with self.target.interruptible(self._scoring_should_stop) if stoppable else contextlib.nullcontext():
+                if self._scoring:
+                    finished, failed = scorer.advance(budget, round_cost=self._round_costs.fixed_tokens())
+        except Interrupted:
+            stopped = True
+            metrics.scoring_rounds_stopped += 1
         fed, forwarding = scorer.forwarded_tokens - fed, scorer.forward_seconds - forwarding
         ended: dict[Any, BaseException | None] = {work: None for work in finished} | dict(failed)
         for work in [work for work in self._scoring.jobs if work in ended]:
@@ -391,8 +417,9 @@ class Engine:
         took = time.perf_counter() - started
         metrics.busy_seconds += took
         # The forwards alone: a round's bookkeeping grows with the prompts it finishes, not the tokens it
-        # feeds, and would make the next rounds look dearer a token than they are.
-        self._round_costs.add(fed, forwarding)
+        # feeds, and would make the next rounds look dearer a token than they are. A stopped round fed nothing.
+        if not stopped:
+            self._round_costs.add(fed, forwarding)
         return took
 
     def _account(self, chunk: Any) -> None:

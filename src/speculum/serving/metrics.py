@@ -34,6 +34,7 @@ class EngineMetrics:
     scored_tokens_forwarded: int = 0   # tokens their scoring fed to the target
     scored_tokens_reused: int = 0      # positions answered from a resident prompt sharing the prefix
     scoring_forwards: int = 0          # forwards that scored them (a packed forward of several counts once)
+    scoring_rounds_stopped: int = 0    # scoring rounds stopped between two layers for a generation (fed again)
     prefix_cache_tokens: int = 0       # tokens held by resident scored prompts (gauge)
     prefix_cache_capacity: int = 0     # the cap on them (``prefix_cache_tokens`` of the engine)
 

@@ -364,6 +364,8 @@ def prometheus_text(engine: Engine) -> str:
          m.scored_tokens_reused),
         ("scoring_forwards_total", "counter", "forwards that scored echoed prompts (a packed forward counts once)",
          m.scoring_forwards),
+        ("scoring_rounds_stopped_total", "counter", "scoring rounds stopped between two layers for an arriving "
+         "generation (their tokens fed again)", m.scoring_rounds_stopped),
         ("prefix_cache_tokens", "gauge", "tokens of recently scored prompts kept for reuse", m.prefix_cache_tokens),
         ("prefix_cache_capacity_tokens", "gauge", "the cap on them (--prefix-cache-tokens)",
          m.prefix_cache_capacity),

@@ -26,11 +26,16 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["RoundCosts", "round_budget", "IDLE_ROUND_SECONDS", "MIN_ROUND_TOKENS", "MIN_SHARE_TOKENS"]
+__all__ = ["RoundCosts", "round_budget", "IDLE_ROUND_SECONDS", "STOPPABLE_ROUND_SECONDS", "MIN_ROUND_TOKENS",
+           "MIN_SHARE_TOKENS"]
 
 # A scoring round's length while no generation runs: what a request arriving meanwhile waits at most for
 # the worker. Long enough that a round's fixed costs (a read of every weight) stay small.
 IDLE_ROUND_SECONDS = 0.06
+# The same on a target whose forwards stop between two layers when a generation arrives
+# (``Capabilities.interruptible_rows``): the generation then waits one layer, not one round, and a round
+# reads the weights once for as many tokens as this allows (a stopped round is fed again later).
+STOPPABLE_ROUND_SECONDS = 0.5
 MIN_ROUND_TOKENS = 8    # the fewest tokens a time-sized round feeds (however short the time it has)
 # With no generation waiting, the fewest tokens a round feeds each prompt being scored: a round's cost
 # grows with its prompts as well as its tokens (each prompt attends on its own), so rounds of a few tokens
@@ -84,13 +89,15 @@ class RoundCosts:
         return max(0, int((seconds - fixed) / per_token))
 
 
-def round_budget(costs: RoundCosts, *, prompts: int, credit: float | None) -> int | None:
+def round_budget(costs: RoundCosts, *, prompts: int, credit: float | None,
+                 idle_seconds: float = IDLE_ROUND_SECONDS) -> int | None:
     """Tokens the next scoring round of ``prompts`` prompts feeds (a row-canonical target; others feed a
-    chunk a prompt): as many as fit the time it has on the last rounds' ``costs``, :data:`IDLE_ROUND_SECONDS`
-    at most; while generations run, at most the ``credit`` (seconds scoring may still take before their
-    next step; None: no generation runs, and then at least :data:`MIN_SHARE_TOKENS` a prompt); never fewer
-    than :data:`MIN_ROUND_TOKENS`. None before a first round has been timed."""
-    seconds = IDLE_ROUND_SECONDS if credit is None else min(IDLE_ROUND_SECONDS, credit)
+    chunk a prompt): as many as fit the time it has on the last rounds' ``costs``: ``idle_seconds`` while no
+    generation runs (``credit`` None; then at least :data:`MIN_SHARE_TOKENS` a prompt), and while
+    generations run the ``credit`` (seconds scoring may still take before their next step), at most
+    :data:`IDLE_ROUND_SECONDS`; never fewer than :data:`MIN_ROUND_TOKENS`. None before a first round has
+    been timed."""
+    seconds = idle_seconds if credit is None else min(IDLE_ROUND_SECONDS, credit)
     tokens = costs.tokens_within(seconds)
     if tokens is None:
         return None

@@ -30,9 +30,10 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ from ...validation import InputError
 from ..base import (BaseModel, Capabilities, Feed, check_prompt, check_session_blocks, check_token_ids,
                     common_prefix_length)
 from ..cpu import default_threads
+from ..interruption import Interrupted
 from ..memory.allocator import trim_heap
 from ..vocabulary import hf_token_bytes
 from .forward.fused import FusedForward, release_block_weights, unsupported_reason
@@ -127,7 +129,8 @@ class HFModel(BaseModel):
                                          batched_extend=self._fused is not None,
                                          deferred_prefill=self._fused is not None, invariant_extend=True,
                                          prefix_levels=True,
-                                         canonical_rows=self._fused is not None and self._fused.canonical_rows)
+                                         canonical_rows=self._fused is not None and self._fused.canonical_rows,
+                                         interruptible_rows=self._stoppable())
         self._rows_forward = RowInvariantForward(self._fused) if self._fused is not None else None
         self.prepacked_layers = prepack_linears(module) if prepack and self._fused is None else 0
         head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
@@ -339,10 +342,37 @@ class HFModel(BaseModel):
         self.govern_threads()
         with torch.inference_mode():
             if self._rows_forward is not None:
-                logits = self._rows_forward(reads, caches)
+                lengths = [cache.length for cache in caches]
+                try:
+                    with self._fused.interruption.armed():
+                        logits = self._rows_forward(reads, caches)
+                except Interrupted:     # the sessions record nothing; their caches forget the layers written
+                    for cache, length in zip(caches, lengths):
+                        cache.cut_to(length)
+                    raise
             else:
                 logits = [self.forward(torch.tensor([read]), cache)[0] for read, cache in zip(reads, caches)]
         return [feed.session.record_forward(feed.tokens, rows) for feed, rows in zip(feeds, logits)]
+
+    def interruptible(self, check: Callable[[], bool]) -> ContextManager[None]:
+        """A context within which :meth:`extend_rows` on this thread stops between two layers once ``check()``
+        is True (``Capabilities.interruptible_rows``): it raises
+        :class:`~speculum.models.interruption.Interrupted` with every session as before the call. A call that
+        is not stopped gives the rows it gives outside the context. A model that cannot stop (no fused
+        forward, or layers with a sliding window, whose caches forget keys for good) never does.
+
+        Example:
+            >>> with model.interruptible(lambda: queue_has_work()):        # doctest: +SKIP
+            ...     rows = model.extend_rows(sessions, token_lists)
+        """
+        if not self.capabilities.interruptible_rows:
+            return contextlib.nullcontext()
+        return self._fused.interruption.requested(check)
+
+    def _stoppable(self) -> bool:
+        """Whether a packed forward can stop between layers and be undone: a fused forward whose layers all
+        attend to every key (a sliding-window layer's cache drops keys it could not get back)."""
+        return self._fused is not None and all(window is None for window in self._fused.windows)
 
     def _into_store(self, sessions: Sequence[HFSession], length: int) -> None:
         """Move the sessions' caches into the model's KV store (:mod:`~speculum.models.hf.kv.store`), where

@@ -68,6 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from ...memory.allocator import trim_heap
+from ...interruption import Interruption
 from ...memory.pages import drop_mapped_pages
 from ..kernels.attention_rows import attention_unavailable
 from ..kernels.onednn import onednn_available
@@ -279,6 +280,8 @@ class FusedForward:
         # same in every forward.
         compiled = attention_unavailable() is None and row_ops_unavailable() is None
         self.row_ops = RowOps() if compiled else None
+        # Where a caller asked it and the model can undo it, packed forwards stop between two layers.
+        self.interruption = Interruption()
         self.bound_blocks = BoundShapes(self)          # the glued blocks bound to buffers, by row count
         self.blocks = [self._block(block, self.family, self.q8) for block in layers]
         head = module.get_output_embeddings()
@@ -464,6 +467,7 @@ class FusedForward:
             for cache in caches:
                 held.enter_context(cache.exclusive())
             for index, block in enumerate(self.blocks):
+                self.interruption.between_layers()
                 q, k, v = self._qkv(block, x, *tables[self.rotary_kinds[index]])    # (1, heads, T, d)
                 attn = q.new_empty(1, q.shape[2], self.heads, self.head_dim)          # (1, T, heads, d)
                 for b, (cache, attention) in enumerate(zip(caches, attentions[self.windows[index]])):
@@ -493,6 +497,7 @@ class FusedForward:
                     for w in windows} if singles else None
         blocks = {w: {b: RowAttention(pasts[b], n, w) for b, n in enumerate(lengths) if n > 1} for w in windows}
         for index, block in enumerate(self.blocks):
+            self.interruption.between_layers()
             window = self.windows[index]
             q, k, v = self._qkv(block, x, *tables[self.rotary_kinds[index]])    # (1, heads, T, d)
             keys, values = arena.keys[index], arena.values[index]

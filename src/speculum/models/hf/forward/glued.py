@@ -169,6 +169,7 @@ class BoundBlocks:
         self.gate_up, self.gated = buffer(2 * inner), buffer(inner)
         first = blocks[0].attn_norm
         self.first_norm = ops.norm(self.x, first.weight, first.eps, self.normed, bind=True)
+        self.between_layers = forward.interruption.between_layers
         self.layers = []
         for index, block in enumerate(blocks):
             cos, sin = self.tables[forward.rotary_kinds[index]]
@@ -201,7 +202,9 @@ class BoundBlocks:
         threads = torch.get_num_threads()
         self.first_norm(threads)
         q, k, v, attended = self.q, self.k, self.v, self.attended
+        between_layers = self.between_layers
         for index, (qkv, rotate, out, attention_residual, gate_up, gated, down, mlp_residual) in enumerate(self.layers):
+            between_layers()
             qkv(threads)
             rotate(threads)
             attend(index, q, k, v, attended)

@@ -75,6 +75,11 @@ class KVCache(Protocol):
     def trim(self, n: int) -> None:
         """Forget the last ``n`` tokens (``0 <= n <= length``); ``ValueError`` otherwise."""
 
+    def cut_to(self, length: int) -> None:
+        """Hold the first ``length`` tokens on every layer again, after a forward stopped between two layers
+        (:mod:`~speculum.models.interruption`) left the layers it wrote longer than the others. ``length`` is
+        the cache's length before that forward."""
+
     def exclusive(self) -> ContextManager[Any]:
         """A context during which the cache's buffers stay where they are: what a forward holds."""
 
@@ -202,6 +207,14 @@ class OwnCache:
             self.dynamic.crop(-n)
             self._room.clear()
 
+    def cut_to(self, length: int) -> None:
+        # Per layer: a stopped forward wrote only its first layers. Their buffers with room are kept, since
+        # what was written past `length` is not shared (a cache is forked between forwards, never during one).
+        for layer in getattr(self.dynamic, "layers", ()):
+            extra = layer.get_seq_length() - length
+            if extra > 0:
+                layer.crop(-extra)
+
     def exclusive(self) -> ContextManager[Any]:
         return contextlib.nullcontext()
 
@@ -289,6 +302,12 @@ class SlotCache:
         if not 0 <= n <= self._length:
             raise ValueError(f"trim({n}) of a cache holding {self._length} tokens")
         self._length -= n
+
+    def cut_to(self, length: int) -> None:
+        # The length moves when a forward's last layer is written: a stopped forward left it as it was.
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cut_to({length}) of a cache holding {self._length} tokens")
+        self._length = length
 
     def filled_to(self, length: int) -> None:
         """Record that this slot's keys and values of every layer are written up to ``length`` tokens by a
