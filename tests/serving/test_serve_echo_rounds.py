@@ -18,7 +18,7 @@ from speculum.models import MarkovModel  # noqa: E402
 from speculum.serving import Engine, GenerationRequest  # noqa: E402
 from speculum.serving.engine import SCORING_SHARE  # noqa: E402
 from speculum.serving.rounds import (IDLE_ROUND_SECONDS, MIN_ROUND_TOKENS, MIN_SHARE_TOKENS, RoundCosts,  # noqa: E402
-                                     STOPPABLE_ROUND_SECONDS, round_budget)
+                                     STOPPABLE_ROUND_SECONDS, next_idle_seconds, round_budget)
 from speculum.models.prompt_scores import DEFAULT_CHUNK, PromptScorer, _shares, likeliest, likeliest_rows  # noqa: E402
 
 from support.serving import decode  # noqa: E402
@@ -283,6 +283,21 @@ def test_rounds_are_sized_by_the_time_they_have():
         STOPPABLE_ROUND_SECONDS / 0.0005) > int(IDLE_ROUND_SECONDS / 0.0005)
     assert round_budget(costs, prompts=10, credit=0.02, idle_seconds=STOPPABLE_ROUND_SECONDS) == 40
     assert round_budget(costs, prompts=10, credit=0.0) == MIN_ROUND_TOKENS
+
+
+@given(st.lists(st.booleans(), max_size=20))
+def test_idle_rounds_are_short_after_a_stop_and_grow_back_to_long_ones(stops):
+    """After a stopped round the next is IDLE_ROUND_SECONDS long; each round not stopped doubles it, up to
+    STOPPABLE_ROUND_SECONDS, which enough rounds in a row reach."""
+    seconds = STOPPABLE_ROUND_SECONDS
+    for stopped in stops:
+        following = next_idle_seconds(seconds, stopped=stopped)
+        assert following == (IDLE_ROUND_SECONDS if stopped else min(2 * seconds, STOPPABLE_ROUND_SECONDS))
+        assert IDLE_ROUND_SECONDS <= following <= STOPPABLE_ROUND_SECONDS
+        seconds = following
+    for _ in range(8):
+        seconds = next_idle_seconds(seconds, stopped=False)
+    assert seconds == STOPPABLE_ROUND_SECONDS
 
 
 @given(fixed=st.floats(0.0, 0.05), per_token=st.floats(1e-5, 1e-2), sizes=st.lists(st.integers(1, 500), min_size=2,

@@ -41,7 +41,7 @@ from ..validation import InputError, check_int
 from .jobs import (GENERATION, SCORING, Delta, EngineBusy, EngineClosed, EngineJob, GenerationRequest, Job, Pool,
                    Reservation, ScoreJob, TokenLogprob)
 from .metrics import EngineMetrics
-from .rounds import IDLE_ROUND_SECONDS, STOPPABLE_ROUND_SECONDS, RoundCosts, round_budget
+from .rounds import IDLE_ROUND_SECONDS, STOPPABLE_ROUND_SECONDS, RoundCosts, next_idle_seconds, round_budget
 
 __all__ = ["Engine", "EngineBusy", "EngineClosed", "GenerationRequest", "Delta", "Job", "ScoreJob", "EngineMetrics",
            "TokenLogprob", "Reservation"]
@@ -130,8 +130,10 @@ class Engine:
         # to their latency (plus the round a generation arrives during).
         self._score_credit = 0.0
         self._round_costs = RoundCosts()         # seconds of the last scoring rounds (sizes the next ones)
-        # Rounds while no generation runs stop between two layers when one arrives, where the target can.
+        # Rounds while no generation runs stop between two layers when one arrives, where the target can; they
+        # are then long, and short again for a while after one was stopped (next_idle_seconds).
         self._stoppable = capabilities_of(target).interruptible_rows and self.scorer.packs
+        self._idle_seconds = STOPPABLE_ROUND_SECONDS if self._stoppable else IDLE_ROUND_SECONDS
         self._worker: threading.Thread | None = None
         if background:
             self._worker = threading.Thread(target=self.run, name="speculum-engine", daemon=True)
@@ -366,7 +368,7 @@ class Engine:
         time on the last rounds' costs; while generations run, their last step's time at most, the credit)."""
         return round_budget(self._round_costs, prompts=len(self._scoring),
                             credit=self._score_credit if self._generating else None,
-                            idle_seconds=STOPPABLE_ROUND_SECONDS if self._stoppable else IDLE_ROUND_SECONDS)
+                            idle_seconds=self._idle_seconds)
 
     def _scoring_should_stop(self) -> bool:
         """Whether a scoring round run while no generation runs stops between two layers (its work is lost
@@ -399,6 +401,8 @@ class Engine:
         except Interrupted:
             stopped = True
             metrics.scoring_rounds_stopped += 1
+        if stoppable:
+            self._idle_seconds = next_idle_seconds(self._idle_seconds, stopped=stopped)
         fed, forwarding = scorer.forwarded_tokens - fed, scorer.forward_seconds - forwarding
         ended: dict[Any, BaseException | None] = {work: None for work in finished} | dict(failed)
         for work in [work for work in self._scoring.jobs if work in ended]:

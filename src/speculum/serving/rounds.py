@@ -26,8 +26,8 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["RoundCosts", "round_budget", "IDLE_ROUND_SECONDS", "STOPPABLE_ROUND_SECONDS", "MIN_ROUND_TOKENS",
-           "MIN_SHARE_TOKENS"]
+__all__ = ["RoundCosts", "round_budget", "next_idle_seconds", "IDLE_ROUND_SECONDS", "STOPPABLE_ROUND_SECONDS",
+           "MIN_ROUND_TOKENS", "MIN_SHARE_TOKENS"]
 
 # A scoring round's length while no generation runs: what a request arriving meanwhile waits at most for
 # the worker. Long enough that a round's fixed costs (a read of every weight) stay small.
@@ -102,3 +102,16 @@ def round_budget(costs: RoundCosts, *, prompts: int, credit: float | None,
     if tokens is None:
         return None
     return max(MIN_ROUND_TOKENS, tokens, MIN_SHARE_TOKENS * prompts if credit is None else 0)
+
+
+def next_idle_seconds(seconds: float, *, stopped: bool) -> float:
+    """The length of the next round with no generation running on a target whose rounds stop for an
+    arriving generation, after one of ``seconds``: :data:`IDLE_ROUND_SECONDS` when it was ``stopped``
+    (generations are arriving, and a long round would be lost again), else twice as long, up to
+    :data:`STOPPABLE_ROUND_SECONDS` (the way back to long rounds once they stop arriving).
+
+    Example:
+        >>> next_idle_seconds(0.5, stopped=True), next_idle_seconds(0.06, stopped=False)
+        (0.06, 0.12)
+    """
+    return IDLE_ROUND_SECONDS if stopped else min(STOPPABLE_ROUND_SECONDS, 2 * seconds)
