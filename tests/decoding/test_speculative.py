@@ -310,6 +310,20 @@ def test_nan_logits_are_rejected_where_they_enter():
         generate(TARGET, [1], draft=Counting(DRAFT, corrupt_after=2), max_new_tokens=40, seed=0)
 
 
+def test_a_target_declaring_normalised_rows_is_trusted_with_their_mass():
+    """The loop checks a target's rows (a pass of exp over the vocabulary each) unless the target declares
+    that it checks them where it computes them: the same corrupted rows are refused from a target that
+    does not declare it and taken as they are from one that does (the declaration is its word)."""
+    class Declaring(Counting):
+        capabilities = Capabilities(normalised_rows=True)
+
+    with pytest.raises(ValueError, match="NaN"):
+        generate(Counting(TARGET, corrupt_after=2), [1], max_new_tokens=8, temperature=0)
+    declared = Declaring(TARGET, corrupt_after=2)
+    out = generate(declared, [1], max_new_tokens=8, temperature=0)
+    assert declared.extends > 2 and len(out.tokens) == 8
+
+
 def test_auto_gamma_models_all_or_nothing_acceptance_runs():
     # Prompt lookup: a copied span is accepted whole or its first token fails. The per-position model
     # must see that long blocks pay (a pooled geometric α ≈ 0.8 would predict E[N](8) ≈ 4.3, not ≈ 5.5).

@@ -37,6 +37,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from ..models.base import capabilities_of
 from .gamma.controller import GammaPolicy
 from .drafter import Proposal, checked_rows, drafter_for
 from .events import Chunk, DecodingStats
@@ -64,6 +65,7 @@ class Decoder:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.vocab_size = int(plan.target.vocab_size)
+        self.normalised_rows = capabilities_of(plan.target).normalised_rows    # checked where computed
         self.stats = DecodingStats(draft_skipped=plan.draft_skipped)
         self.acceptance_rng, self.resampling_rng = plan.rngs[1], plan.rngs[2]
         self.greedy = plan.temperature == 0.0
@@ -149,7 +151,8 @@ class Decoder:
         ``timed=False``: ``target_seconds`` is not this block's verification cost (the forward also fed a
         prompt), so ``gamma="auto"`` does not learn from it."""
         stats, policy = self.stats, self.policy
-        rows = checked_rows(rows, len(proposal.tokens) + 1, self.vocab_size, "target")
+        rows = checked_rows(rows, len(proposal.tokens) + 1, self.vocab_size, "target",
+                            normalised=self.normalised_rows)
         stats.target_seconds += target_seconds
         stats.target_forwards += 1
         verdict = self._verify(proposal, rows)

@@ -333,6 +333,9 @@ class Capabilities:
     in blocks, one at a time, deferred, packed with other sessions by ``extend_sessions``): a function of
     the tokens up to it alone. Greedy speculative output then equals plain greedy output bit for bit, and
     a scheduler's packed verification gives every generation its solo greedy output.
+    ``normalised_rows``: every log-prob row it returns is normalised, without NaN or +inf, checked where it
+    is computed (a NaN or +inf logit raises there): the decoding loop then checks only the rows' shape,
+    not their mass again (a pass of ``exp`` over the vocabulary a verified row).
     ``interruptible_rows``: ``interruptible(check)`` is a context within which ``extend_rows`` (on the calling
     thread) stops between two layers once ``check()`` is True, raising
     :class:`~speculum.models.interruption.Interrupted` with every session as before the call; a call that
@@ -354,6 +357,7 @@ class Capabilities:
     canonical_rows: bool = False
     invariant_extend: bool = False
     prefix_levels: bool = False
+    normalised_rows: bool = False
     interruptible_rows: bool = False
     independent_sessions: bool = True
     parallel_calls: int = 1

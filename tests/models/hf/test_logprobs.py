@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
+from speculum.decoding.drafter import checked_rows  # noqa: E402
 from speculum.models.hf.logprobs import entries_at_least, log_mass, logprob_rows  # noqa: E402
 from speculum.validation import InputError  # noqa: E402
 
@@ -78,6 +79,15 @@ def test_logprob_rows_are_the_widened_logits_minus_the_mass_for_float32_and_floa
     assert (logprob_rows(logits) == expected).all() and (logprob_rows(logits.double()) == expected).all()
     finer = logits.double() + 1e-12 * torch.rand(logits.shape, dtype=torch.float64)
     assert torch.allclose(log_mass(finer), torch.logsumexp(finer, dim=-1), rtol=1e-14, atol=0)
+
+
+@given(logit_rows())
+@settings(max_examples=60, deadline=None)
+def test_logprob_rows_pass_the_decoding_loops_full_check(logits):
+    """What the PyTorch model's ``Capabilities.normalised_rows`` promises the decoding loop, which then skips
+    its own check: the rows pass it (normalised, no NaN or +inf)."""
+    rows = logprob_rows(logits)
+    checked_rows(rows, rows.shape[0], rows.shape[1], "the model")
 
 
 def test_a_row_of_only_minus_infinity_is_refused_like_nan():

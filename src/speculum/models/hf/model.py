@@ -130,7 +130,7 @@ class HFModel(BaseModel):
                                          deferred_prefill=self._fused is not None, invariant_extend=True,
                                          prefix_levels=True,
                                          canonical_rows=self._fused is not None and self._fused.canonical_rows,
-                                         interruptible_rows=self._stoppable())
+                                         interruptible_rows=self._stoppable(), normalised_rows=True)
         self._rows_forward = RowInvariantForward(self._fused) if self._fused is not None else None
         self.prepacked_layers = prepack_linears(module) if prepack and self._fused is None else 0
         head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
