@@ -72,6 +72,7 @@ def sessions_of(model, prompts, kinds):
        kinds=st.lists(st.sampled_from(["own", "fork", "store"]), min_size=3, max_size=3),
        at=st.integers(0, LAYERS))
 def test_a_stopped_forward_leaves_every_session_as_it_was(tiny, prompts, blocks, kinds, at):
+    # Slots of the store take the forward's store path only when every session is one: all or none.
     kinds = kinds[:len(prompts)] if "store" not in kinds[:len(prompts)] else ["store"] * len(prompts)
     blocks = blocks[:len(prompts)]
     want = tiny.extend_rows(sessions_of(tiny, prompts, kinds), blocks)
