@@ -11,6 +11,7 @@ every answer is the one it gets alone.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -210,5 +211,9 @@ def test_a_cancelled_echo_stops_its_round(tiny, engine_on):
     held.go.set()
     with pytest.raises(Exception, match="cancelled"):
         scoring.result(timeout=30)
+    deadline = time.monotonic() + 30
+    while engine.admitted:                       # the worker ends the job after the round it stopped
+        assert time.monotonic() < deadline, "the cancelled echo was never ended"
+        time.sleep(0.005)
     assert engine.metrics.scoring_rounds_stopped == 1 and engine.scorer.forwarded_tokens == fed
     assert (engine.metrics.requests_cancelled, engine.metrics.requests_disconnected) == (1, 1)
