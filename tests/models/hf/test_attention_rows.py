@@ -74,6 +74,24 @@ def test_rows_are_attention_to_float32_rounding_and_each_row_alone(kv_heads, gro
 
 
 @needs_kernel
+@given(position=st.integers(0, 149), peak=st.integers(0, 149), seed=st.integers(0, 2**31))
+@settings(max_examples=40, deadline=None)
+def test_the_softmax_shift_is_each_rows_largest_score(position, peak, seed):
+    """Scores spread over hundreds, one key far above the rest: only the row's own largest score as the
+    shift keeps every exponential finite and the largest at 1 (a shift 90 below it overflows, 110 above it
+    flushes every term to 0), wherever that key sits among the row's keys (a full block of 16 or the tail)."""
+    generator = torch.Generator().manual_seed(seed)
+    dim, peak = 64, min(peak, position)
+    keys, values = store(1, 1, 150, dim, generator)
+    q = torch.randn(1, 2, dim, generator=generator) * 30
+    keys[0, 0, peak] = q[0, 0] / q[0, 0].norm() * 40            # the first head's score there: ~ +1200 * 0.125
+    out = AttentionRows(torch.tensor([position]), torch.tensor([0]))(q, keys, values, dim ** -0.5)
+    assert bool(torch.isfinite(out).all())
+    want = reference(q, keys, values, torch.tensor([position]), torch.tensor([0]), dim ** -0.5)
+    assert float((out.double() - want).abs().max()) < 2e-4
+
+
+@needs_kernel
 def test_rows_are_the_same_at_any_thread_count_and_slot():
     generator = torch.Generator().manual_seed(1)
     keys, values = store(4, 2, 700, 64, generator)

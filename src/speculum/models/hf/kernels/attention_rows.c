@@ -126,8 +126,17 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, c
     for (int64_t head = 0; head < n; head++) {
         float *sh = scores + head * padded;
         for (int64_t j = count; j < padded; j++) sh[j] = -INFINITY;
-        float best = sh[0];
-        for (int64_t j = 1; j < count; j++) best = sh[j] > best ? sh[j] : best;
+        /* The largest score, 16 lanes at a time: a scalar chain would wait on each comparison's latency. The
+         * same value in any order (NaN past the first score left out as before, the -inf padding never wins;
+         * a tie of -0 and +0 gives the same exponentials). */
+        vec top = splat(sh[0]);
+        for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
+            const vec v = load(sh + j0);
+            const ivec more = v > top;
+            top = (vec)(((ivec)v & more) | ((ivec)top & ~more));
+        }
+        float best = top[0];
+        for (int l = 1; l < LANES; l++) best = top[l] > best ? top[l] : best;
         vec total = {0};
         for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
             const vec e = exp_nonpositive(load(sh + j0) - splat(best));
