@@ -325,10 +325,11 @@ class Engine:
             self.metrics.prefill_seconds += elapsed
             self.metrics.busy_seconds += elapsed
 
-    def _head(self) -> Any:
-        """The job next in the queue, left there (only the worker takes jobs out: it stays the head)."""
+    def _head(self, empty: Any = None) -> Any:
+        """The job next in the queue, left there (only the worker takes jobs out: it stays the head); ``empty``
+        where the queue is empty."""
         with self._waiting.mutex:
-            return self._waiting.queue[0] if self._waiting.queue else None
+            return self._waiting.queue[0] if self._waiting.queue else empty
 
     def _room_for(self, job: Any) -> bool:
         return job is _WAKE or (job is not None and self._pools[job.pool].room())
@@ -374,9 +375,7 @@ class Engine:
         """Whether a scoring round run while no generation runs stops between two layers (its work is lost
         and fed again later): a generation waits at the head of the queue with room to run, the engine is
         closing or draining, or every prompt of the round was cancelled."""
-        with self._waiting.mutex:
-            waiting = self._waiting.queue
-            head = waiting[0] if waiting else _NOTHING
+        head = self._head(_NOTHING)
         if head is None or head is _WAKE:
             return True
         if head is not _NOTHING and head.pool == GENERATION and self._generating.room():
