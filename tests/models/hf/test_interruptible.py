@@ -28,6 +28,8 @@ from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.interruption import Interrupted  # noqa: E402
 from speculum.models.prompt_scores import PromptScorer  # noqa: E402
 
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
 LAYERS = 3
 tokens = st.lists(st.integers(min_value=3, max_value=22), min_size=1, max_size=12)
 
