@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from speculum.decoding.verify import residual_logprobs, verify_distribution, verify_greedy, verify_point_mass
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from speculum.decoding.drafter import checked_tokens
+from speculum.decoding.verify import (residual_logprobs, verify_distribution, verify_greedy, verify_greedy_tokens,
+                                      verify_point_mass)
 from speculum.decoding.warp import sample_from_logprobs
 
 
@@ -134,3 +139,26 @@ def test_greedy_accepts_while_argmax_matches_and_breaks_ties_low():
     verdict = verify_greedy([1, 1], rows)
     assert verdict.accepted == 1 and verdict.recovered == 0 and verdict.emitted == [1, 0]
     assert verify_greedy([], rows[:1]).emitted == [1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 6).flatmap(lambda gamma: st.tuples(
+    st.lists(st.integers(0, 3), min_size=gamma, max_size=gamma),
+    st.lists(st.lists(st.integers(-3, 0), min_size=4, max_size=4), min_size=gamma + 1, max_size=gamma + 1))))
+def test_greedy_on_tokens_alone_is_greedy_on_the_rows_argmax(case):
+    """Rows of few distinct values (many ties): the tokens-only rule decides as the rows' rule does."""
+    draft_tokens, values = case
+    rows = np.asarray(values, dtype=np.float64)
+    assert verify_greedy_tokens(draft_tokens, rows.argmax(axis=-1)) == verify_greedy(draft_tokens, rows)
+
+
+def test_greedy_tokens_of_the_wrong_shape_or_outside_the_vocabulary_are_errors():
+    with pytest.raises(ValueError, match=r"target_tokens must have shape \(3,\)"):
+        verify_greedy_tokens([0, 1], np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"greedy tokens of shape \(2,\)"):
+        checked_tokens(np.array([0, 1]), 3, 5, "target")
+    with pytest.raises(ValueError, match="dtype float64"):
+        checked_tokens(np.zeros(3), 3, 5, "target")
+    with pytest.raises(ValueError, match="outside its vocabulary of 5"):
+        checked_tokens(np.array([0, 5, 1]), 3, 5, "target")
+    assert checked_tokens(np.array([0, 4, 1]), 3, 5, "target").tolist() == [0, 4, 1]

@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     chunks = speculum.stream(
         target, prompt_ids, draft=draft, max_new_tokens=args.max_new_tokens, gamma=args.gamma,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        eos_token_id=target.eos_token_id, seed=args.seed,
+        eos_token_id=target.eos_token_id, seed=args.seed, target_logprobs=args.json,
     )
     text = TextStream(target)
     stats, stop_reason = None, None

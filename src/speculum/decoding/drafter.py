@@ -74,6 +74,18 @@ def checked_rows(rows: Any, expected: int, vocab_size: int, name: str, *, normal
     return rows
 
 
+def checked_tokens(tokens: Any, expected: int, vocab_size: int, name: str) -> np.ndarray:
+    """Check of greedy tokens a model returned (``Capabilities.greedy_tokens``): ``(expected,)`` integer
+    ids in the vocabulary (fail at the origin)."""
+    array = np.asarray(tokens)
+    if array.shape != (expected,) or not np.issubdtype(array.dtype, np.integer):
+        raise InputError(f"{name} returned greedy tokens of shape {array.shape} and dtype {array.dtype}, "
+                         f"expected ({expected},) integers")
+    if expected and not (0 <= array.min() and array.max() < vocab_size):
+        raise InputError(f"{name} returned a greedy token outside its vocabulary of {vocab_size}")
+    return array
+
+
 class Drafter:
     """What the loop drafts through. Each generation has its own drafter; the draft object behind it may
     be shared by concurrent generations."""

@@ -85,7 +85,8 @@ class Chunk:
     "max_new_tokens" or "max_context". ``stats``: the running totals (the same object, updated in place).
     ``target_logprobs``: ``(len(tokens), vocab)``, row j the target's own log-probs at ``tokens[j]``'s
     position (the distribution it was drawn from, before temperature / top-k / top-p): exact, and free (the
-    verification computed them); None where no rows were computed (a chunk that emits nothing).
+    verification computed them); None where no rows were computed (a chunk that emits nothing, or a greedy
+    generation whose caller asked for none: ``target_logprobs=False``).
     """
 
     tokens: list[int]

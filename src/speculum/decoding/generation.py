@@ -39,10 +39,10 @@ import numpy as np
 
 from ..models.base import capabilities_of
 from .gamma.controller import GammaPolicy
-from .drafter import Proposal, checked_rows, drafter_for
+from .drafter import Proposal, checked_rows, checked_tokens, drafter_for
 from .events import Chunk, DecodingStats
 from .plan import Plan
-from .verify import Verdict, verify_distribution, verify_greedy, verify_point_mass
+from .verify import Verdict, verify_distribution, verify_greedy, verify_greedy_tokens, verify_point_mass
 from .warp import is_identity_warp, warp_logprobs
 
 __all__ = ["Decoder"]
@@ -69,6 +69,10 @@ class Decoder:
         self.stats = DecodingStats(draft_skipped=plan.draft_skipped)
         self.acceptance_rng, self.resampling_rng = plan.rngs[1], plan.rngs[2]
         self.greedy = plan.temperature == 0.0
+        # Greedy verification reads only each row's argmax: a target that gives it without the rows
+        # saves a pass of exp over the vocabulary a row, unless the chunks must carry the rows.
+        self.greedy_tokens = (self.greedy and not plan.target_logprobs
+                              and capabilities_of(plan.target).greedy_tokens)
         self.warp: Callable[[np.ndarray], np.ndarray]
         if self.greedy or is_identity_warp(plan.temperature, plan.top_k, plan.top_p, self.vocab_size):
             self.warp = lambda rows: rows
@@ -138,24 +142,33 @@ class Decoder:
         return self.pending + proposal.tokens
 
     def target_rows(self, proposal: Proposal) -> np.ndarray:
-        """The γ + 1 target rows (checked by :meth:`verify`): after ``pending`` and after each proposal."""
+        """The γ + 1 target rows (checked by :meth:`verify`): after ``pending`` and after each proposal;
+        with :attr:`greedy_tokens`, their ``(γ + 1,)`` greedy tokens instead."""
         if self.pending:
+            if self.greedy_tokens:
+                return self.target.extend_greedy(self.pending + proposal.tokens)
             return self.target.extend(self.pending + proposal.tokens)
         # a one-token prompt, or an empty one on a model with an initial distribution: the first row
         # needs no token
         first = self.target.next_logprobs()[None, :]
-        return np.vstack([first, self.target.extend(proposal.tokens)]) if proposal.tokens else first
+        rows = np.vstack([first, self.target.extend(proposal.tokens)]) if proposal.tokens else first
+        return rows.argmax(axis=-1) if self.greedy_tokens else rows
 
     def verify(self, proposal: Proposal, rows: np.ndarray, target_seconds: float, timed: bool = True) -> Chunk:
         """The block's verdict on the target's ``rows`` (γ + 1 of them), the rollbacks, and its chunk.
         ``timed=False``: ``target_seconds`` is not this block's verification cost (the forward also fed a
         prompt), so ``gamma="auto"`` does not learn from it."""
         stats, policy = self.stats, self.policy
-        rows = checked_rows(rows, len(proposal.tokens) + 1, self.vocab_size, "target",
-                            normalised=self.normalised_rows)
+        if self.greedy_tokens:
+            verdict = verify_greedy_tokens(proposal.tokens, checked_tokens(rows, len(proposal.tokens) + 1,
+                                                                            self.vocab_size, "target"))
+            rows = None
+        else:
+            rows = checked_rows(rows, len(proposal.tokens) + 1, self.vocab_size, "target",
+                                normalised=self.normalised_rows)
+            verdict = self._verify(proposal, rows)
         stats.target_seconds += target_seconds
         stats.target_forwards += 1
-        verdict = self._verify(proposal, rows)
         proposed = len(proposal.tokens)
         stats.record_block(proposed, verdict.accepted)
         policy.observe_verification(len(self.pending) + proposed, target_seconds if timed else None,
@@ -180,9 +193,10 @@ class Decoder:
         # Fixed tokens, or no proposal at all (a plain step: the bonus token is a plain sample).
         return verify_point_mass(proposal.tokens, warped, self.acceptance_rng, self.resampling_rng)
 
-    def _emit(self, context: list[int], verdict: Verdict, proposed: int, rows: np.ndarray) -> Chunk:
+    def _emit(self, context: list[int], verdict: Verdict, proposed: int, rows: np.ndarray | None) -> Chunk:
         """The block's chunk: its tokens cut at the budget and after eos, appended to ``context``; ``rows``:
-        the block's target rows (row j is the law of emitted token j)."""
+        the block's target rows (row j is the law of emitted token j), None where only greedy tokens were
+        computed."""
         plan, stats = self.plan, self.stats
         emitted = verdict.emitted[: plan.budget - stats.emitted]
         stop_reason = None
@@ -194,4 +208,4 @@ class Decoder:
         if stop_reason is None and stats.emitted >= plan.budget:
             stop_reason = plan.budget_reason
         return Chunk(emitted, proposed, verdict.accepted, verdict.recovered, verdict.bonus,
-                     stop_reason is not None, stop_reason, stats, rows[: len(emitted)])
+                     stop_reason is not None, stop_reason, stats, None if rows is None else rows[: len(emitted)])

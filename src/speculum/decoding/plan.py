@@ -131,16 +131,20 @@ class Plan:
     draft_skipped: str | None = None   # why a draft model that was given is not used at all
     draft_max_context: int | None = None   # the draft model's window (None: unbounded)
     draft_reports_match: bool = False      # the proposer is a MatchingProposer
+    target_logprobs: bool = True           # chunks carry the target's rows (Chunk.target_logprobs)
 
 
 def plan_generation(target: Any, prompt_ids: Sequence[int], *, draft: Any, max_new_tokens: int,
                     gamma: int | str, temperature: float, top_k: int | None, top_p: float | None,
-                    eos_token_id: Any, seed: Any) -> Plan:
+                    eos_token_id: Any, seed: Any, target_logprobs: bool = True) -> Plan:
     """Validate everything before any model work; each failure is an InputError naming the argument.
 
     ``eos_token_id`` is an integer id, None (never stop early) or :data:`MODEL_EOS` (the target's
     ``eos_token_id`` attribute, None when it has none). A draft model whose ``max_context`` cannot hold
     the prompt is dropped here (plain decoding, which is exact anyway) with the reason in ``draft_skipped``.
+    ``target_logprobs=False``: the caller reads no ``Chunk.target_logprobs``, so a greedy generation on a
+    target declaring ``greedy_tokens`` verifies on the target's greedy tokens without its rows (the same
+    tokens; chunks then carry None).
     """
     check_sampling_args(temperature, top_k, top_p)
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=0)
@@ -176,4 +180,5 @@ def plan_generation(target: Any, prompt_ids: Sequence[int], *, draft: Any, max_n
                 None if top_k is None else int(top_k), None if top_p is None else float(top_p),
                 eos_token_id, make_rngs(seed), seeded=seed is not None, draft_skipped=draft_skipped,
                 draft_max_context=draft_context,
-                draft_reports_match=draft_kind == "proposer" and isinstance(draft, MatchingProposer))
+                draft_reports_match=draft_kind == "proposer" and isinstance(draft, MatchingProposer),
+                target_logprobs=bool(target_logprobs))

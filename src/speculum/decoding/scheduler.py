@@ -130,13 +130,15 @@ class Scheduler:
 
     def add(self, prompt_ids: Sequence[int], *, draft: Any = None, max_new_tokens: int = 64,
             gamma: int | str = 4, temperature: float = 1.0, top_k: int | None = None,
-            top_p: float | None = None, eos_token_id: Any = MODEL_EOS, seed: Any = None) -> int:
+            top_p: float | None = None, eos_token_id: Any = MODEL_EOS, seed: Any = None,
+            target_logprobs: bool = True) -> int:
         """Start a generation (the arguments of :func:`speculum.stream`, checked here); returns its id.
         It emits from the next :meth:`step` on; its prompt is fed now, or by that step's packed forward
         when the target declares ``deferred_prefill`` (and the scheduler is not batch-invariant)."""
         return self.add_plan(plan_generation(self.target, prompt_ids, draft=draft, max_new_tokens=max_new_tokens,
                                              gamma=gamma, temperature=temperature, top_k=top_k, top_p=top_p,
-                                             eos_token_id=eos_token_id, seed=seed))
+                                             eos_token_id=eos_token_id, seed=seed,
+                                             target_logprobs=target_logprobs))
 
     def add_plan(self, plan: Plan) -> int:
         """Start a generation from checked arguments (:func:`~speculum.decoding.plan.plan_generation` for
@@ -217,7 +219,8 @@ class Scheduler:
         done: set[int] = set()
         if self.batched and len(batchable) > 1:
             inputs = [decoders[i].target_input(proposals[i]) if i in proposals else [] for i in batchable]
-            feeds = [Feed(decoders[i].target, tokens, limits[i]) for i, tokens in zip(batchable, inputs)]
+            feeds = [Feed(decoders[i].target, tokens, limits[i], i in proposals and decoders[i].greedy_tokens)
+                     for i, tokens in zip(batchable, inputs)]
             started = time.perf_counter()
             batch = self.target.extend_sessions(feeds)
             elapsed = time.perf_counter() - started
@@ -273,7 +276,7 @@ def generate_batch(target: Any, prompts: Sequence[Sequence[int]], *, draft: Any 
         seeds = list(sequence.spawn(len(prompts)))
     plans = [plan_generation(target, prompt, draft=draft, max_new_tokens=max_new_tokens, gamma=gamma,
                              temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-                             seed=prompt_seed)
+                             seed=prompt_seed, target_logprobs=False)
              for prompt, prompt_seed in zip(prompts, seeds)]      # every prompt checked before any model work
     scheduler = Scheduler(target, batch_invariant=batch_invariant)
     max_batch = min(max_batch, scheduler.capacity or max_batch)

@@ -16,7 +16,8 @@ __all__ = ["generate", "stream"]
 # ------------------------------------------------------------------------------------------ public API
 def stream(target: Any, prompt_ids: Sequence[int], *, draft: Any = None, max_new_tokens: int = 64,
            gamma: int | str = 4, temperature: float = 1.0, top_k: int | None = None,
-           top_p: float | None = None, eos_token_id: Any = MODEL_EOS, seed: Any = None) -> Iterator[Chunk]:
+           top_p: float | None = None, eos_token_id: Any = MODEL_EOS, seed: Any = None,
+           target_logprobs: bool = True) -> Iterator[Chunk]:
     """Speculative decoding, streamed: yields one :class:`Chunk` per target forward.
 
     Guarantee: exact — the emitted tokens have exactly the law of plain sampling from the target with the
@@ -39,6 +40,9 @@ def stream(target: Any, prompt_ids: Sequence[int], *, draft: Any = None, max_new
         eos_token_id: generation stops after emitting it (nothing after it is emitted). Default: the
             target's ``eos_token_id`` (no stop if it has none); ``None`` never stops early.
         seed: int / SeedSequence / Generator / None; split into drafting, acceptance, resampling streams.
+        target_logprobs: False when the chunks' ``target_logprobs`` are not read: a greedy generation then
+            verifies on the target's greedy tokens alone where the target gives them
+            (``Capabilities.greedy_tokens``), skipping its log-prob rows; the tokens are the same.
 
     Arguments are validated before any model work (``InputError``, a ``ValueError``, naming the argument).
     Generations in concurrent threads may share one draft object: what ``gamma="auto"`` learns about a
@@ -55,7 +59,7 @@ def stream(target: Any, prompt_ids: Sequence[int], *, draft: Any = None, max_new
     """
     plan = plan_generation(target, prompt_ids, draft=draft, max_new_tokens=max_new_tokens, gamma=gamma,
                            temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-                           seed=seed)
+                           seed=seed, target_logprobs=target_logprobs)
     return Decoder(plan).run()
 
 
@@ -78,7 +82,8 @@ def generate(target: Any, prompt_ids: Sequence[int], *, draft: Any = None, max_n
     tokens: list[int] = []
     stats, stop_reason = DecodingStats(), None
     for chunk in stream(target, prompt_ids, draft=draft, max_new_tokens=max_new_tokens, gamma=gamma,
-                        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed):
+                        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed,
+                        target_logprobs=False):
         tokens.extend(chunk.tokens)
         stats, stop_reason = chunk.stats, chunk.stop_reason
     return GenerationResult(tokens, stats, stop_reason)

@@ -11,7 +11,8 @@ Three rules, each exact (the emitted tokens have the target's law — identical 
   (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2).
 * :func:`verify_point_mass` — the proposal is a fixed token with no honest distribution (prompt lookup,
   n-gram argmax): a point mass, i.e. a one-hot draft distribution.
-* :func:`verify_greedy` — temperature 0: accept while the proposal equals the target's argmax.
+* :func:`verify_greedy` — temperature 0: accept while the proposal equals the target's argmax
+  (:func:`verify_greedy_tokens` on the argmax alone, where the target gives it without the rows).
 
 Random numbers are drawn in a fixed way whatever happens: γ uniforms from ``acceptance_rng`` and one from
 ``resampling_rng`` per call, from independent streams (sharing them biases the output, vLLM #54282).
@@ -29,7 +30,8 @@ from ..validation import InputError
 
 from .warp import sample_from_logprobs
 
-__all__ = ["Verdict", "verify_distribution", "verify_point_mass", "verify_greedy", "residual_logprobs"]
+__all__ = ["Verdict", "verify_distribution", "verify_point_mass", "verify_greedy", "verify_greedy_tokens",
+           "residual_logprobs"]
 
 # If the residual distribution has less mass than this, treat it as empty. Its mass equals the probability
 # of the rejection that led here, so any recovery distribution chosen below this mass moves the output law
@@ -183,11 +185,28 @@ def verify_greedy(
         >>> verify_greedy([1], rows).emitted
         [1, 0]
     """
-    gamma = _check_shapes(draft_tokens, target_logprobs)
-    choices = np.argmax(target_logprobs, axis=-1)                               # (γ+1,)
+    _check_shapes(draft_tokens, target_logprobs)
+    return verify_greedy_tokens(draft_tokens, np.argmax(target_logprobs, axis=-1))
+
+
+def verify_greedy_tokens(
+    draft_tokens: Sequence[int],          # (γ,) proposed token ids
+    target_tokens: np.ndarray,            # (γ+1,) the target's greedy token after draft_tokens[:i]
+) -> Verdict:
+    """Greedy verification on the target's greedy tokens alone (what :func:`verify_greedy` reads of its
+    rows). Guarantee: identical tokens to plain greedy decoding, given the argmax of each target row.
+
+    Example:
+        >>> verify_greedy_tokens([1, 1], np.array([1, 0, 1])).emitted
+        [1, 0]
+    """
+    gamma = len(draft_tokens)
+    if np.ndim(target_tokens) != 1 or len(target_tokens) != gamma + 1:
+        raise InputError(f"target_tokens must have shape ({gamma + 1},) for {gamma} draft tokens, "
+                         f"got {np.shape(target_tokens)}")
     for i, token in enumerate(draft_tokens):
-        if int(token) != int(choices[i]):
-            recovered = int(choices[i])
+        if int(token) != int(target_tokens[i]):
+            recovered = int(target_tokens[i])
             return Verdict(i, [int(t) for t in draft_tokens[:i]] + [recovered], recovered, None)
-    bonus = int(choices[gamma])
+    bonus = int(target_tokens[gamma])
     return Verdict(gamma, [int(t) for t in draft_tokens] + [bonus], None, bonus)

@@ -170,11 +170,13 @@ def check_prompt(model: "AutoregressiveModel", prompt: Sequence[int], *, name: s
 class Feed:
     """One session's part of a packed ``extend_sessions`` call: extend ``session`` by ``tokens``; with
     ``Capabilities.deferred_prefill``, feed at most ``prompt_limit`` tokens of its deferred prompt (None: all
-    of it, before ``tokens``)."""
+    of it, before ``tokens``); with ``Capabilities.greedy_tokens`` and ``greedy``, its result is each row's
+    greedy token ``(n,)`` instead of the rows ``(n, vocab)``."""
 
     session: Any
     tokens: Sequence[int] = ()
     prompt_limit: int | None = None
+    greedy: bool = False
 
 
 def check_session_blocks(model: Any, session_type: type, feeds: Sequence[Any],
@@ -195,6 +197,9 @@ def check_session_blocks(model: Any, session_type: type, feeds: Sequence[Any],
                                  f"{type(feed).__name__} (or pass token_lists beside the sessions)")
             if not _is_prompt_limit(feed.prompt_limit):
                 raise InputError(f"feeds[{i}].prompt_limit must be a positive int or None, got {feed.prompt_limit!r}")
+            if feed.greedy and not capabilities_of(model).greedy_tokens:
+                raise InputError(f"feeds[{i}].greedy asks for greedy tokens, which {type(model).__name__} does not "
+                                 "offer (Capabilities.greedy_tokens)")
         names = [(f"feeds[{i}].session", f"feeds[{i}].tokens") for i in range(len(records))]
     else:
         sessions = list(feeds)
@@ -212,7 +217,7 @@ def check_session_blocks(model: Any, session_type: type, feeds: Sequence[Any],
         if not isinstance(feed.session, session_type) or feed.session.model is not model:
             raise InputError(f"{session_name} is not a session of this model")
         tokens = check_token_ids(feed.tokens, model.vocab_size, name=tokens_name)
-        checked.append(Feed(feed.session, tokens, feed.prompt_limit))
+        checked.append(Feed(feed.session, tokens, feed.prompt_limit, bool(feed.greedy)))
     return checked
 
 
@@ -336,6 +341,9 @@ class Capabilities:
     ``normalised_rows``: every log-prob row it returns is normalised, without NaN or +inf, checked where it
     is computed (a NaN or +inf logit raises there): the decoding loop then checks only the rows' shape,
     not their mass again (a pass of ``exp`` over the vocabulary a verified row).
+    ``greedy_tokens``: its sessions offer ``extend_greedy(tokens) -> (n,)`` int64, and ``extend_sessions``
+    honours ``Feed.greedy``: each row's greedy token, bitwise the argmax (lowest id on ties) of the row
+    ``extend`` returns, without computing the rows (greedy verification reads nothing else of them).
     ``interruptible_rows``: ``interruptible(check)`` is a context within which ``extend_rows`` (on the calling
     thread) stops between two layers once ``check()`` is True, raising
     :class:`~speculum.models.interruption.Interrupted` with every session as before the call; a call that
@@ -358,6 +366,7 @@ class Capabilities:
     invariant_extend: bool = False
     prefix_levels: bool = False
     normalised_rows: bool = False
+    greedy_tokens: bool = False
     interruptible_rows: bool = False
     independent_sessions: bool = True
     parallel_calls: int = 1

@@ -149,7 +149,8 @@ class Engine:
             raise InputError(f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {request.logprobs}")
         plan = plan_generation(self.target, list(request.prompt_ids), draft=self.draft,
                                max_new_tokens=request.max_tokens, gamma=self.gamma, temperature=request.temperature,
-                               top_k=None, top_p=request.top_p, eos_token_id=self.eos_token_id, seed=request.seed)
+                               top_k=None, top_p=request.top_p, eos_token_id=self.eos_token_id, seed=request.seed,
+                               target_logprobs=request.logprobs is not None)
         job = Job(request, plan, self._locked_decode, on_event)
         self._enqueue(job, reservation)
         return job

@@ -18,9 +18,13 @@ import torch
 from ...validation import InputError
 from .kernels.row_ops import RowOps, row_ops_unavailable
 
-__all__ = ["entries_at_least", "finite_counts", "log_mass", "logprob_rows"]
+__all__ = ["entries_at_least", "finite_counts", "greedy_tokens", "log_mass", "logprob_rows"]
 
 _BLOCK = 64         # entries_at_least: columns per block maximum
+# greedy_tokens: a row's log-prob is its logit minus the row's mass, rounded once to float64, at a magnitude
+# below ln(vocab) + 1 < 2^8 near the row's top, so to within 2^-45. Two logits closer than this margin may
+# round to one log-prob; farther apart, never.
+_TIE_MARGIN = 2.0 ** -40
 _ROW_KERNEL: list[RowOps | None] = []     # the row kernel or None, decided at first use for the process's life
 
 
@@ -59,6 +63,34 @@ def logprob_rows(logits: torch.Tensor) -> np.ndarray:
     rows = logits.to(torch.float64, copy=True)   # the one full-size float64 array, normalised in place
     rows -= log_mass(rows)[:, None]
     return rows.numpy()
+
+
+def greedy_tokens(logits: torch.Tensor) -> np.ndarray:
+    """``(n, vocab)`` logits -> ``(n,)`` int64: each row's greedy token, bitwise the argmax (lowest id on
+    ties) of :func:`logprob_rows`' row, without computing the rows (no pass of ``exp``, no float64 row
+    written). ``InputError`` for the rows :func:`log_mass` refuses (NaN, +inf, every logit ``-inf``).
+
+    Exact, not approximate: a log-prob is its logit minus the row's mass, rounded once, and rounding is
+    monotone, so the log-probs' argmax is the logits' argmax, unless a lower id's logit lies so close to the
+    largest that both round to one log-prob. Such a row (logits within 2^-40, which float32 allows only
+    for values below about 1e-5) is decided on its float64 row.
+
+    Example:
+        >>> greedy_tokens(torch.tensor([[0.0, 2.0, 2.0], [3.0, 1.0, 0.0]])).tolist()
+        [1, 0]
+    """
+    narrow = _float32_rows(_widened(logits))
+    if narrow is None:
+        return logprob_rows(logits).argmax(axis=-1)
+    values = narrow.numpy()
+    tokens = values.argmax(axis=-1)                                     # the first NaN where there is one
+    tops = values[np.arange(len(values)), tokens]
+    if not np.isfinite(tops).all():
+        raise InputError("the model produced NaN or infinite logits")
+    for i, (token, top) in enumerate(zip(tokens.tolist(), tops.tolist())):
+        if token and values[i, :token].max() >= top - _TIE_MARGIN:
+            tokens[i] = logprob_rows(narrow[i: i + 1])[0].argmax()     # row-canonical: its row in any batch
+    return tokens
 
 
 def _widened(logits: torch.Tensor) -> torch.Tensor:

@@ -130,7 +130,8 @@ class HFModel(BaseModel):
                                          deferred_prefill=self._fused is not None, invariant_extend=True,
                                          prefix_levels=True,
                                          canonical_rows=self._fused is not None and self._fused.canonical_rows,
-                                         interruptible_rows=self._stoppable(), normalised_rows=True)
+                                         interruptible_rows=self._stoppable(), normalised_rows=True,
+                                         greedy_tokens=True)
         self._rows_forward = RowInvariantForward(self._fused) if self._fused is not None else None
         self.prepacked_layers = prepack_linears(module) if prepack and self._fused is None else 0
         head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
@@ -291,14 +292,16 @@ class HFModel(BaseModel):
         first. A feed's ``prompt_limit`` (``Capabilities.deferred_prefill``): feed at most that many of its
         session's deferred prompt tokens; a session fed only part of its prompt must have no tokens of its
         own and gets no rows (a long prompt is fed over several packed forwards, so the running generations
-        keep advancing). Exact: each session's rows and state are those of its own ``extend``, up to float
+        keep advancing). A feed with ``greedy`` (``Capabilities.greedy_tokens``) gets its rows' greedy tokens
+        ``(n,)``, as its session's ``extend_greedy`` would. Exact: each session's rows and state are those of its own ``extend``, up to float
         rounding (``docs/backends.md``)."""
         feeds = check_session_blocks(self, HFSession, feeds, token_lists, prompt_limits)
         part = [feed.prompt_limit is not None and feed.prompt_limit < feed.session.unfed for feed in feeds]
         if any(p and feed.tokens for p, feed in zip(part, feeds)):
             raise InputError("a session fed only part of its deferred prompt cannot take tokens of its own")
         if self._fused is None or any(not feed.tokens and not p for feed, p in zip(feeds, part)):
-            return [feed.session.feed_prompt(feed.prompt_limit) if p else feed.session.extend(feed.tokens)
+            return [feed.session.feed_prompt(feed.prompt_limit) if p
+                    else feed.session.extend_greedy(feed.tokens) if feed.greedy else feed.session.extend(feed.tokens)
                     for feed, p in zip(feeds, part)]
         for feed in feeds:
             self.check_length(len(feed.session.tokens) + len(feed.tokens), name="the session")
@@ -310,7 +313,8 @@ class HFModel(BaseModel):
         with torch.inference_mode():        # the head runs on the rows of the sessions' own tokens only
             logits = self._fused.forward_packed(reads, [session.cache for session in sessions],
                                                 keep=[len(feed.tokens) for feed in feeds])
-        return [feed.session.record_prompt_fed(len(read)) if p else feed.session.record_forward(feed.tokens, rows)
+        return [feed.session.record_prompt_fed(len(read)) if p
+                else feed.session.record_forward(feed.tokens, rows, greedy=feed.greedy)
                 for feed, read, rows, p in zip(feeds, reads, logits, part)]
 
     @property

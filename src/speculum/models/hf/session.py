@@ -11,7 +11,7 @@ from ...validation import InputError
 from ..base import check_token_ids
 from .kv.cache import KVCache
 from .kv.store import KVArena
-from .logprobs import logprob_rows
+from .logprobs import greedy_tokens, logprob_rows
 
 if TYPE_CHECKING:
     from .model import HFModel
@@ -23,7 +23,8 @@ class HFSession:
     """Incremental decoding over one sequence with a KV cache (exact up to float precision).
 
     ``extend(tokens)`` is one forward over all tokens; ``rollback(n)`` trims the cache. Rows of the last
-    ``extend`` are kept, so ``next_logprobs()`` after a rollback into them costs nothing. With
+    ``extend`` are kept, so ``next_logprobs()`` after a rollback into them costs nothing. ``extend_greedy``
+    returns only each row's greedy token; its rows are computed if ``next_logprobs`` asks for one. With
     ``defer=True`` (``HFModel.start_deferred``) the prompt is fed by the first forward instead of at once.
     With ``cache`` (a cache already holding every prompt token, as :meth:`sharing` builds) no forward
     runs, and the first ``next_logprobs`` recomputes the last position.
@@ -39,6 +40,7 @@ class HFSession:
         self.tokens: list[int] = model.check_context(prompt, name="prompt")
         self._cache: KVCache = model.new_cache() if cache is None else cache
         self._rows = np.zeros((0, model.vocab_size))  # rows[j] follows tokens[: self._rows_start + j + 1]
+        self._logits: torch.Tensor | None = None      # the kept rows' logits while the rows are not computed
         self._rows_start = len(self.tokens)
         self.unfed = 0                                # the last `unfed` tokens are not in the cache yet
         if defer:
@@ -70,7 +72,7 @@ class HFSession:
             return False
         self._cache = cache
         self.tokens, self.unfed = list(source.tokens), 0
-        self._rows = np.zeros((0, self.model.vocab_size))  # no row known: next_logprobs recomputes
+        self._rows, self._logits = np.zeros((0, self.model.vocab_size)), None  # none known: next_logprobs recomputes
         self._rows_start = len(self.tokens)
         return True
 
@@ -109,11 +111,13 @@ class HFSession:
         if not self.tokens:
             raise InputError("the session is empty: extend it before asking for next-token log-probs")
         j = len(self.tokens) - 1 - self._rows_start
-        if not 0 <= j < len(self._rows):  # rolled back past the kept rows: recompute the last position
+        kept = len(self._rows) if self._logits is None else len(self._logits)
+        if not 0 <= j < kept:  # rolled back past the kept rows: recompute the last position
             last = self.tokens[-1]
             self.rollback(1)
-            self.extend([last])
-            j = len(self._rows) - 1
+            return self.extend([last])[0]
+        if self._logits is not None:
+            self._rows, self._logits = logprob_rows(self._logits), None
         return self._rows[j]
 
     def extend(self, tokens: Sequence[int]) -> np.ndarray:
@@ -122,6 +126,15 @@ class HFSession:
         if not tokens:
             return np.zeros((0, self.model.vocab_size))
         return self._consume(tokens, keep=len(tokens))
+
+    def extend_greedy(self, tokens: Sequence[int]) -> np.ndarray:
+        """Consume ``tokens`` in ONE forward, as :meth:`extend`; ``(len(tokens),)`` int64: each row's greedy
+        token, bitwise the argmax (lowest id on ties) of the row ``extend`` returns, without computing the
+        rows (:func:`~speculum.models.hf.logprobs.greedy_tokens`): what greedy verification reads."""
+        tokens = check_token_ids(tokens, self.model.vocab_size, name="tokens")
+        if not tokens:
+            return np.zeros(0, dtype=np.int64)
+        return self._consume(tokens, keep=len(tokens), greedy=True)
 
     def advance(self, tokens: Sequence[int]) -> np.ndarray:
         """Consume ``tokens`` in one forward; ``(vocab,)`` log-probs after the LAST of them only.
@@ -157,22 +170,27 @@ class HFSession:
         self.unfed -= n
         return np.zeros((0, self.model.vocab_size))
 
-    def record_forward(self, tokens: list[int], logits: torch.Tensor) -> np.ndarray:
+    def record_forward(self, tokens: list[int], logits: torch.Tensor, greedy: bool = False) -> np.ndarray:
         """Record that a forward on :attr:`cache` read ``feed(tokens)`` and returned ``logits (n, vocab)``
-        for its last n positions; returns (and keeps) their ``(n, vocab)`` log-prob rows."""
+        for its last n positions; returns (and keeps) their ``(n, vocab)`` log-prob rows, or with ``greedy``
+        their greedy tokens ``(n,)`` (:meth:`extend_greedy`), keeping the logits until a row is asked for."""
         self.tokens.extend(tokens)
         self.unfed = 0
-        self._rows = logprob_rows(logits)
-        self._rows_start = len(self.tokens) - len(self._rows)
+        self._rows_start = len(self.tokens) - len(logits)
+        if greedy:
+            chosen = greedy_tokens(logits)
+            self._rows, self._logits = self._rows[:0], logits
+            return chosen
+        self._rows, self._logits = logprob_rows(logits), None
         return self._rows
 
-    def _consume(self, tokens: list[int], keep: int) -> np.ndarray:
-        """One forward over ``feed(tokens)`` (checked, non-empty); keeps and returns the rows of its last
-        ``keep`` positions."""
+    def _consume(self, tokens: list[int], keep: int, greedy: bool = False) -> np.ndarray:
+        """One forward over ``feed(tokens)`` (checked, non-empty); keeps the rows of its last ``keep``
+        positions and returns them (``greedy``: their greedy tokens)."""
         self.model.check_length(len(self.tokens) + len(tokens), name="the session")
         with torch.inference_mode():
             logits = self.model.forward(torch.tensor([self.feed(tokens)]), self._cache, keep=keep)
-        return self.record_forward(tokens, logits[0])
+        return self.record_forward(tokens, logits[0], greedy=greedy)
 
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` tokens by trimming the KV cache (no recomputation)."""
