@@ -30,12 +30,13 @@ from .generation import Decoder
 from .plan import make_rngs
 from .scheduler import Scheduler, generate_batch
 from .speculative import generate, stream
-from .verify import Verdict, residual_logprobs, verify_distribution, verify_greedy, verify_point_mass
+from .verify import (Verdict, residual_logprobs, verify_distribution, verify_greedy, verify_greedy_tokens,
+                     verify_point_mass)
 from .warp import check_sampling_args, sample_from_logprobs, warp_logprobs
 
 __all__ = [
     "generate", "generate_batch", "stream", "Decoder", "Scheduler", "Chunk", "DecodingStats", "GenerationResult",
     "SpeculativeDecoder", "SpeculativeDecodingStats", "GammaController", "make_rngs",
-    "Verdict", "verify_distribution", "verify_point_mass", "verify_greedy", "residual_logprobs",
+    "Verdict", "verify_distribution", "verify_point_mass", "verify_greedy", "verify_greedy_tokens", "residual_logprobs",
     "warp_logprobs", "check_sampling_args", "sample_from_logprobs",
 ]
