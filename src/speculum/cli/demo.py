@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         draft = make_draft(args.draft, target)  # fresh per prompt: proposers keep per-context state
         text, stats, stop_reason = TextStream(target), None, None
         for chunk in speculum.stream(target, prompt_ids, draft=draft, max_new_tokens=args.max_new_tokens,
-                                     gamma=args.gamma, temperature=0, eos_token_id=target.eos_token_id):
+                                     gamma=args.gamma, temperature=0, eos_token_id=target.eos_token_id,
+                                     target_logprobs=False):
             sys.stdout.write(text.add(chunk.tokens))
             sys.stdout.flush()
             stats, stop_reason = chunk.stats, chunk.stop_reason
