@@ -293,8 +293,8 @@ class HFModel(BaseModel):
         session's deferred prompt tokens; a session fed only part of its prompt must have no tokens of its
         own and gets no rows (a long prompt is fed over several packed forwards, so the running generations
         keep advancing). A feed with ``greedy`` (``Capabilities.greedy_tokens``) gets its rows' greedy tokens
-        ``(n,)``, as its session's ``extend_greedy`` would. Exact: each session's rows and state are those of its own ``extend``, up to float
-        rounding (``docs/backends.md``)."""
+        ``(n,)``, as its session's ``extend_greedy`` would. Exact: each session's rows and state are those of
+        its own ``extend``, up to float rounding (``docs/backends.md``)."""
         feeds = check_session_blocks(self, HFSession, feeds, token_lists, prompt_limits)
         part = [feed.prompt_limit is not None and feed.prompt_limit < feed.session.unfed for feed in feeds]
         if any(p and feed.tokens for p, feed in zip(part, feeds)):
