@@ -65,14 +65,14 @@ class Decoder:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.vocab_size = int(plan.target.vocab_size)
-        self.normalised_rows = capabilities_of(plan.target).normalised_rows    # checked where computed
+        capabilities = capabilities_of(plan.target)
+        self.normalised_rows = capabilities.normalised_rows    # checked where computed
         self.stats = DecodingStats(draft_skipped=plan.draft_skipped)
         self.acceptance_rng, self.resampling_rng = plan.rngs[1], plan.rngs[2]
         self.greedy = plan.temperature == 0.0
         # Greedy verification reads only each row's argmax: a target that gives it without the rows
         # saves a pass of exp over the vocabulary a row, unless the chunks must carry the rows.
-        self.greedy_tokens = (self.greedy and not plan.target_logprobs
-                              and capabilities_of(plan.target).greedy_tokens)
+        self.greedy_tokens = self.greedy and not plan.target_logprobs and capabilities.greedy_tokens
         self.warp: Callable[[np.ndarray], np.ndarray]
         if self.greedy or is_identity_warp(plan.temperature, plan.top_k, plan.top_p, self.vocab_size):
             self.warp = lambda rows: rows

@@ -39,8 +39,9 @@ class HFSession:
         self.model = model
         self.tokens: list[int] = model.check_context(prompt, name="prompt")
         self._cache: KVCache = model.new_cache() if cache is None else cache
-        self._rows = np.zeros((0, model.vocab_size))  # rows[j] follows tokens[: self._rows_start + j + 1]
-        self._logits: torch.Tensor | None = None      # the kept rows' logits while the rows are not computed
+        # The last forward's rows: log-prob rows, or the logits they come from until one is asked for
+        # (extend_greedy). rows[j] follows tokens[: self._rows_start + j + 1].
+        self._rows: np.ndarray | torch.Tensor = np.zeros((0, model.vocab_size))
         self._rows_start = len(self.tokens)
         self.unfed = 0                                # the last `unfed` tokens are not in the cache yet
         if defer:
@@ -72,7 +73,7 @@ class HFSession:
             return False
         self._cache = cache
         self.tokens, self.unfed = list(source.tokens), 0
-        self._rows, self._logits = np.zeros((0, self.model.vocab_size)), None  # none known: next_logprobs recomputes
+        self._rows = np.zeros((0, self.model.vocab_size))  # no row known: next_logprobs recomputes
         self._rows_start = len(self.tokens)
         return True
 
@@ -111,13 +112,12 @@ class HFSession:
         if not self.tokens:
             raise InputError("the session is empty: extend it before asking for next-token log-probs")
         j = len(self.tokens) - 1 - self._rows_start
-        kept = len(self._rows) if self._logits is None else len(self._logits)
-        if not 0 <= j < kept:  # rolled back past the kept rows: recompute the last position
+        if not 0 <= j < len(self._rows):  # rolled back past the kept rows: recompute the last position
             last = self.tokens[-1]
             self.rollback(1)
             return self.extend([last])[0]
-        if self._logits is not None:
-            self._rows, self._logits = logprob_rows(self._logits), None
+        if isinstance(self._rows, torch.Tensor):
+            self._rows = logprob_rows(self._rows)
         return self._rows[j]
 
     def extend(self, tokens: Sequence[int]) -> np.ndarray:
@@ -179,9 +179,9 @@ class HFSession:
         self._rows_start = len(self.tokens) - len(logits)
         if greedy:
             chosen = greedy_tokens(logits)
-            self._rows, self._logits = self._rows[:0], logits
+            self._rows = logits
             return chosen
-        self._rows, self._logits = logprob_rows(logits), None
+        self._rows = logprob_rows(logits)
         return self._rows
 
     def _consume(self, tokens: list[int], keep: int, greedy: bool = False) -> np.ndarray:
