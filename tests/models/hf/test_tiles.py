@@ -4,7 +4,7 @@ Invariants, where this machine has the tiles: each output is the float32 sum of 
 times the bfloat16 weights (to float32 rounding of the sum); every row is bitwise the same alone, among
 others, at any offset and at any thread count; padded shapes (widths not whole tiles) give the same as
 the unpadded sums. Everywhere: without the tiles, the reason is one line and bfloat16 products stay on
-oneDNN, rows still alone.
+oneDNN, rows still alone; where oneDNN has no bfloat16 kernel either (AVX2 alone), they run in float32.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from support.bf16_products import check_bfloat16_product  # noqa: E402
-from speculum.models.hf.kernels import amx_tiles  # noqa: E402
+from speculum.models.hf.kernels import amx_tiles, products  # noqa: E402
 from speculum.models.hf.kernels.amx_tiles import TileProduct, tiles_unavailable  # noqa: E402
 from speculum.models.hf.kernels.probe import gives_rows_alone  # noqa: E402
 from speculum.models.hf.kernels.products import build_product  # noqa: E402
@@ -71,6 +71,22 @@ def test_without_tiles_the_reason_is_given_and_bfloat16_stays_on_onednn(monkeypa
         assert not isinstance(product.run, TileProduct) and product.rows_alone
     finally:
         amx_tiles.forget()
+
+
+def test_without_any_bfloat16_kernel_the_product_multiplies_the_weights_in_float32(monkeypatch):
+    """A CPU with AVX2 alone: no tiles, no AVX-512 BF16, and oneDNN refuses to pack a bfloat16 weight. The
+    product then multiplies float32 rows by the bfloat16 weights widened to float32 (exactly), rows alone."""
+    monkeypatch.setattr(products, "tiles_unavailable", lambda: "no tiles here")
+    monkeypatch.setattr(products, "dot_unavailable", lambda: "no AVX-512 BF16 here")
+    monkeypatch.setattr(products, "onednn_bf16_available", lambda: False)
+    generator = torch.Generator().manual_seed(11)
+    layer = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    rows = torch.randn(5, 64, generator=generator)
+    product = build_product([layer])
+    assert product.rows_alone
+    widened = rows @ layer.weight.float().T
+    assert torch.allclose(product(rows), widened, rtol=1e-5, atol=1e-5)     # the rows are not rounded to bfloat16
+    assert not torch.allclose(rows.bfloat16().float() @ layer.weight.float().T, widened, rtol=1e-5, atol=1e-5)
 
 
 def test_every_kernel_source_ships_in_the_package():

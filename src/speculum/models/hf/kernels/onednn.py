@@ -31,8 +31,8 @@ import types
 
 import torch
 
-__all__ = ["prepack_linears", "unpack_linears", "unpacked_copy", "is_prepacked", "onednn_available", "pack_weight",
-           "packed_linear"]
+__all__ = ["prepack_linears", "unpack_linears", "unpacked_copy", "is_prepacked", "onednn_available",
+           "onednn_bf16_available", "pack_weight", "packed_linear"]
 
 _PACKED = "_speculum_packed"          # instance attribute holding the oneDNN weight
 _SELF_CHECK_TOLERANCE = 1e-3          # relative: a packed layer must reproduce F.linear this closely
@@ -41,6 +41,13 @@ _SELF_CHECK_TOLERANCE = 1e-3          # relative: a packed layer must reproduce 
 def onednn_available() -> bool:
     """True when this torch build has oneDNN and the packed-weight linear ops used here."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def onednn_bf16_available() -> bool:
+    """True when oneDNN has bfloat16 kernels for this CPU: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and
+    refuses to pack a bfloat16 weight on a CPU with AVX2 alone."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return onednn_available() and supported is not None and bool(supported())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,8 @@ Kinds:
 * bfloat16 elsewhere: the float32 rows rounded to bfloat16 and multiplied by oneDNN (AVX-512 BF16 or AMX,
   accumulating in float32, the outputs rounded to bfloat16) 2 to 32 rows a call, the one path that gives
   each row the same at any position and count; where this machine's kernel still does not, the product
-  runs in float32 on the same weights;
+  runs in float32 on the same weights, as it does where oneDNN has no bfloat16 kernel for this CPU (AVX2
+  alone);
 * int8 weight-only (:class:`~speculum.models.hf.kernels.int8_weights.Int8Linear`): ``_weight_int8pack_mm``,
   probed;
 * int8 dynamically quantised (the int8 twin): the modules' own ops, whose activation scale is the whole
@@ -52,7 +53,7 @@ from .row_ops import row_ops_source, row_ops_unavailable
 from .build import kernels_disabled, library_release
 from .gguf_groups import GROUPS, kernel_source, kernel_unavailable, multiply_by_groups
 from .int8_weights import Int8Linear
-from .onednn import pack_weight, packed_linear
+from .onednn import onednn_bf16_available, pack_weight, packed_linear
 from .probe import PROBE_ROWS, probed_once
 from .q8_groups import q8_run, q8_source, q8_unavailable
 
@@ -146,6 +147,8 @@ def _bf16_product(weight: torch.Tensor) -> RowProduct:
         dot = DotProduct(weight)
         if probed_once("bfloat16 dot", tuple(weight.shape), dot):
             return RowProduct(dot, True)
+    if not onednn_bf16_available():
+        return _float32_product(weight.float())
     packed, out_features = pack_weight(weight), weight.shape[0]
 
     def widened(rows: torch.Tensor) -> torch.Tensor:
