@@ -151,6 +151,26 @@ def test_product_is_the_stated_formula_close_to_float32_and_row_alone(gguf_type)
     assert gives_rows_alone(product, 256, torch.Generator().manual_seed(0))
 
 
+@pytest.mark.parametrize("gguf_type", list(_GGUF))
+def test_the_largest_quants_times_the_largest_inputs_are_the_stated_formula(gguf_type):
+    """Every weight quant at its largest magnitude times rows whose quants are all +127 or all -127: the integer
+    sums' extremes (the AVX2 path adds up to 8 of maddubs' int16 pair sums before widening them), bit for bit
+    the formula."""
+    per_block, size, halves = _GGUF[gguf_type]
+    blocks = _blocks(gguf_type, 16, 256, np.random.default_rng(12)).reshape(16, -1, size)
+    quants = np.ones(size, dtype=bool)
+    for at in halves:
+        quants[at:at + 2] = False                        # the float16 fields keep their small values
+    blocks[:, :, quants] = 0x80 if gguf_type == "q8_0" else 0xFF     # q8_0: -128; the others: every bit set
+    weight = pack(gguf_type, blocks.reshape(16, -1))
+    rows = torch.ones(4, 256)
+    rows[1] = -1
+    rows[2, ::2] = -1                                    # signs alternating within each block
+    rows[3, 128:] = -1
+    assert torch.equal(quantised_rows(rows)[0].abs(), torch.full((4, 256), 127, dtype=torch.int8))
+    assert np.array_equal(q8_run([weight])(rows).numpy(), reference_product(weight, rows.numpy()))
+
+
 @pytest.mark.parametrize("gguf_type", ["q4_k", "q5_k", "q6_k"])
 def test_k_quant_floats_are_kept_factored_smaller_and_multiply_to_the_same_bits(gguf_type):
     """K-quant records' floats factor per super-block (a float32 a lane times an int8 a group): fewer bytes,

@@ -56,6 +56,7 @@
 enum { Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0, Q4_1F, Q5_1F, Q6_KF };
 #define FACTORED(kind) ((kind) == Q4_1F || (kind) == Q5_1F || (kind) == Q6_KF)
 #define WITH_MINIMUM(kind) ((kind) == Q4_1 || (kind) == Q5_1 || (kind) == Q4_1F || (kind) == Q5_1F)
+#define FIVE_BITS(kind) ((kind) == Q5_0 || (kind) == Q5_1 || (kind) == Q5_1F)
 #define SIX_BITS(kind) ((kind) == Q6_K || (kind) == Q6_KF)
 #define FACTORS(kind) ((kind) == Q6_KF ? SCALES : 2 * SCALES)      /* bytes of a super-block's float32 factors */
 /* Bytes of one lane block's records over `groups` groups. */
@@ -199,19 +200,20 @@ static inline ivec plane_bit(ivec q, ivec plane, int bit, int value)
     const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(plane, mask), mask);
     return _mm256_add_epi8(q, _mm256_and_si256(set, _mm256_set1_epi8((char)value)));
 }
-/* maddubs adds pairs of u8 x s8 products into int16 (at most 2 x 128 x 127 here: no saturation), madd the
- * pairs of int16 into int32. */
-static inline ivec dot_u8(ivec acc, ivec w, int32_t x4)
-{
-    const __m256i pairs = _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
+/* maddubs adds pairs of u8 x s8 products into int16 (at most 2 x 128 x 127 here: no saturation); widen16 adds
+ * such int16 sums into int32 by madd. dots() adds several pairs in int16 before widening them where the weights'
+ * bits allow it. */
+#define NARROW_SUMS 1
+static inline ivec pairs_u8(ivec w, int32_t x4) { return _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)); }
 /* int8 weights as llama.cpp multiplies them: |w| (u8) times the input with w's sign. */
 static inline ivec q8_weights(ivec w) { return w; }
-static inline ivec dot_s8(ivec acc, ivec w, int32_t x4)
+static inline ivec pairs_s8(ivec w, int32_t x4)
 {
-    const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(x4), w);
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), x);
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(_mm256_set1_epi32(x4), w));
+}
+static inline ivec add16(ivec a, ivec b) { return _mm256_add_epi16(a, b); }
+static inline ivec widen16(ivec acc, ivec pairs)
+{
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 #define Q8_OFFSET 0
@@ -249,7 +251,7 @@ static inline __attribute__((always_inline)) void quads(const int kind, const ui
         w[v] = low_nibbles(b);
         w[4 + v] = high_nibbles(b);
     }
-    if (kind == Q5_0 || kind == Q5_1 || kind == Q5_1F || SIX_BITS(kind)) {
+    if (FIVE_BITS(kind) || SIX_BITS(kind)) {
         const ivec fifth = iload(chunks + 256 + part * bytes);
         for (int k = 0; k < 8; k++) w[k] = plane_bit(w[k], fifth, k, 16);
     }
@@ -259,9 +261,31 @@ static inline __attribute__((always_inline)) void quads(const int kind, const ui
     }
 }
 
-/* The integer dot products of quads k0 .. k1 - 1 of one group for `rows` rows: quad-outer, row-inner, so that
- * the rows' sums are independent chains the CPU overlaps (a row's 8 dot products in one chain would wait on
- * each other's latency); one or two rows keep two chains each. Integer sums are exact: any split is the same. */
+/* The integer dot products of quads k0 .. k1 - 1 of one group for `rows` rows. Integer sums are exact: any
+ * split or order gives the same sums. */
+#if defined(NARROW_SUMS)
+/* AVX2: each maddubs sum of two products is at most 2 (2^b - 1) 127 for b-bit unsigned weights, so RUN(kind) of
+ * them add in int16 without overflow (8 x 2 x 15 x 127 = 30480 for 4 bits; 4 for 5 bits, 2 for 6; int8 weights
+ * reach 2 x 128 x 127 alone: 1) before one madd widens them: up to 9 multiplies a row and group instead of 16. */
+#define RUN(kind) ((kind) == Q8_0 ? 1 : SIX_BITS(kind) ? 2 : FIVE_BITS(kind) ? 4 : 8)
+static inline __attribute__((always_inline)) void dots(const int kind, const int rows, const int8_t *xq,
+        const ivec w[8], int k0, int k1, ivec sum[ROWS_A_PASS])
+{
+    for (int r = 0; r < rows; r++) sum[r] = izero();
+    #pragma GCC unroll 8
+    for (int k = k0; k < k1; k += RUN(kind)) {
+        #pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            const unaligned_int32 *x4 = (const unaligned_int32 *)(xq + r * GROUP);
+            ivec pairs = kind == Q8_0 ? pairs_s8(w[k], x4[k]) : pairs_u8(w[k], x4[k]);
+            for (int j = 1; j < RUN(kind); j++) pairs = add16(pairs, pairs_u8(w[k + j], x4[k + j]));
+            sum[r] = widen16(sum[r], pairs);
+        }
+    }
+}
+#else
+/* Quad-outer, row-inner, so that the rows' sums are independent chains the CPU overlaps (a row's 8 dot products
+ * in one chain would wait on each other's latency); one or two rows keep two chains each. */
 static inline __attribute__((always_inline)) void dots(const int kind, const int rows, const int8_t *xq,
         const ivec w[8], int k0, int k1, ivec sum[ROWS_A_PASS])
 {
@@ -279,6 +303,7 @@ static inline __attribute__((always_inline)) void dots(const int kind, const int
     if (rows <= 2)
         for (int r = 0; r < rows; r++) sum[r] = iadd(sum[r], spare[r]);
 }
+#endif
 
 /* `rows` rows (a constant in each inlined copy) of one pass times lanes `part` * WIDTH .. of one lane block. The
  * pass is laid out group-major (passed_rows): group g's quants, scales and sums of its rows side by side. */
