@@ -206,11 +206,15 @@ def test_an_own_cache_gives_room_for_keys_once_it_holds_buffers_with_room():
 
 @needs_kernel
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
-@pytest.mark.parametrize("target", ["x86-64-v3", "x86-64"])
+@pytest.mark.parametrize("target", ["x86-64-v3", "x86-64", "x86-64-v3 -DNATIVE_LANES=16"])
 def test_avx2_and_baseline_builds_attend_to_the_same_bits(tmp_path, target):
+    """AVX2 (8 lanes a register), the baseline build, and AVX-512's code (16 lanes a vector, built for AVX2:
+    ``NATIVE_LANES=16``) give the native build's bits."""
     # Without OpenMP (no second runtime in this process): the other build runs its rows on one thread.
-    flags = [f"-march={target}" if flag == "-march=native" else flag for flag in FLAGS if flag != "-fopenmp"]
-    built = tmp_path / f"attention-{target}.so"
+    march, *defines = target.split()
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS if flag != "-fopenmp"]
+    flags += defines
+    built = tmp_path / f"attention-{target.replace(' ', '')}.so"
     subprocess.run(["gcc", *flags, "-shared", str(attention_source()), "-o", str(built)], check=True,
                    capture_output=True)
     other = ctypes.CDLL(str(built)).attention_rows

@@ -20,17 +20,39 @@
 
 #define LANES 16
 
-typedef float vec __attribute__((vector_size(64)));
-typedef int32_t ivec __attribute__((vector_size(64)));
-typedef float uvec __attribute__((vector_size(64), aligned(4)));      /* an unaligned load or store */
+/* A 16-lane chunk is held as HALVES vectors of NATIVE lanes, the CPU's own width: a vector wider than its
+ * registers lives on the stack, every operation a load and a store (AVX2 ran this kernel 5x slower so).
+ * Every operation is lane by lane, so the width changes no number. NATIVE_LANES=16 builds AVX-512's code on
+ * any CPU (tested against the native build). */
+#if defined(NATIVE_LANES)
+#define NATIVE NATIVE_LANES
+#elif defined(__AVX512F__)
+#define NATIVE 16
+#else
+#define NATIVE 8
+#endif
+#define HALVES (LANES / NATIVE)
+#define VALUE_PASS (NATIVE == 16 ? 4 : 2)
+
+typedef float vec __attribute__((vector_size(NATIVE * 4)));
+typedef int32_t ivec __attribute__((vector_size(NATIVE * 4)));
+typedef float uvec __attribute__((vector_size(NATIVE * 4), aligned(4)));      /* an unaligned load or store */
 
 static inline vec load(const float *p) { return *(const uvec *)p; }
 static inline void store(float *p, vec v) { *(uvec *)p = v; }
-static inline vec splat(float x) { return (vec){0} + x; }
+/* x in every lane, as (vec){0} + x gives it (-0 becomes +0): one scalar add and a broadcast. */
+static inline vec splat(float x) {
+    const float y = 0.0f + x;
+    vec v;
+    for (int l = 0; l < NATIVE; l++) v[l] = y;
+    return v;
+}
 
-/* Scores of 16 keys from their 16 lane partials: out[j] = tree(part[j]) (see the header). Keys missing from a
- * last block have zero partials and do not change the others. */
-static inline vec reduce16(const vec part[LANES]) {
+/* Scores of 16 keys from their 16 lane partials (part[j][h]: lanes h NATIVE ..), times scale, into out[0 .. 15]:
+ * out[j] = tree(part[j]) * scale (see the header). Keys missing from a last block have zero partials and do not
+ * change the others. */
+#if NATIVE == 16
+static inline vec tree16(const vec part[LANES]) {
     vec pairs[8], quads[4], octs[2];
     for (int i = 0; i < 8; i++)
         pairs[i] = __builtin_shufflevector(part[2 * i], part[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
@@ -51,10 +73,49 @@ static inline vec reduce16(const vec part[LANES]) {
          + __builtin_shufflevector(octs[0], octs[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-/* One vector's lanes added by the same tree. */
-static inline float sum16(vec v) {
+static inline void scores16(const vec part[LANES][HALVES], float scale, float *out) {
+    vec whole[LANES];
+    for (int j = 0; j < LANES; j++) whole[j] = part[j][0];
+    store(out, tree16(whole) * splat(scale));
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+/* The tree's first step (lanes l and l + 8) adds the two halves; then 128-bit halves (l and l + 4), pairs
+ * within them (l + 2), neighbours (l + 1), eight keys a register. */
+static inline vec scores8(const vec t[8]) {
+    __m256 u[4], w[2];
+    for (int j = 0; j < 4; j++)        /* [key 2j's l + l+4 | key 2j+1's], l < 4 */
+        u[j] = _mm256_add_ps(_mm256_permute2f128_ps((__m256)t[2 * j], (__m256)t[2 * j + 1], 0x20),
+                             _mm256_permute2f128_ps((__m256)t[2 * j], (__m256)t[2 * j + 1], 0x31));
+    for (int j = 0; j < 2; j++)        /* [keys 4j, 4j+2: l + l+2, l < 2 | keys 4j+1, 4j+3] */
+        w[j] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * j], u[2 * j + 1], 0x44),
+                             _mm256_shuffle_ps(u[2 * j], u[2 * j + 1], 0xEE));
+    /* lanes: keys 0, 2, 4, 6 | 1, 3, 5, 7, then in order */
+    const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], 0x88), _mm256_shuffle_ps(w[0], w[1], 0xDD));
+    return (vec)_mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+static inline void scores16(const vec part[LANES][HALVES], float scale, float *out) {
+    vec t[LANES];
+    for (int j = 0; j < LANES; j++) t[j] = part[j][0] + part[j][1];
+    store(out, scores8(t) * splat(scale));
+    store(out + 8, scores8(t + 8) * splat(scale));
+}
+#else
+static inline void scores16(const vec part[LANES][HALVES], float scale, float *out) {
+    for (int j = 0; j < LANES; j++) {
+        float t[LANES];
+        for (int h = 0; h < HALVES; h++) store(t + h * NATIVE, part[j][h]);
+        for (int width = 8; width; width /= 2)
+            for (int l = 0; l < width; l++) t[l] += t[l + width];
+        out[j] = t[0] * (0.0f + scale);
+    }
+}
+#endif
+
+/* The 16 lanes of a chunk (its HALVES vectors) added by the same tree. */
+static inline float sum16(const vec v[HALVES]) {
     float t[LANES];
-    store(t, v);
+    for (int h = 0; h < HALVES; h++) store(t + h * NATIVE, v[h]);
     for (int width = 8; width; width /= 2)
         for (int l = 0; l < width; l++) t[l] += t[l + width];
     return t[0];
@@ -81,11 +142,11 @@ static inline vec exp_nonpositive(vec x) {
     return (vec)(((ivec)y + exponent) & ~under);
 }
 
-/* A tail of n < 16 floats as one vector, zeros after it. */
-static inline vec load_tail(const float *p, int64_t n) {
+/* A tail of n < 16 floats as one chunk, zeros after it. */
+static inline void load_tail(const float *p, int64_t n, vec out[HALVES]) {
     float t[LANES] = {0};
     for (int64_t i = 0; i < n; i++) t[i] = p[i];
-    return load(t);
+    for (int h = 0; h < HALVES; h++) out[h] = load(t + h * NATIVE);
 }
 
 #define GROUP_MAX 4          /* query heads attended together over one read of their shared keys and values */
@@ -105,21 +166,29 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, c
         const int64_t n_keys = count - j0 < LANES ? count - j0 : LANES;
         for (int64_t head = 0; head < n; head++) {
             const float *qh = q + head * dim;
-            vec query[used];
-            for (int64_t c = 0; c < chunks; c++) query[c] = load(qh + c * LANES);
-            if (tail) query[chunks] = load_tail(qh + chunks * LANES, tail);
-            vec part[LANES];
+            vec query[used][HALVES];
+            for (int64_t c = 0; c < chunks; c++)
+                for (int h = 0; h < HALVES; h++) query[c][h] = load(qh + c * LANES + h * NATIVE);
+            if (tail) load_tail(qh + chunks * LANES, tail, query[chunks]);
+            vec part[LANES][HALVES];
             for (int64_t jj = 0; jj < LANES; jj++) {
-                vec sum = {0};
+                vec sum[HALVES], key_tail[HALVES];
+                for (int h = 0; h < HALVES; h++) sum[h] = (vec){0};
                 if (jj < n_keys) {
                     const float *key = k + (j0 + jj) * dim;
-                    sum = query[0] * (chunks ? load(key) : load_tail(key, tail));
-                    for (int64_t c = 1; c < chunks; c++) sum += query[c] * load(key + c * LANES);
-                    if (tail && chunks) sum += query[chunks] * load_tail(key + chunks * LANES, tail);
+                    if (!chunks) load_tail(key, tail, key_tail);
+                    for (int h = 0; h < HALVES; h++)
+                        sum[h] = query[0][h] * (chunks ? load(key + h * NATIVE) : key_tail[h]);
+                    for (int64_t c = 1; c < chunks; c++)
+                        for (int h = 0; h < HALVES; h++) sum[h] += query[c][h] * load(key + c * LANES + h * NATIVE);
+                    if (tail && chunks) {
+                        load_tail(key + chunks * LANES, tail, key_tail);
+                        for (int h = 0; h < HALVES; h++) sum[h] += query[chunks][h] * key_tail[h];
+                    }
                 }
-                part[jj] = sum;
+                for (int h = 0; h < HALVES; h++) part[jj][h] = sum[h];
             }
-            store(scores + head * padded + j0, reduce16(part) * splat(scale));
+            scores16(part, scale, scores + head * padded + j0);
         }
     }
     vec sum[GROUP_MAX];
@@ -130,38 +199,42 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, c
          * same value in any order (NaN past the first score left out as before, the -inf padding never wins;
          * a tie of -0 and +0 gives the same exponentials). */
         vec top = splat(sh[0]);
-        for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
+        for (int64_t j0 = 0; j0 < padded; j0 += NATIVE) {
             const vec v = load(sh + j0);
             const ivec more = v > top;
             top = (vec)(((ivec)v & more) | ((ivec)top & ~more));
         }
         float best = top[0];
-        for (int l = 1; l < LANES; l++) best = top[l] > best ? top[l] : best;
-        vec total = {0};
-        for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
-            const vec e = exp_nonpositive(load(sh + j0) - splat(best));
-            store(sh + j0, e);
-            total += e;
-        }
+        for (int l = 1; l < NATIVE; l++) best = top[l] > best ? top[l] : best;
+        vec total[HALVES];
+        for (int h = 0; h < HALVES; h++) total[h] = (vec){0};
+        for (int64_t j0 = 0; j0 < padded; j0 += LANES)
+            for (int h = 0; h < HALVES; h++) {
+                const vec e = exp_nonpositive(load(sh + j0 + h * NATIVE) - splat(best));
+                store(sh + j0 + h * NATIVE, e);
+                total[h] += e;
+            }
         sum[head] = splat(sum16(total));
     }
-    /* Values in passes of up to 4 chunks, each pass's accumulators (4 a head) in registers. */
-    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
-        const int64_t width = chunks - c0 < 4 ? chunks - c0 : 4;
-        vec acc[GROUP_MAX][4];
+    /* Values in passes of up to VALUE_PASS vectors, each pass's accumulators (VALUE_PASS a head) in registers:
+     * 4 of AVX-512's 32 registers a head, 2 of AVX2's 16. */
+    for (int64_t c0 = 0; c0 < chunks * HALVES; c0 += VALUE_PASS) {
+        const int64_t width = chunks * HALVES - c0 < VALUE_PASS ? chunks * HALVES - c0 : VALUE_PASS;
+        vec acc[GROUP_MAX][VALUE_PASS];
         for (int64_t head = 0; head < n; head++)
-            for (int64_t c = 0; c < 4; c++) acc[head][c] = (vec){0};
+            for (int64_t c = 0; c < VALUE_PASS; c++) acc[head][c] = (vec){0};
         for (int64_t j = 0; j < count; j++) {
-            const float *value = v + j * dim + c0 * LANES;
-            vec row[4];
-            for (int64_t c = 0; c < width; c++) row[c] = load(value + c * LANES);
+            const float *value = v + j * dim + c0 * NATIVE;
+            vec row[VALUE_PASS];
+            for (int64_t c = 0; c < width; c++) row[c] = load(value + c * NATIVE);
             for (int64_t head = 0; head < n; head++) {
                 const vec weight = splat(scores[head * padded + j]);
                 for (int64_t c = 0; c < width; c++) acc[head][c] += weight * row[c];
             }
         }
         for (int64_t head = 0; head < n; head++)
-            for (int64_t c = 0; c < width; c++) store(out + head * dim + (c0 + c) * LANES, acc[head][c] / sum[head]);
+            for (int64_t c = 0; c < width; c++)
+                store(out + head * dim + (c0 + c) * NATIVE, acc[head][c] / sum[head]);
     }
     for (int64_t head = 0; head < n; head++)
         for (int64_t i = chunks * LANES; i < dim; i++) {
