@@ -21,9 +21,9 @@
 #define LANES 16
 
 /* A 16-lane chunk is held as HALVES vectors of NATIVE lanes, the CPU's own width: a vector wider than its
- * registers lives on the stack, every operation a load and a store (AVX2 ran this kernel 5x slower so).
- * Every operation is lane by lane, so the width changes no number. NATIVE_LANES=16 builds AVX-512's code on
- * any CPU (tested against the native build). */
+ * registers lives on the stack, every operation on it a load and a store. Every operation is lane by lane and
+ * the score tree adds the same pairs at any width, so the width changes no number. NATIVE_LANES=16 builds
+ * AVX-512's code on any CPU (tested against the native build). */
 #if defined(NATIVE_LANES)
 #define NATIVE NATIVE_LANES
 #elif defined(__AVX512F__)
