@@ -121,6 +121,8 @@ def test_lm_eval_on_speculum_serve_equals_lm_evals_own_hf_backend(tmp_path):
         ours = [r for s in served["samples"][name] for r in s["resps"]]
         theirs = [r for s in own["samples"][name] for r in s["resps"]]
         assert len(ours) == len(theirs) > 0
-        np.testing.assert_allclose([r[0] for r in ours], [r[0] for r in theirs], atol=1e-4)
+        # Two float32 forwards summing in other orders (the CPU's vector width picks the kernels' order): their
+        # rounding grows with the continuation's log-likelihood, the greedy flags and scores below stay equal.
+        np.testing.assert_allclose([r[0] for r in ours], [r[0] for r in theirs], rtol=5e-5, atol=1e-4)
         assert [r[1] for r in ours] == [r[1] for r in theirs]
     assert served["results"]["arith_mc"] == own["results"]["arith_mc"]
