@@ -48,6 +48,15 @@ static inline vec splat(float x) {
     return v;
 }
 
+/* The 16 lanes of a chunk (its HALVES vectors) added by the same tree. */
+static inline float sum16(const vec v[HALVES]) {
+    float t[LANES];
+    for (int h = 0; h < HALVES; h++) store(t + h * NATIVE, v[h]);
+    for (int width = 8; width; width /= 2)
+        for (int l = 0; l < width; l++) t[l] += t[l + width];
+    return t[0];
+}
+
 /* Scores of 16 keys from their 16 lane partials (part[j][h]: lanes h NATIVE ..), times scale, into out[0 .. 15]:
  * out[j] = tree(part[j]) * scale (see the header). Keys missing from a last block have zero partials and do not
  * change the others. */
@@ -102,24 +111,9 @@ static inline void scores16(const vec part[LANES][HALVES], float scale, float *o
 }
 #else
 static inline void scores16(const vec part[LANES][HALVES], float scale, float *out) {
-    for (int j = 0; j < LANES; j++) {
-        float t[LANES];
-        for (int h = 0; h < HALVES; h++) store(t + h * NATIVE, part[j][h]);
-        for (int width = 8; width; width /= 2)
-            for (int l = 0; l < width; l++) t[l] += t[l + width];
-        out[j] = t[0] * (0.0f + scale);
-    }
+    for (int j = 0; j < LANES; j++) out[j] = sum16(part[j]) * (0.0f + scale);
 }
 #endif
-
-/* The 16 lanes of a chunk (its HALVES vectors) added by the same tree. */
-static inline float sum16(const vec v[HALVES]) {
-    float t[LANES];
-    for (int h = 0; h < HALVES; h++) store(t + h * NATIVE, v[h]);
-    for (int width = 8; width; width /= 2)
-        for (int l = 0; l < width; l++) t[l] += t[l + width];
-    return t[0];
-}
 
 /* exp(x) for x <= 0 (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) = 1 + r + r^2 P(r), times 2^n by the
  * exponent bits); exactly 0 below -87.3 (where 2^n would leave the normal range), -inf included. */
