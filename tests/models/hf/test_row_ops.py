@@ -236,13 +236,17 @@ def test_what_it_cannot_take_is_refused():
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
-@pytest.mark.parametrize("target", ["x86-64-v3", "x86-64"])
+@pytest.mark.parametrize("target", ["x86-64-v3", "x86-64", "x86-64-v3 -DNATIVE_LANES=16"])
 def test_avx2_and_baseline_builds_compute_the_same_bits(tmp_path, target):
+    """AVX2 (8 lanes a register), the baseline build, and AVX-512's code (16 lanes a vector, built for AVX2:
+    ``NATIVE_LANES=16``) give the native build's bits."""
     if row_ops_unavailable() is not None:
         pytest.skip("no native row kernel to compare with")
     # Without OpenMP (no second runtime in this process): these calls run on one thread anyway.
-    flags = [f"-march={target}" if flag == "-march=native" else flag for flag in FLAGS if flag != "-fopenmp"]
-    built = tmp_path / f"rowops-{target}.so"
+    march, *defines = target.split()
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS if flag != "-fopenmp"]
+    flags += defines
+    built = tmp_path / f"rowops-{target.replace(' ', '')}.so"
     subprocess.run(["gcc", *flags, "-shared", str(row_ops.row_ops_source()), "-o", str(built)], check=True,
                    capture_output=True)
     other = ctypes.CDLL(str(built))

@@ -7,10 +7,12 @@
  * call, on where a row lies in memory or on the thread count, so rows are bitwise the same however they
  * are batched (ROW-CANONICAL by construction).
  *
- * The vectors are GCC's generic vector extensions, 16 floats wide: the compiler lowers them to AVX-512,
- * to pairs of AVX2 registers, or to SSE or scalar code. Each lane's operations are the same IEEE
- * operations in the same order whatever it lowers them to (no contraction: -ffp-contract=off), so every
- * target computes the same bits.
+ * The vectors are GCC's generic vector extensions of the CPU's own width (NATIVE lanes: 16 with AVX-512,
+ * else 8): a vector wider than the registers would live on the stack, every operation on it a load and a
+ * store. A 16-lane partial is then HALVES such vectors, and the tree over its lanes adds the same pairs
+ * at any width. Each lane's operations are the same IEEE operations in the same order whatever the
+ * width (no contraction: -ffp-contract=off), so every target computes the same bits; NATIVE_LANES=16
+ * builds AVX-512's code for any CPU (tested against the native build).
  *
  * exp is a range-reduced polynomial (Cody-Waite reduction by ln 2, a degree-7 polynomial, scaling by two
  * powers of two so that results near overflow and in the subnormal range round once); it is within 2 ulp
@@ -18,31 +20,46 @@
  *
  * log_mass is each row's float64 log-sum-exp of float32 logits (the normaliser of its log-probabilities),
  * with a float64 exp of its own (Cody-Waite reduction, the Taylor polynomial to degree 13: a few ulp), the
- * exponentials summed in 32 lanes, then one fixed tree.
+ * exponentials summed in 32 lanes (lane l holds elements l, l + 32, ...), then one fixed tree.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-/* The vectors stay inside this file: how a target without 512-bit registers passes them does not matter. */
+/* The vectors stay inside this file: how a target passes vectors wider than its registers does not matter. */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-#define LANES 16
+#define LANES 16                    /* the lanes of a sum's partials: lane l holds elements l, l + 16, ... */
+#if defined(NATIVE_LANES)
+#define NATIVE NATIVE_LANES
+#elif defined(__AVX512F__)
+#define NATIVE 16
+#else
+#define NATIVE 8
+#endif
+#define HALVES (LANES / NATIVE)
 #define PARALLEL_ELEMENTS 32768     /* below this a call's rows run on the calling thread alone */
 
-typedef float vf __attribute__((vector_size(LANES * 4)));
-typedef int32_t vi __attribute__((vector_size(LANES * 4)));
-typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+typedef float vf __attribute__((vector_size(NATIVE * 4)));
+typedef int32_t vi __attribute__((vector_size(NATIVE * 4)));
+typedef uint32_t vu __attribute__((vector_size(NATIVE * 4)));
 
 static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
-/* The first n (< 16) elements, the other lanes zero. */
-static inline vf load_part(const float *p, int64_t n) { vf v = {0}; memcpy(&v, p, (size_t)n * 4); return v; }
+/* The first n (< NATIVE) elements, the other lanes `pad`. */
+static inline vf load_part(const float *p, int64_t n, float pad)
+{
+    float lanes[NATIVE];
+    for (int l = 0; l < NATIVE; l++) lanes[l] = l < n ? p[l] : pad;
+    return load(lanes);
+}
 static inline void store_part(float *p, vf v, int64_t n) { memcpy(p, &v, (size_t)n * 4); }
-static inline vf load_n(const float *p, int64_t n) { return n == LANES ? load(p) : load_part(p, n); }
-static inline void store_n(float *p, vf v, int64_t n) { if (n == LANES) store(p, v); else store_part(p, v, n); }
+static inline vf load_n(const float *p, int64_t n) { return n >= NATIVE ? load(p) : load_part(p, n, 0.0f); }
+static inline void store_n(float *p, vf v, int64_t n) { if (n >= NATIVE) store(p, v); else store_part(p, v, n); }
 static inline vf broadcast(float x) { return (vf){0} + x; }
 static inline vf select(vi mask, vf yes, vf no) { return (vf)((mask & (vi)yes) | (~mask & (vi)no)); }
+/* The elements left from i of n, at most one vector's worth. */
+static inline int64_t part(int64_t n, int64_t i) { return n - i < NATIVE ? n - i : NATIVE; }
 
 static inline vf vexp(vf x)
 {
@@ -71,22 +88,27 @@ static inline vf vexp(vf x)
     return (y * s1) * s2;
 }
 
-/* Lane-wise partial sums of squares of n elements (16 at a time, a short last chunk padded with zeros). */
-static inline vf squares(const float *p, int64_t n)
+/* A 16-lane partial sum: HALVES vectors, lanes h * NATIVE .. of the 16 in sum[h]. */
+typedef struct { vf half[HALVES]; } sum16;
+
+/* Lane-wise partial sums of squares of n elements, 16 at a time (past the end nothing is added: a padded
+ * lane would add an exact +0 to a sum that is never -0). */
+static inline sum16 squares(const float *p, int64_t n)
 {
-    vf sum = {0};
-    for (int64_t i = 0; i < n; i += LANES) {
-        vf v = load_n(p + i, n - i < LANES ? n - i : LANES);
-        sum = sum + v * v;
-    }
+    sum16 sum = {{{0}}};
+    for (int64_t i = 0; i < n; i += LANES)
+        for (int h = 0; h < HALVES && i + h * NATIVE < n; h++) {
+            vf v = load_n(p + i + h * NATIVE, part(n, i + h * NATIVE));
+            sum.half[h] = sum.half[h] + v * v;
+        }
     return sum;
 }
 
-/* 1 / sqrt(mean + eps) from the lanes' partial sums: lanes folded in halves, 8 then 4, 2, 1. */
-static inline float inverse_rms(vf sum, int64_t n, float eps)
+/* 1 / sqrt(mean + eps) from the 16 lanes' partial sums: lanes folded in halves, 8 then 4, 2, 1. */
+static inline float inverse_rms(sum16 sum, int64_t n, float eps)
 {
     float s[LANES];
-    memcpy(s, &sum, sizeof s);
+    for (int h = 0; h < HALVES; h++) store(s + h * NATIVE, sum.half[h]);
     for (int width = LANES / 2; width; width >>= 1)
         for (int i = 0; i < width; i++)
             s[i] = s[i] + s[i + width];
@@ -96,8 +118,8 @@ static inline float inverse_rms(vf sum, int64_t n, float eps)
 /* out = (x * r) * weight over n elements. */
 static inline void scale(const float *x, float r, const float *weight, float *out, int64_t n)
 {
-    for (int64_t i = 0; i < n; i += LANES) {
-        int64_t m = n - i < LANES ? n - i : LANES;
+    for (int64_t i = 0; i < n; i += NATIVE) {
+        int64_t m = part(n, i);
         store_n(out + i, (load_n(x + i, m) * r) * load_n(weight + i, m), m);
     }
 }
@@ -129,16 +151,17 @@ void rowops_residual_norm(float *x, const float *delta, const float *weight, flo
         float *sum = x + row * features;
         const float *add = delta + row * features;
         float post = post_weight ? inverse_rms(squares(add, features), features, post_eps) : 0.0f;
-        vf acc = {0};
-        for (int64_t i = 0; i < features; i += LANES) {
-            int64_t m = features - i < LANES ? features - i : LANES;
-            vf d = load_n(add + i, m);
-            if (post_weight)
-                d = (d * post) * load_n(post_weight + i, m);
-            vf s = load_n(sum + i, m) + d;
-            store_n(sum + i, s, m);
-            acc = acc + s * s;            /* padded lanes are zero */
-        }
+        sum16 acc = {{{0}}};
+        for (int64_t i = 0; i < features; i += LANES)
+            for (int h = 0; h < HALVES && i + h * NATIVE < features; h++) {
+                int64_t at = i + h * NATIVE, m = part(features, at);
+                vf d = load_n(add + at, m);
+                if (post_weight)
+                    d = (d * post) * load_n(post_weight + at, m);
+                vf s = load_n(sum + at, m) + d;
+                store_n(sum + at, s, m);
+                acc.half[h] = acc.half[h] + s * s;            /* padded lanes are zero */
+            }
         scale(sum, inverse_rms(acc, features, eps), weight, out + row * features, features);
     });
 }
@@ -154,16 +177,16 @@ void rowops_rotate(float *qkv, int64_t rows, int64_t features, int64_t heads, in
         float *line = qkv + row * features;
         const float *c = cos + row * cos_stride, *s = sin + row * sin_stride;
         if (bias)
-            for (int64_t i = 0; i < features; i += LANES) {
-                int64_t m = features - i < LANES ? features - i : LANES;
+            for (int64_t i = 0; i < features; i += NATIVE) {
+                int64_t m = part(features, i);
                 store_n(line + i, load_n(line + i, m) + load_n(bias + i, m), m);
             }
         for (int64_t h = 0; h < heads; h++) {
             float *p = line + h * head_dim;
             const float *w = head_weight ? head_weight + h * head_dim : 0;
             float r = w ? inverse_rms(squares(p, head_dim), head_dim, head_eps) : 0.0f;
-            for (int64_t i = 0; i < half; i += LANES) {
-                int64_t m = half - i < LANES ? half - i : LANES;
+            for (int64_t i = 0; i < half; i += NATIVE) {
+                int64_t m = part(half, i);
                 vf a = load_n(p + i, m), b = load_n(p + half + i, m);
                 if (w) {
                     a = (a * r) * load_n(w + i, m);
@@ -188,8 +211,8 @@ void rowops_gated(const float *gate_up, float *out, int64_t rows, int64_t inner,
     FOR_ROWS(rows, 2 * inner, threads, {
         const float *g = gate_up + row * 2 * inner, *u = g + inner;
         float *o = out + row * inner;
-        for (int64_t i = 0; i < inner; i += LANES) {
-            int64_t m = inner - i < LANES ? inner - i : LANES;
+        for (int64_t i = 0; i < inner; i += NATIVE) {
+            int64_t m = part(inner, i);
             vf x = load_n(g + i, m);
             vf y = gelu ? x + ((x * x) * x) * cube : x;
             vf act = x / (1.0f + vexp(y * factor));
@@ -201,17 +224,19 @@ void rowops_gated(const float *gate_up, float *out, int64_t rows, int64_t inner,
 /* exp of n floats (the tests check it against the correctly rounded one). */
 void rowops_exp(const float *x, float *out, int64_t n)
 {
-    for (int64_t i = 0; i < n; i += LANES) {
-        int64_t m = n - i < LANES ? n - i : LANES;
+    for (int64_t i = 0; i < n; i += NATIVE) {
+        int64_t m = part(n, i);
         store_n(out + i, vexp(load_n(x + i, m)), m);
     }
 }
 
 /* ------------------------------------------------------------------------------------------ log-probabilities */
 
-typedef double vd __attribute__((vector_size(64)));       /* 8 doubles */
-typedef int64_t vl __attribute__((vector_size(64)));
-typedef float vh __attribute__((vector_size(32)));        /* the 8 floats widened into one vd */
+#define DOUBLES (NATIVE / 2)                 /* doubles a register holds */
+#define SPREAD 32                             /* the exponentials' lanes: lane l holds elements l, l + 32, ... */
+typedef double vd __attribute__((vector_size(DOUBLES * 8)));
+typedef int64_t vl __attribute__((vector_size(DOUBLES * 8)));
+typedef float vh __attribute__((vector_size(DOUBLES * 4)));        /* the floats widened into one vd */
 
 /* exp(x) for x <= 0: x = n ln2 + r (ln2 in two parts, the first exact times n), |r| <= ln2 / 2, exp(r) by
  * Horner's rule on its Taylor series to r^13 (the rest below 1e-17 relative), times 2^n through the exponent
@@ -234,6 +259,16 @@ static inline vd vexp64(vd x)
     return (vd)(((vl)p + exponent) & ~under);
 }
 
+/* The sums of exp(x - top) over 32 floats into the SPREAD lanes of acc (acc[a]: lanes a * DOUBLES ..). */
+static inline void add_exps(vd acc[SPREAD / DOUBLES], const float *x, double top)
+{
+    for (int a = 0; a < SPREAD / DOUBLES; a++) {
+        vh h;
+        memcpy(&h, x + a * DOUBLES, sizeof h);
+        acc[a] += vexp64(__builtin_convertvector(h, vd) - top);
+    }
+}
+
 /* Each row's log-sum-exp (float64) of float32 logits (rows, vocab) into mass[row]; where out is given, also
  * the row's log-probabilities out[row][j] = (double)logits[row][j] - mass[row]. A row holding NaN or +inf
  * gets the mass NaN; a row whose largest logit is -inf (all -inf) gets -inf, as log(0). */
@@ -241,39 +276,39 @@ void rowops_log_mass(const float *logits, int64_t rows, int64_t vocab, double *m
 {
     FOR_ROWS(rows, vocab, threads, {
         const float *x = logits + row * vocab;
-        vf top16 = broadcast(-INFINITY);
+        vf top16[HALVES];
         vi bad16 = {0};
-        for (int64_t i = 0; i < vocab; i += LANES) {
-            vf part = broadcast(-INFINITY);
-            memcpy(&part, x + i, (size_t)(vocab - i < LANES ? vocab - i : LANES) * 4);
-            bad16 |= (part != part) | (part == broadcast(INFINITY));
-            top16 = select(part > top16, part, top16);           /* exact in any order; NaN left out */
-        }
-        float top32 = top16[0];
-        int bad = bad16[0] != 0;
-        for (int l = 1; l < LANES; l++) {
-            top32 = top16[l] > top32 ? top16[l] : top32;
-            bad |= bad16[l] != 0;
-        }
-        const double top = top32 == -INFINITY ? 0.0 : (double)top32;
-        vd acc[4] = {{0}, {0}, {0}, {0}};
-        for (int64_t i = 0; i < vocab; i += 32) {
-            float chunk[32];
-            const int64_t m = vocab - i < 32 ? vocab - i : 32;
-            memcpy(chunk, x + i, (size_t)m * 4);
-            for (int64_t j = m; j < 32; j++) chunk[j] = -INFINITY;      /* exp(-inf) adds an exact 0 */
-            for (int k = 0; k < 4; k++) {
-                vh h;
-                memcpy(&h, chunk + 8 * k, sizeof h);
-                acc[k] += vexp64(__builtin_convertvector(h, vd) - top);
+        for (int h = 0; h < HALVES; h++) top16[h] = broadcast(-INFINITY);
+        for (int64_t i = 0; i < vocab; i += LANES)
+            for (int h = 0; h < HALVES && i + h * NATIVE < vocab; h++) {
+                const int64_t at = i + h * NATIVE, m = part(vocab, at);
+                const vf chunk = m == NATIVE ? load(x + at) : load_part(x + at, m, -INFINITY);
+                bad16 |= (chunk != chunk) | (chunk == broadcast(INFINITY));
+                top16[h] = select(chunk > top16[h], chunk, top16[h]);       /* exact in any order; NaN left out */
             }
+        float lanes16[LANES];
+        for (int h = 0; h < HALVES; h++) store(lanes16 + h * NATIVE, top16[h]);
+        float top32 = lanes16[0];
+        int bad = 0;
+        for (int l = 1; l < LANES; l++) top32 = lanes16[l] > top32 ? lanes16[l] : top32;
+        for (int l = 0; l < NATIVE; l++) bad |= bad16[l] != 0;
+        const double top = top32 == -INFINITY ? 0.0 : (double)top32;
+        vd acc[SPREAD / DOUBLES];
+        for (int a = 0; a < SPREAD / DOUBLES; a++) acc[a] = (vd){0};
+        int64_t i = 0;
+        for (; i + SPREAD <= vocab; i += SPREAD) add_exps(acc, x + i, top);
+        if (i < vocab) {
+            float chunk[SPREAD];
+            for (int j = 0; j < SPREAD; j++) chunk[j] = i + j < vocab ? x[i + j] : -INFINITY;   /* adds exact 0s */
+            add_exps(acc, chunk, top);
         }
-        const vd both = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-        double lanes[8];
-        memcpy(lanes, &both, sizeof lanes);
+        double sums[SPREAD], eight[8];
+        for (int a = 0; a < SPREAD / DOUBLES; a++) memcpy(sums + a * DOUBLES, &acc[a], sizeof acc[a]);
+        /* The 32 lanes into 8 as four groups of 8 added in pairs, then the 8 folded in halves. */
+        for (int l = 0; l < 8; l++) eight[l] = (sums[l] + sums[8 + l]) + (sums[16 + l] + sums[24 + l]);
         for (int width = 4; width; width /= 2)
-            for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
-        const double total = bad ? NAN : log(lanes[0]) + top;
+            for (int l = 0; l < width; l++) eight[l] += eight[l + width];
+        const double total = bad ? NAN : log(eight[0]) + top;
         mass[row] = total;
         if (out != NULL) {
             double *o = out + row * vocab;

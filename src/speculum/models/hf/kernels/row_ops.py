@@ -9,17 +9,17 @@ block, each costing microseconds of dispatch for nanoseconds of arithmetic. Here
 one ctypes call into ``row_ops.c``.
 
 How: the kernel is compiled for this machine on first use and cached (:mod:`~speculum.models.hf.kernels.build`).
-The C code uses GCC's generic vectors, 16 floats wide, which the compiler lowers to AVX-512, AVX2, SSE
-or scalar code; exp is its own range-reduced polynomial (within 2 ulp of expf), so the SiLU and GELU
-gates are vectorised without fast-math. Rows are spread over OpenMP threads only when a call holds more
+The C code uses GCC's generic vectors of the CPU's own width (16 floats with AVX-512, else 8), a sum's
+16 lanes held in one or two of them; exp is its own range-reduced polynomial (within 2 ulp of expf), so
+the SiLU and GELU gates are vectorised without fast-math. Rows are spread over OpenMP threads only when a call holds more
 than 32768 elements; below that one thread is quicker than waking others.
 
 Guarantee: ROW-CANONICAL by construction: each output row is a function of its own input row alone,
 computed in one fixed order (sums of squares in 16 lanes, then a fixed tree over them), so a row comes
-out bitwise the same alone or among any other rows, at any thread count, and on any x86-64 target the
-compiler lowers the vectors to. The results agree with PyTorch's (``F.rms_norm``, ``q * cos +
-rotate_half(q) * sin``, ``F.silu``, ``F.gelu(approximate="tanh")``) to a few float32 ulps of the
-outputs' size: the same formulas, with sums in another order and another exp.
+out bitwise the same alone or among any other rows, at any thread count, and at any vector width. The
+results agree with PyTorch's (``F.rms_norm``, ``q * cos + rotate_half(q) * sin``, ``F.silu``,
+``F.gelu(approximate="tanh")``) to a few float32 ulps of the outputs' size: the same formulas, with sums
+in another order and another exp.
 
 Where there is no C compiler or ``SPECULUM_KERNELS=off``, :func:`row_ops_unavailable` says why and the
 caller keeps PyTorch's operations.
