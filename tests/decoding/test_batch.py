@@ -339,3 +339,27 @@ def test_auto_gamma_drafts_only_while_a_batched_forward_makes_draft_tokens_cheap
         proposed.append(sum(chunk.proposed for chunk in chunks) / len(chunks))
     later = float(np.mean(proposed[len(proposed) // 2:]))
     assert (later > 1.5) if drafts else (later < 0.5), proposed
+
+
+def test_each_generation_weighs_its_block_at_the_batch_size_of_the_step():
+    """Once the packed forwards' costs are fitted, each generation's plain step costs its share of the step's
+    packed forward: the fitted fixed cost over the blocks that run, plus one token's cost, so that drafting is
+    judged at the batch's current size as generations leave."""
+    from speculum.models import TinyTransformer
+
+    target = _TimedTarget.make(0.004, 0.0005)
+    draft = TinyTransformer(VOCAB, d_model=32, n_layers=2, seed=4)
+    scheduler = Scheduler(target)
+    for i in range(3):
+        scheduler.add([1 + i, 2, 3, 4], draft=draft, gamma="auto", temperature=0, max_new_tokens=10 + 20 * i)
+    sizes = set()
+    while scheduler.active:
+        fitted, blocks = scheduler.packed_cost.fit(), len(scheduler.decoders)
+        scheduler.step()
+        if fitted is None:
+            continue
+        share = fitted[0] / blocks + fitted[1]
+        for decoder in scheduler.decoders.values():
+            assert abs(decoder.policy.step_seconds() - share) <= 1e-9 * share
+            sizes.add(blocks)
+    assert len(sizes) >= 2, sizes

@@ -74,3 +74,43 @@ def test_an_untimed_controller_ignores_what_blocks_delivered():
     for _ in range(5):
         ctl.observe_delivered(1.0, 1, key=5)
     assert ctl.delivered_speedup(5) is None
+
+
+@settings(max_examples=50, deadline=None)
+@given(fixed=st.floats(0.0, 0.05), per_token=st.floats(1e-4, 0.01), blocks=st.integers(1, 16),
+       gamma=st.integers(1, 12))
+def test_a_shared_forward_charges_a_block_what_it_adds_at_the_batch_size(fixed, per_token, blocks, gamma):
+    """In a forward shared by ``blocks`` blocks, a plain step's share is fixed / blocks + per_token and a
+    block of γ proposals costs γ more tokens, whatever this generation's own timings said; after
+    ``forward_alone`` its own timings count again."""
+    costs = CostModel()
+    for n in (1, 5):
+        for _ in range(costs.window):
+            costs.observe_target(n, 0.010 * n)
+    costs.share_forward(fixed, per_token, blocks)
+    step = fixed / blocks + per_token
+    assert abs(costs.step_seconds() - step) <= 1e-12 * step
+    expected = (fixed / blocks + per_token * (gamma + 1)) / step
+    assert abs(costs.verify_cost(gamma) - expected) <= 1e-9 * expected
+    costs.forward_alone()
+    assert costs.step_seconds() == 0.010 and abs(costs.verify_cost(4) - 5.0) < 1e-9
+
+
+def test_a_shared_forward_cannot_move_an_untimed_controller():
+    """A seeded sampler's γ must not depend on wall-clock time, the batch's fitted costs included."""
+    ctl = GammaController(timed=False)
+    ctl.observe_target(1, 0.010)
+    before = (ctl.step_seconds(), ctl.verify_cost(4))
+    ctl.share_forward(0.5, 0.001, 8)
+    assert (ctl.step_seconds(), ctl.verify_cost(4)) == before
+
+
+def test_delivered_blocks_count_in_the_plain_steps_of_their_moment():
+    """Blocks timed while a plain step cost 40 ms (a full batch) keep their speed-up when the batch shrinks
+    and a plain step costs 10 ms: the earlier blocks neither veto nor excuse drafting afterwards."""
+    ctl = _drafting_controller()
+    ctl.share_forward(0.032, 0.036, 8)                # a plain step's share: 40 ms
+    for _ in range(3):
+        ctl.observe_delivered(0.060, 3, key=5)        # 3 tokens in 1.5 steps: 2x
+    ctl.share_forward(0.004, 0.006, 1)                # alone: 10 ms a plain step
+    assert abs(ctl.delivered_speedup(5) - 2.0) < 1e-9

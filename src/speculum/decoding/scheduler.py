@@ -48,7 +48,9 @@ class PackedCost:
     scaled so the parts add up to the measured time. A generation's extra draft tokens are then charged
     what they add to the shared forward, so ``gamma="auto"`` stops drafting when, at this batch size,
     verifying them costs more than the tokens they bring. Until two batch sizes have been seen the time
-    is split evenly.
+    is split evenly. Before each step the fit is also each generation's cost model for that step
+    (``fixed / B + per_token`` a plain step, B the blocks that run): the charges of past steps lag behind
+    generations joining and leaving.
 
     Example:
         >>> cost = PackedCost()
@@ -175,6 +177,7 @@ class Scheduler:
         requests = list(self._decoders)
         decoders = [self._decoders[r] for r in requests]
         limits = self._prompt_limits(decoders)
+        self._share_costs(decoders, limits)
         proposals = {i: decoder.propose() for i, decoder in enumerate(decoders) if limits[i] is None}
         # A step that also fed a prompt says nothing about what verifying a block costs.
         timed = not any(limit or (limit is None and decoder.prefilling) for limit, decoder in zip(limits, decoders))
@@ -190,6 +193,18 @@ class Scheduler:
             if chunk.finished:
                 self.cancel(request)
         return out
+
+    def _share_costs(self, decoders: list[Decoder], limits: list[int | None]) -> None:
+        """Tell each generation what its block will cost in this step's packed forward: the fitted forward
+        cost shared by the blocks that run (:meth:`~speculum.decoding.gamma.costs.CostModel.share_forward`),
+        so that ``gamma="auto"`` weighs a drafted row against the batch's current size."""
+        fitted = self.packed_cost.fit() if self.batched else None
+        blocks = sum(limit is None for limit in limits)
+        for decoder in decoders:
+            if fitted is None or blocks == 0:
+                decoder.policy.forward_alone()
+            else:
+                decoder.policy.share_forward(*fitted, blocks)
 
     def _prompt_limits(self, decoders: list[Decoder]) -> list[int | None]:
         """Per generation: None when it runs a block this step (its prompt, if any is left, fed whole with

@@ -140,21 +140,31 @@ class GammaController:
 
     def observe_delivered(self, seconds: float, tokens: int, key: Hashable = None) -> None:
         """Record a drafting block in the situation ``key``: drafting and verifying it took ``seconds`` and
-        it emitted ``tokens`` tokens."""
-        if not self.timed:
+        it emitted ``tokens`` tokens. The seconds count in plain steps of that moment, so that a step's cost
+        changing (a batch growing or shrinking) does not make earlier blocks look better or worse."""
+        step = self.costs.step_seconds()
+        if not self.timed or not step:
             return
         realized = self._realized.setdefault(key, [0.0, 0.0, 0])
-        realized[0] = self.decay * realized[0] + seconds
+        realized[0] = self.decay * realized[0] + seconds / step
         realized[1] = self.decay * realized[1] + tokens
         realized[2] += 1
 
     def delivered_speedup(self, key: Hashable = None) -> float | None:
-        """What drafting in ``key`` has delivered so far, against plain steps: tokens a second in its recent
-        drafting blocks (probes included) times the plain step's seconds (None: too few blocks to tell)."""
-        realized, step = self._realized.get(key), self.costs.step_seconds()
-        if realized is None or realized[2] < self.min_realized_blocks or not step or realized[0] <= 0:
+        """What drafting in ``key`` has delivered so far, against plain steps: tokens a plain step's time in
+        its recent drafting blocks, probes included (None: too few blocks to tell)."""
+        realized = self._realized.get(key)
+        if realized is None or realized[2] < self.min_realized_blocks or realized[0] <= 0:
             return None
-        return realized[1] / realized[0] * step
+        return realized[1] / realized[0]
+
+    def share_forward(self, fixed: float, per_token: float, blocks: int) -> None:
+        """The next forwards are shared by ``blocks`` generations' blocks (:meth:`CostModel.share_forward`)."""
+        self.costs.share_forward(fixed, per_token, blocks)
+
+    def forward_alone(self) -> None:
+        """The next forwards' costs are this generation's own timings (:meth:`CostModel.forward_alone`)."""
+        self.costs.forward_alone()
 
     def catch_up_ratio(self) -> float:
         """Cost of a draft model consuming one accepted token in a batch, in plain decode steps (0: unknown)."""
@@ -396,6 +406,17 @@ class GammaPolicy:
     def step_seconds(self) -> float | None:
         """Seconds of one plain target step, as measured so far (None: not yet, or a fixed γ)."""
         return None if self.controller is None else self.controller.step_seconds()
+
+    def share_forward(self, fixed: float, per_token: float, blocks: int) -> None:
+        """The next forwards are shared: ``fixed + per_token·tokens`` seconds, ``blocks`` blocks in each
+        (:meth:`CostModel.share_forward`); nothing for a fixed γ."""
+        if self.controller is not None:
+            self.controller.share_forward(fixed, per_token, blocks)
+
+    def forward_alone(self) -> None:
+        """The next forwards' costs are this generation's own timings again."""
+        if self.controller is not None:
+            self.controller.forward_alone()
 
     def observe_draft(self, proposed: int, seconds: float) -> None:
         """A drafter proposed ``proposed`` tokens in ``seconds`` (one-off set-up costs excluded)."""

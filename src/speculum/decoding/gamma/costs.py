@@ -48,6 +48,7 @@ class CostModel:
     _target: dict = field(default_factory=dict, init=False, repr=False)   # tokens fed -> recent seconds
     _draft_seconds_per_token: float | None = field(default=None, init=False, repr=False)
     _catch_up_seconds_per_token: float | None = field(default=None, init=False, repr=False)
+    _shared: tuple[float, float, int] | None = field(default=None, init=False, repr=False)
 
     # ----------------------------------------------------------------------------------- observations
     def observe_target(self, n_tokens: int, seconds: float) -> None:
@@ -75,6 +76,19 @@ class CostModel:
     def _decayed(self, old: float | None, value: float) -> float:
         return value if old is None else self.decay * old + (1 - self.decay) * value
 
+    def share_forward(self, fixed: float, per_token: float, blocks: int) -> None:
+        """The next forwards are shared: one costs about ``fixed + per_token·tokens`` seconds (fitted over
+        the shared forwards so far) and carries ``blocks`` generations' blocks. Until :meth:`forward_alone`, a
+        plain step costs ``fixed / blocks + per_token`` and a block of ``n`` tokens ``fixed / blocks +
+        per_token·n``: what the block adds to the batch's time at the batch's current size, where the medians
+        of past timings would lag behind generations joining and leaving. Ignored when untimed."""
+        if self.timed and blocks >= 1 and min(fixed, per_token) >= 0 and fixed / blocks + per_token > 0:
+            self._shared = (fixed, per_token, blocks)
+
+    def forward_alone(self) -> None:
+        """Back to this generation's own timings (no shared forward's fit is known)."""
+        self._shared = None
+
     # --------------------------------------------------------------------------------------- estimates
     def sizes(self) -> list[int]:
         """The numbers of tokens fed that have been timed, ascending."""
@@ -87,7 +101,10 @@ class CostModel:
 
     def step_seconds(self) -> float | None:
         """Seconds of one plain decode step (measured, or inferred from the smallest block timed; None
-        before any timing)."""
+        before any timing), or its share of a shared forward (:meth:`share_forward`)."""
+        if self._shared is not None:
+            fixed, per_token, blocks = self._shared
+            return fixed / blocks + per_token
         if 1 in self._target:
             return self.target_seconds(1)
         if not self._target:
@@ -102,6 +119,9 @@ class CostModel:
         n = gamma + 1
         if step is None or step <= 0:
             return 1.0 + self.prior_verify_slope * gamma
+        if self._shared is not None:
+            fixed, per_token, blocks = self._shared
+            return max((fixed / blocks + per_token * n) / step, 1e-3)
         measured = self.target_seconds(n)
         if measured is not None:
             return max(measured / step, 1e-3)
