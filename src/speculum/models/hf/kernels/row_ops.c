@@ -90,17 +90,18 @@ static inline vf vexp(vf x)
 
 /* A 16-lane partial sum: HALVES vectors, lanes h * NATIVE .. of the 16 in sum[h]. */
 typedef struct { vf half[HALVES]; } sum16;
+/* Which of them the vector of elements at .. at + NATIVE - 1 adds into (lane l holds elements l, l + 16, ...). */
+static inline int half_of(int64_t at) { return (int)(at / NATIVE % HALVES); }
 
 /* Lane-wise partial sums of squares of n elements, 16 at a time (past the end nothing is added: a padded
  * lane would add an exact +0 to a sum that is never -0). */
 static inline sum16 squares(const float *p, int64_t n)
 {
     sum16 sum = {{{0}}};
-    for (int64_t i = 0; i < n; i += LANES)
-        for (int h = 0; h < HALVES && i + h * NATIVE < n; h++) {
-            vf v = load_n(p + i + h * NATIVE, part(n, i + h * NATIVE));
-            sum.half[h] = sum.half[h] + v * v;
-        }
+    for (int64_t at = 0; at < n; at += NATIVE) {
+        vf v = load_n(p + at, part(n, at));
+        sum.half[half_of(at)] = sum.half[half_of(at)] + v * v;
+    }
     return sum;
 }
 
@@ -152,16 +153,15 @@ void rowops_residual_norm(float *x, const float *delta, const float *weight, flo
         const float *add = delta + row * features;
         float post = post_weight ? inverse_rms(squares(add, features), features, post_eps) : 0.0f;
         sum16 acc = {{{0}}};
-        for (int64_t i = 0; i < features; i += LANES)
-            for (int h = 0; h < HALVES && i + h * NATIVE < features; h++) {
-                int64_t at = i + h * NATIVE, m = part(features, at);
-                vf d = load_n(add + at, m);
-                if (post_weight)
-                    d = (d * post) * load_n(post_weight + at, m);
-                vf s = load_n(sum + at, m) + d;
-                store_n(sum + at, s, m);
-                acc.half[h] = acc.half[h] + s * s;            /* padded lanes are zero */
-            }
+        for (int64_t at = 0; at < features; at += NATIVE) {
+            int64_t m = part(features, at);
+            vf d = load_n(add + at, m);
+            if (post_weight)
+                d = (d * post) * load_n(post_weight + at, m);
+            vf s = load_n(sum + at, m) + d;
+            store_n(sum + at, s, m);
+            acc.half[half_of(at)] = acc.half[half_of(at)] + s * s;      /* padded lanes are zero */
+        }
         scale(sum, inverse_rms(acc, features, eps), weight, out + row * features, features);
     });
 }
@@ -279,13 +279,13 @@ void rowops_log_mass(const float *logits, int64_t rows, int64_t vocab, double *m
         vf top16[HALVES];
         vi bad16 = {0};
         for (int h = 0; h < HALVES; h++) top16[h] = broadcast(-INFINITY);
-        for (int64_t i = 0; i < vocab; i += LANES)
-            for (int h = 0; h < HALVES && i + h * NATIVE < vocab; h++) {
-                const int64_t at = i + h * NATIVE, m = part(vocab, at);
-                const vf chunk = m == NATIVE ? load(x + at) : load_part(x + at, m, -INFINITY);
-                bad16 |= (chunk != chunk) | (chunk == broadcast(INFINITY));
-                top16[h] = select(chunk > top16[h], chunk, top16[h]);       /* exact in any order; NaN left out */
-            }
+        for (int64_t at = 0; at < vocab; at += NATIVE) {
+            const int64_t m = part(vocab, at);
+            const vf chunk = m == NATIVE ? load(x + at) : load_part(x + at, m, -INFINITY);
+            vf *top = &top16[half_of(at)];
+            bad16 |= (chunk != chunk) | (chunk == broadcast(INFINITY));
+            *top = select(chunk > *top, chunk, *top);                    /* exact in any order; NaN left out */
+        }
         float lanes16[LANES];
         for (int h = 0; h < HALVES; h++) store(lanes16 + h * NATIVE, top16[h]);
         float top32 = lanes16[0];
