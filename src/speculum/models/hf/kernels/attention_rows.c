@@ -40,13 +40,9 @@ typedef float uvec __attribute__((vector_size(NATIVE * 4), aligned(4)));      /*
 
 static inline vec load(const float *p) { return *(const uvec *)p; }
 static inline void store(float *p, vec v) { *(uvec *)p = v; }
-/* x in every lane, as (vec){0} + x gives it (-0 becomes +0): one scalar add and a broadcast. */
-static inline vec splat(float x) {
-    const float y = 0.0f + x;
-    vec v;
-    for (int l = 0; l < NATIVE; l++) v[l] = y;
-    return v;
-}
+/* 0 + x in every lane (-0 becomes +0): a broadcast and one add. A lane-by-lane assignment of the scalar
+ * compiles to a chain of inserts on AVX2, in the values' inner loop. */
+static inline vec splat(float x) { return (vec){0} + x; }
 
 /* The 16 lanes of a chunk (its HALVES vectors) added by the same tree. */
 static inline float sum16(const vec v[HALVES]) {
