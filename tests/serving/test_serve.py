@@ -7,6 +7,7 @@ a full queue gets 429, and a client that disconnects mid-stream frees the worker
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -421,11 +422,22 @@ def test_the_engine_on_the_callers_thread_serves_http_from_another_until_the_ser
         finally:
             server.should_exit = True
 
+    frozen_while_serving: list[int] = []
+    original_run = engine.run
+
+    def run() -> None:
+        frozen_while_serving.append(gc.get_freeze_count())
+        original_run()
+
+    engine.run = run
     driver = threading.Thread(target=drive, daemon=True)
     driver.start()
+    assert gc.get_freeze_count() == 0
     assert serve_on_this_thread(server, engine) is True
     driver.join(5)
     assert replies == {prompt: solo(prompt) for prompt in PROMPTS}
+    # The heap loaded before serving is frozen while it serves (full collections skip the model), and only then.
+    assert frozen_while_serving[0] > 1000 and gc.get_freeze_count() == 0
     with pytest.raises(EngineClosed):
         engine.submit(GenerationRequest(prompt_ids=[0], max_tokens=2))
 

@@ -8,6 +8,7 @@ Example:
 """
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 import time
@@ -32,6 +33,9 @@ def serve_on_this_thread(server: Any, engine: Engine, *, grace: float = DEFAULT_
     request gets 503), uvicorn stops listening and closes the connections (give its ``timeout_graceful_shutdown`` a margin over ``grace``), the app's shutdown closes
     the engine, and the signal is raised again with its previous handler, so the process ends as stopped by
     it (exit status 130 / 143 in a shell).
+
+    While it serves, the objects that exist when it starts are frozen (``gc.freeze``), so that garbage
+    collections do not walk the loaded model at every full pass; they are unfrozen when it returns.
     """
 
     def http() -> None:
@@ -63,6 +67,13 @@ def serve_on_this_thread(server: Any, engine: Engine, *, grace: float = DEFAULT_
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # What is loaded by now (the model, the libraries' objects) lives as long as the server: a full garbage
+    # collection walks all of it (about 0.3 s on 2 cores with PyTorch and transformers loaded) and stalls
+    # every open stream. Frozen, collections walk only what serving creates.
+    frozen = gc.get_freeze_count() == 0
+    if frozen:
+        gc.collect()
+        gc.freeze()
     thread = threading.Thread(target=http, name="speculum-http", daemon=True)
     thread.start()
     try:
@@ -72,6 +83,8 @@ def serve_on_this_thread(server: Any, engine: Engine, *, grace: float = DEFAULT_
             signal.signal(sig, handler)
         server.should_exit = True
         thread.join()
+        if frozen:
+            gc.unfreeze()
     # As uvicorn does: once shut down, the signal takes its usual course (exit status 130 / 143 in a shell).
     for sig in reversed(received):
         signal.raise_signal(sig)
