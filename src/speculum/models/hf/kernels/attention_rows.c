@@ -32,7 +32,7 @@
 #define NATIVE 8
 #endif
 #define HALVES (LANES / NATIVE)
-#define VALUE_PASS (NATIVE == 16 ? 4 : 2)
+#define VALUE_PASS 4
 
 typedef float vec __attribute__((vector_size(NATIVE * 4)));
 typedef int32_t ivec __attribute__((vector_size(NATIVE * 4)));
@@ -43,6 +43,14 @@ static inline void store(float *p, vec v) { *(uvec *)p = v; }
 /* 0 + x in every lane (-0 becomes +0): a broadcast and one add. A lane-by-lane assignment of the scalar
  * compiles to a chain of inserts on AVX2, in the values' inner loop. */
 static inline vec splat(float x) { return (vec){0} + x; }
+/* *p in every lane, one load (p's value as it is: -0 stays -0). */
+static inline vec broadcast(const float *p) {
+#if NATIVE == 16
+    return (vec){*p, *p, *p, *p, *p, *p, *p, *p, *p, *p, *p, *p, *p, *p, *p, *p};
+#else
+    return (vec){*p, *p, *p, *p, *p, *p, *p, *p};
+#endif
+}
 
 /* The 16 lanes of a chunk (its HALVES vectors) added by the same tree. */
 static inline float sum16(const vec v[HALVES]) {
@@ -206,20 +214,20 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, c
             }
         sum[head] = splat(sum16(total));
     }
-    /* Values in passes of up to VALUE_PASS vectors, each pass's accumulators (VALUE_PASS a head) in registers:
-     * 4 of AVX-512's 32 registers a head, 2 of AVX2's 16. */
-    for (int64_t c0 = 0; c0 < chunks * HALVES; c0 += VALUE_PASS) {
-        const int64_t width = chunks * HALVES - c0 < VALUE_PASS ? chunks * HALVES - c0 : VALUE_PASS;
+    /* Values in passes of up to `pass` vectors, each pass's accumulators (`pass` a head) in registers: 4 of
+     * AVX-512's 32 registers a head; on AVX2's 16, 4 for up to 3 heads (12), else 2. */
+    const int64_t pass = NATIVE == 16 || n <= 3 ? VALUE_PASS : VALUE_PASS / 2;
+    for (int64_t c0 = 0; c0 < chunks * HALVES; c0 += pass) {
+        const int64_t width = chunks * HALVES - c0 < pass ? chunks * HALVES - c0 : pass;
         vec acc[GROUP_MAX][VALUE_PASS];
         for (int64_t head = 0; head < n; head++)
-            for (int64_t c = 0; c < VALUE_PASS; c++) acc[head][c] = (vec){0};
+            for (int64_t c = 0; c < pass; c++) acc[head][c] = (vec){0};
         for (int64_t j = 0; j < count; j++) {
             const float *value = v + j * dim + c0 * NATIVE;
-            vec row[VALUE_PASS];
-            for (int64_t c = 0; c < width; c++) row[c] = load(value + c * NATIVE);
             for (int64_t head = 0; head < n; head++) {
-                const vec weight = splat(scores[head * padded + j]);
-                for (int64_t c = 0; c < width; c++) acc[head][c] += weight * row[c];
+                /* an exponential is never -0: its broadcast is 0 + it, splat's value */
+                const vec weight = broadcast(scores + head * padded + j);
+                for (int64_t c = 0; c < width; c++) acc[head][c] += weight * load(value + c * NATIVE);
             }
         }
         for (int64_t head = 0; head < n; head++)
