@@ -321,10 +321,11 @@ def test_q8_without_its_kernels_is_refused_in_one_line(monkeypatch):
     assert "does not run here" in dtype_advice("q8")
 
 
-def test_q8_is_a_dtype_advised_by_vnni():
+def test_q8_is_advised_wherever_its_kernel_runs():
+    # AVX2's path too: there q8 runs at about twice float32's tokens a second (benchmarks/RESULTS.md).
     assert "q8" in DTYPES and parse_dtype("q8") == torch.float32
     assert dtype_advice("q8", frozenset({"avx2", "avx512f", "avx512_vnni"})) is None
-    assert "VNNI" in dtype_advice("q8", frozenset({"avx2", "fma"}))
+    assert dtype_advice("q8", frozenset({"avx2", "fma"})) is None
 
 
 def test_embedded_model_as_q8_keeps_greedy_output_under_prompt_lookup():

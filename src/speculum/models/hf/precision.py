@@ -141,14 +141,12 @@ def dtype_advice(dtype: str, flags: frozenset[str] | None = None) -> str | None:
     pay where the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX); float16 where it has AVX-512 FP16
     or AMX-FP16; without them PyTorch converts every weight on the fly. int8's weight-only kernel is a
     reference implementation in PyTorch's CPU build, slower than float32 on every CPU. q8's integer products
-    pay most with AVX-512 VNNI; without its compiled kernel q8 is refused."""
+    run ahead of float32 wherever its kernel runs (AVX-512 VNNI, or AVX2's int16 pair sums); without its
+    compiled kernel q8 is refused."""
     flags = cpu_flags() if flags is None else flags
     if dtype == "q8":
         if q8_unavailable() is not None:
             return f"its compiled kernel does not run here ({q8_unavailable()}): q8 models are refused"
-        if flags and "avx512_vnni" not in flags:
-            return ("this CPU has no AVX-512 VNNI: 8-bit products run on AVX2's maddubs, fewer products a cycle, "
-                    "and may not beat float32's")
         return None
     if dtype == "int8":
         return ("PyTorch's CPU kernel for int8 weight-only products (_weight_int8pack_mm) is slower than its float32 "
