@@ -35,7 +35,8 @@ def serve_on_this_thread(server: Any, engine: Engine, *, grace: float = DEFAULT_
     it (exit status 130 / 143 in a shell).
 
     While it serves, the objects that exist when it starts are frozen (``gc.freeze``), so that garbage
-    collections do not walk the loaded model at every full pass; they are unfrozen when it returns.
+    collections do not walk the loaded model at every full pass; they are unfrozen when it returns. A
+    process that froze objects itself keeps its own freeze: then nothing is frozen or unfrozen here.
     """
 
     def http() -> None:
@@ -68,10 +69,10 @@ def serve_on_this_thread(server: Any, engine: Engine, *, grace: float = DEFAULT_
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     # What is loaded by now (the model, the libraries' objects) lives as long as the server: a full garbage
-    # collection walks all of it (about 0.3 s on 2 cores with PyTorch and transformers loaded) and stalls
-    # every open stream. Frozen, collections walk only what serving creates.
-    frozen = gc.get_freeze_count() == 0
-    if frozen:
+    # collection walks all of it, with PyTorch and transformers loaded hundreds of thousands of objects, and
+    # stalls every open stream. Frozen, collections walk only what serving creates.
+    freezes = gc.get_freeze_count() == 0
+    if freezes:
         gc.collect()
         gc.freeze()
     thread = threading.Thread(target=http, name="speculum-http", daemon=True)
@@ -83,7 +84,7 @@ def serve_on_this_thread(server: Any, engine: Engine, *, grace: float = DEFAULT_
             signal.signal(sig, handler)
         server.should_exit = True
         thread.join()
-        if frozen:
+        if freezes:
             gc.unfreeze()
     # As uvicorn does: once shut down, the signal takes its usual course (exit status 130 / 143 in a shell).
     for sig in reversed(received):

@@ -322,7 +322,7 @@ def test_q8_without_its_kernels_is_refused_in_one_line(monkeypatch):
 
 
 def test_q8_is_advised_wherever_its_kernel_runs():
-    # AVX2's path too: there q8 runs at about twice float32's tokens a second (benchmarks/RESULTS.md).
+    # AVX2's path too: q8 serves faster than float32 there (benchmarks/RESULTS.md).
     assert "q8" in DTYPES and parse_dtype("q8") == torch.float32
     assert dtype_advice("q8", frozenset({"avx2", "avx512f", "avx512_vnni"})) is None
     assert dtype_advice("q8", frozenset({"avx2", "fma"})) is None
