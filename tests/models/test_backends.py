@@ -146,3 +146,32 @@ def test_a_backend_without_ray_is_refused_by_the_model_spec(echo_backend, monkey
     monkeypatch.setitem(BACKENDS, "echo", Backend("echo", "load_echo_model", "a stand-in", "echo file", ray=False))
     with pytest.raises(InputError, match="'echo' does not load in a Ray pool's actors .*hf, llamacpp"):
         ModelSpec(backend="echo")
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+@pytest.mark.parametrize("fails", [False, True])
+def test_automatic_collection_is_paused_while_a_model_loads_and_then_as_it_was(monkeypatch, enabled_before, fails):
+    """A load creates a model's worth of long-lived objects: no full collection walks them on the way, and
+    the collector's state comes back afterwards, after a failed load too."""
+    import gc
+
+    module = importlib.import_module(backends._LAZY[BACKENDS["hf"].loader])
+    seen = []
+
+    def load(name_or_path, **options):
+        seen.append(gc.isenabled())
+        if fails:
+            raise FileNotFoundError(name_or_path)
+        return "a model"
+
+    monkeypatch.setattr(module, BACKENDS["hf"].loader, load)
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        if fails:
+            with pytest.raises(FileNotFoundError):
+                load_model("missing", backend="hf")
+        else:
+            assert load_model("a model", backend="hf") == "a model"
+        assert seen == [False] and gc.isenabled() == enabled_before
+    finally:
+        gc.enable()

@@ -23,6 +23,8 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import os
 from dataclasses import dataclass
@@ -163,4 +165,20 @@ def load_model(
     # Everything here is local; make sure transformers never tries the network.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    return entry.load(name_or_path, dtype=dtype, progress=progress, prepack=prepack, verify=verify)
+    with _collection_paused():
+        return entry.load(name_or_path, dtype=dtype, progress=progress, prepack=prepack, verify=verify)
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Any:
+    """Automatic garbage collection off for the block, then as it was. Loading a model creates hundreds of
+    thousands of objects that outlive it (modules, parameters, the libraries' caches), and each full
+    collection on the way walks all of them again; the first one after the load walks them once. Explicit
+    ``gc.collect()`` calls still run."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
