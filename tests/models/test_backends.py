@@ -5,6 +5,7 @@ offered everywhere. The loaders are replaced by recorders: nothing here needs to
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import subprocess
 import sys
@@ -153,8 +154,6 @@ def test_a_backend_without_ray_is_refused_by_the_model_spec(echo_backend, monkey
 def test_automatic_collection_is_paused_while_a_model_loads_and_then_as_it_was(monkeypatch, enabled_before, fails):
     """A load creates a model's worth of long-lived objects: no full collection walks them on the way, and
     the collector's state comes back afterwards, after a failed load too."""
-    import gc
-
     module = importlib.import_module(backends._LAZY[BACKENDS["hf"].loader])
     seen = []
 
