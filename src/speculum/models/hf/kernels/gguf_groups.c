@@ -213,7 +213,7 @@ static inline __attribute__((always_inline)) void lanes(const int source, const 
 #define TILE_ROWS 6         /* rows a pass: 6 x 2 x 2 sums, 4 weight vectors and 2 inputs in 32 registers */
 #else
 #define TILE_BLOCKS 1
-#define TILE_ROWS 4
+#define TILE_ROWS 3         /* rows a pass: 3 x 2 x 2 sums and 4 weight vectors fill 16 registers (4 rows spilled) */
 #endif
 
 /* Group g of `blocks` lane blocks (decoded in `tile`, blocks x 32 x 16) for `rows` rows, carrying each row's
@@ -264,7 +264,7 @@ static inline __attribute__((always_inline)) void tile_pass(const float *x, int6
 #define TILE_PASSES TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4) TILE_CASE(1, 5) TILE_CASE(1, 6) \
                     TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3) TILE_CASE(2, 4) TILE_CASE(2, 5) TILE_CASE(2, 6)
 #else
-#define TILE_PASSES TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4)
+#define TILE_PASSES TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3)
 #endif
 
 /* Lane block b for every row, ROWS_A_PASS rows a pass, its weights decoded inside each pass. */
