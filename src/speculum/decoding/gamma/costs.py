@@ -89,6 +89,11 @@ class CostModel:
         """Back to this generation's own timings (no shared forward's fit is known)."""
         self._shared = None
 
+    def _shared_block_seconds(self, n_tokens: int) -> float:
+        """What a block of ``n_tokens`` adds to the shared forward (:meth:`share_forward` was given)."""
+        fixed, per_token, blocks = self._shared
+        return fixed / blocks + per_token * n_tokens
+
     # --------------------------------------------------------------------------------------- estimates
     def sizes(self) -> list[int]:
         """The numbers of tokens fed that have been timed, ascending."""
@@ -103,8 +108,7 @@ class CostModel:
         """Seconds of one plain decode step (measured, or inferred from the smallest block timed; None
         before any timing), or its share of a shared forward (:meth:`share_forward`)."""
         if self._shared is not None:
-            fixed, per_token, blocks = self._shared
-            return fixed / blocks + per_token
+            return self._shared_block_seconds(1)
         if 1 in self._target:
             return self.target_seconds(1)
         if not self._target:
@@ -120,8 +124,7 @@ class CostModel:
         if step is None or step <= 0:
             return 1.0 + self.prior_verify_slope * gamma
         if self._shared is not None:
-            fixed, per_token, blocks = self._shared
-            return max((fixed / blocks + per_token * n) / step, 1e-3)
+            return max(self._shared_block_seconds(n) / step, 1e-3)
         measured = self.target_seconds(n)
         if measured is not None:
             return max(measured / step, 1e-3)
