@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,26 +22,13 @@ from pathlib import Path
 
 import torch
 
+from kernel_builds import baseline_and_now  # noqa: E402  (benchmarks/kernel_builds.py)
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 
-ROOT = Path(__file__).resolve().parents[1]
 SOURCE = "src/speculum/models/hf/kernels/attention_rows.c"
-sys.path.insert(0, str(ROOT / "src"))
-from speculum.models.hf.kernels.build import FLAGS  # noqa: E402
 
 LAYERS, SEQUENCES, HEADS, KV_HEADS, DIM = 30, 8, 9, 3, 64
 I64, F32, POINTER = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
-
-def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
-    (folder / f"{name}.c").write_text(source)
-    built = subprocess.run(["gcc", *FLAGS, "-shared", str(folder / f"{name}.c"), "-o", str(folder / f"{name}.so")],
-                           capture_output=True, text=True)
-    if built.returncode:
-        raise SystemExit(f"gcc could not build the {name} source:\n{built.stderr}")
-    library = ctypes.CDLL(str(folder / f"{name}.so"))
-    library.attention_rows.restype = ctypes.c_int
-    return library
 
 
 def attend(function, positions: torch.Tensor, offsets: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
@@ -63,15 +49,15 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=290, help="keys of context a sequence (default: 290)")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    baseline = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.against}:{SOURCE}"], check=True,
-                              capture_output=True, text=True).stdout
     generator = torch.Generator().manual_seed(0)
     capacity = args.keys + 8
     stores = [(torch.randn(SEQUENCES, KV_HEADS, capacity, DIM, generator=generator),
                torch.randn(SEQUENCES, KV_HEADS, capacity, DIM, generator=generator)) for _ in range(LAYERS)]
     with tempfile.TemporaryDirectory() as folder:
-        functions = [build(baseline, Path(folder), "baseline").attention_rows,
-                     build((ROOT / SOURCE).read_text(), Path(folder), "now").attention_rows]
+        functions = [library.attention_rows
+                     for library in baseline_and_now(SOURCE, args.against, Path(folder), openmp=True)]
+        for function in functions:
+            function.restype = ctypes.c_int
         print(f"# attention_rows.c at {args.against} against the working tree, {cpu_name()}, "
               f"{torch.get_num_threads()} threads, {LAYERS} layers of {args.keys} keys, median of {args.repeats}\n")
         print("| rows | keys read | before, ms (30 layers) | now, ms | speed-up | same bits |")

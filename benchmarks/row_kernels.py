@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,24 +19,12 @@ from pathlib import Path
 
 import torch
 
+from kernel_builds import baseline_and_now  # noqa: E402  (benchmarks/kernel_builds.py)
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 
-ROOT = Path(__file__).resolve().parents[1]
 SOURCE = "src/speculum/models/hf/kernels/row_ops.c"
-sys.path.insert(0, str(ROOT / "src"))
-from speculum.models.hf.kernels.build import FLAGS  # noqa: E402
 
 I64, F32 = ctypes.c_int64, ctypes.c_float
-
-
-def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
-    (folder / f"{name}.c").write_text(source)
-    flags = [flag for flag in FLAGS if flag != "-fopenmp"]
-    built = subprocess.run(["gcc", *flags, "-shared", str(folder / f"{name}.c"), "-o", str(folder / f"{name}.so")],
-                           capture_output=True, text=True)
-    if built.returncode:
-        raise SystemExit(f"gcc could not build the {name} source:\n{built.stderr}")
-    return ctypes.CDLL(str(folder / f"{name}.so"))
 
 
 def calls(library: ctypes.CDLL, rows: int) -> dict:
@@ -90,10 +77,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    baseline = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.against}:{SOURCE}"], check=True,
-                              capture_output=True, text=True).stdout
     with tempfile.TemporaryDirectory() as folder:
-        libraries = [build(baseline, Path(folder), "baseline"), build((ROOT / SOURCE).read_text(), Path(folder), "now")]
+        libraries = baseline_and_now(SOURCE, args.against, Path(folder), openmp=False)
         print(f"# row_ops.c at {args.against} against the working tree, {cpu_name()}, one thread, "
               f"best of {args.repeats}\n")
         print("| operation | rows | before, us | now, us | speed-up | same bits |")
