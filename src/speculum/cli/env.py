@@ -75,6 +75,7 @@ def environment() -> dict[str, Any]:
     from speculum.models.hf.kernels.q8_groups import q8_unavailable  # (as above)
     from speculum.models.hf.kernels.attention_rows import attention_unavailable  # (as above)
     from speculum.models.hf.kernels.row_ops import row_ops_unavailable  # (as above)
+    from speculum.models.hf.kernels.call_list import call_list_unavailable  # (as above)
 
     flags = cpu_flags()
     report["cpu"]["flags"] = {flag: flag in flags for flag in KERNEL_FLAGS} if flags else None
@@ -95,6 +96,7 @@ def environment() -> dict[str, Any]:
         "8-bit products on GGUF groups": kernel(q8_unavailable()),
         "attention, every row of a layer in one call": kernel(attention_unavailable()),
         "row-wise work between products (norms, rotation, gate)": kernel(row_ops_unavailable()),
+        "a forward's kernel calls in one call from Python": kernel(call_list_unavailable()),
     }
     report["dtypes"] = {dtype: _dtype_note(dtype, dtype_advice(dtype), report["kernels"]) for dtype in DTYPES}
     return report

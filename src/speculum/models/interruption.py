@@ -66,6 +66,12 @@ class Interruption:
             if check is not None and check():
                 raise Interrupted("the forward was asked to stop between two layers")
 
+    def stoppable(self) -> bool:
+        """Whether forwards on this thread may stop between layers now (armed and requested): a forward that
+        runs its layers without :meth:`between_layers` must not run then."""
+        local = self._local
+        return bool(getattr(local, "armed", False)) and getattr(local, "check", None) is not None
+
     @contextlib.contextmanager
     def _set(self, name: str, value: object) -> Iterator[None]:
         previous = getattr(self._local, name, None)

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..kernels.attention_rows import AttentionRows
+from ..kernels.attention_rows import AttentionRows, attention_call
+from ..kernels.call_list import CallList, KernelCall, call_list_unavailable
 
 if TYPE_CHECKING:
     from ..kv.cache import KVCache, SlotCache
@@ -68,6 +69,7 @@ def call(forward: "FusedForward", x: torch.Tensor, tables: dict, cache: "KVCache
                   for kind, (cos, sin) in tables.items()}
     shape = (batch, n, forward.kv_heads, forward.head_dim)
     room_for = getattr(cache, "room_for", None) if batch == 1 else None
+    rooms_for = getattr(cache, "rooms_for", None) if batch == 1 else None
 
     def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         room = room_for(n, index) if room_for is not None else None
@@ -76,6 +78,14 @@ def call(forward: "FusedForward", x: torch.Tensor, tables: dict, cache: "KVCache
         keys, values = cache.append(k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2), index)
         return plans[forward.windows[index]](q, keys, values, forward.scale, out)
 
+    def layer_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> list[tuple] | None:
+        rooms = rooms_for(n, len(forward.blocks)) if rooms_for is not None else None
+        if rooms is None:
+            return None
+        return _layer_arguments(forward, plans, [room[0] for room in rooms], [room[1] for room in rooms], q, k, v,
+                                out)
+
+    attend.layer_arguments = layer_arguments     # type: ignore[attr-defined]
     normed = run_blocks(forward, x.view(batch * n, hidden), row_tables, attend).view(batch, n, hidden)
     if keep:
         normed = normed[:, -keep:]
@@ -123,10 +133,30 @@ def packed_on_store(forward: "FusedForward", x: torch.Tensor, tables: dict, posi
     def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return plans[forward.windows[index]](q, arena.keys[index], arena.values[index], forward.scale, out, k, v)
 
+    def layer_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> list[tuple] | None:
+        return _layer_arguments(forward, plans, arena.keys, arena.values, q, k, v, out)
+
+    attend.layer_arguments = layer_arguments     # type: ignore[attr-defined]
     normed = run_blocks(forward, x[0], {kind: (cos[0, 0], sin[0, 0]) for kind, (cos, sin) in tables.items()}, attend)
     for cache, past, n in zip(caches, pasts, lengths):
         cache.filled_to(past + n)
     return forward.kept_logits(normed.unsqueeze(0), bounds, keep, normed=True)
+
+
+def _layer_arguments(forward: "FusedForward", plans: dict, keys: list[torch.Tensor], values: list[torch.Tensor],
+                     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> list[tuple] | None:
+    """Each layer's attention kernel arguments (``plans`` by window; layer ``i`` on ``keys[i]``, ``values[i]``,
+    writing ``k``, ``v`` there first), or None where there are no rows."""
+    found: list[tuple] = [()] * len(forward.blocks)
+    for window, plan in plans.items():
+        layers = [index for index, each in enumerate(forward.windows) if each == window]
+        arguments = plan.layer_arguments(q, [keys[i] for i in layers], [values[i] for i in layers], forward.scale,
+                                         out, k, v)
+        if arguments is None:
+            return None
+        for index, each in zip(layers, arguments):
+            found[index] = each
+    return found
 
 
 def run_blocks(forward: "FusedForward", x: torch.Tensor, tables: dict, attend: Attend) -> torch.Tensor:
@@ -191,6 +221,9 @@ class BoundBlocks:
                                   None if after_mlp is None else after_mlp.weight,
                                   0.0 if after_mlp is None else after_mlp.eps, bind=True),
             ))
+        self.interruption = forward.interruption
+        # kept buffers only: a call list takes longer to build than the one forward of a passing shape saves
+        self.calls = _call_list(self.first_norm, self.layers) if shared is not None else None
 
     def __call__(self, x: torch.Tensor, tables: dict, attend: Attend) -> torch.Tensor:
         """The blocks over ``x`` on the bound buffers (see :func:`run_blocks`; where the buffers are a
@@ -200,8 +233,18 @@ class BoundBlocks:
             cos.copy_(tables[kind][0])
             sin.copy_(tables[kind][1])
         threads = torch.get_num_threads()
-        self.first_norm(threads)
         q, k, v, attended = self.q, self.k, self.v, self.attended
+        # One C call for the whole forward where attend gives every layer's arguments up front; a forward
+        # that may be stopped between layers makes its calls from here.
+        layer_arguments = getattr(attend, "layer_arguments", None)
+        if self.calls is not None and layer_arguments is not None and not self.interruption.stoppable():
+            found = layer_arguments(q, k, v, attended)
+            if found is not None:
+                for index, arguments in enumerate(found):
+                    self.calls.set_arguments(1 + index * _CALLS_A_LAYER + _ATTENTION_AT, arguments)
+                self.calls(threads)
+                return self.normed
+        self.first_norm(threads)
         between_layers = self.between_layers
         for index, (qkv, rotate, out, attention_residual, gate_up, gated, down, mlp_residual) in enumerate(self.layers):
             between_layers()
@@ -215,6 +258,21 @@ class BoundBlocks:
             down(threads)
             mlp_residual(threads)
         return self.normed
+
+
+_CALLS_A_LAYER, _ATTENTION_AT = 9, 2      # a layer's records in a call list; its attention's among them
+
+
+def _call_list(first_norm: Callable[[int], None], layers: list[tuple]) -> CallList | None:
+    """A forward's calls as one :class:`CallList`: the first norm, then each layer's qkv, rotation,
+    attention (its arguments set by each forward), then the rest of the layer; None where call lists are
+    unavailable or a call has no record (a product of another kind)."""
+    calls = [first_norm] + [call for layer in layers for call in (*layer[:2], None, *layer[2:])]
+    if call_list_unavailable() is not None or not all(c is None or (isinstance(c, KernelCall) and c.kind is not None)
+                                                      for c in calls):
+        return None
+    attention = attention_call()
+    return CallList([attention if call is None else call for call in calls])
 
 
 class SharedBuffers:

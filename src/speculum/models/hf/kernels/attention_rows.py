@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
 from .build import KernelLibrary
+from .call_list import KernelCall
 
-__all__ = ["AttentionRows", "attention_unavailable", "attention_source", "forget"]
+__all__ = ["AttentionRows", "attention_call", "attention_unavailable", "attention_source", "forget"]
 
 _SOURCE = Path(__file__).with_name("attention_rows.c")
 _LANES = 16
+FAILURE = "the attention kernel could not allocate its score buffers"
 
 
 def attention_source() -> Path:
@@ -66,6 +69,13 @@ def _configure(library: ctypes.CDLL) -> str | None:
 
 _LIBRARY = KernelLibrary("attention", _SOURCE, "attention rows (PyTorch's kernel attends instead)",
                          configure=_configure)
+
+
+def attention_call() -> KernelCall:
+    """The attention kernel as a :class:`KernelCall` of no rows yet: a call list's record, whose arguments each
+    forward sets (:meth:`AttentionRows.arguments`)."""
+    library = _LIBRARY.require("attention rows", off_switch=False)
+    return KernelCall(library.attention_rows, (0,) * (len(library.attention_rows.argtypes) - 1), failure=FAILURE)
 
 
 class AttentionRows:
@@ -103,6 +113,18 @@ class AttentionRows:
         row-major: into ``out`` where given (contiguous float32 of that shape). The rows' own keys and values
         are written already, or given as ``new_keys`` / ``new_values (rows, kv_heads, d)`` (one row stride,
         heads and features contiguous), which the call writes at each row's slot and position first."""
+        if out is None:
+            out = q.new_empty(q.shape)
+        arguments = self.arguments(q, keys, values, scale, out, new_keys, new_values)
+        if arguments is not None and self._function(*arguments, torch.get_num_threads()):
+            raise MemoryError(FAILURE)
+        return out
+
+    def arguments(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                  out: torch.Tensor, new_keys: torch.Tensor | None = None,
+                  new_values: torch.Tensor | None = None) -> tuple | None:
+        """The kernel's arguments (the thread count excluded) for the call :meth:`__call__` makes, checked
+        as it checks them (ValueError); None where there are no rows (nothing to call)."""
         rows, heads, dim = q.shape
         _, kv_heads, length, _ = keys.shape
         strides = keys.stride()
@@ -121,13 +143,37 @@ class AttentionRows:
                 raise ValueError(f"new keys {tuple(new_keys.shape)} and values do not fit {rows} rows of "
                                  f"{kv_heads} key heads of {dim}, float32, heads and features contiguous")
             new_stride = new_keys.stride(0)
-        if out is None:
-            out = q.new_empty(rows, heads, dim)
-        elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        if out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
             raise ValueError(f"attention rows into {tuple(out.shape)} {out.dtype}: expected contiguous float32 "
                              f"{tuple(q.shape)}")
         if not rows:
-            return out
+            return None
+        if self._offsets is None or self._offsets[0] != strides[0]:
+            self._offsets = (strides[0], self.slots * strides[0])
+        return (rows, heads, kv_heads, dim, q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(),
+                strides[1], self._offsets[1].data_ptr(), self.first.data_ptr(), self.last.data_ptr(), scale,
+                out.data_ptr(), None if new_keys is None else new_keys.data_ptr(),
+                None if new_values is None else new_values.data_ptr(), new_stride)
+
+    def layer_arguments(self, q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                        scale: float, out: torch.Tensor, new_keys: torch.Tensor | None = None,
+                        new_values: torch.Tensor | None = None) -> list[tuple] | None:
+        """:meth:`arguments` for the same rows on each layer's ``keys[i]`` / ``values[i]``: the first layer's
+        checked in full, each other's by its shapes and strides being the first's (what every check reads);
+        None where there are no rows."""
+        first = self.arguments(q, keys[0], values[0], scale, out, new_keys, new_values)
+        if first is None:
+            return None
+        shape, strides = keys[0].shape, keys[0].stride()
+        head, tail = first[:6], first[8:]
+        calls = [first]
+        for layer_keys, layer_values in zip(keys[1:], values[1:]):
+            if (layer_keys.shape != shape or layer_values.shape != shape or layer_keys.stride() != strides
+                    or layer_values.stride() != strides or layer_keys.dtype != torch.float32
+                    or layer_values.dtype != torch.float32):
+                return [self.arguments(q, k, v, scale, out, new_keys, new_values) for k, v in zip(keys, values)]
+            calls.append(head + (layer_keys.data_ptr(), layer_values.data_ptr()) + tail)
+        return calls
         if self._offsets is None or self._offsets[0] != strides[0]:
             self._offsets = (strides[0], self.slots * strides[0])
         status = self._function(rows, heads, kv_heads, dim, q.data_ptr(), q.stride(0), keys.data_ptr(),

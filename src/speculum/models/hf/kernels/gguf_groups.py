@@ -28,7 +28,6 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
 import time
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 
 from .build import KernelLibrary
+from .call_list import KernelCall
 from .gguf_records import GGUF_KINDS, GROUP, LANES, RECORD_BYTES, GroupedWeight, check_binding, checked_rows, pack
 
 __all__ = ["forget", "kernel_source", "GroupedProduct", "GroupedProducts", "GroupedWeight", "attach_groups",
@@ -70,13 +70,13 @@ class GroupedProduct:
                            self.out_features, out.data_ptr(), torch.get_num_threads())
         return out
 
-    def bind(self, rows: torch.Tensor, out: torch.Tensor) -> Callable[[int], None]:
+    def bind(self, rows: torch.Tensor, out: torch.Tensor) -> KernelCall:
         """This product from ``rows (m, in_features)`` into ``out (m, out_features)``, both contiguous float32,
         checked once: the returned call (of the thread count) multiplies whatever ``rows`` holds then, as
         :meth:`__call__` would."""
         check_binding("grouped product", rows, out, self.in_features, self.out_features)
-        return functools.partial(self._function, rows.data_ptr(), rows.shape[0], self.in_features,
-                                 self.records.data_ptr(), self.out_features, out.data_ptr())
+        return KernelCall(self._function, (rows.data_ptr(), rows.shape[0], self.in_features, self.records.data_ptr(),
+                                           self.out_features, out.data_ptr()))
 
     def first_outputs(self, count: int) -> "GroupedProduct":
         """The product of the first ``count`` outputs (a multiple of 16) alone, on the same kernel: a lane

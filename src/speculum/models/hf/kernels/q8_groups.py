@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from .build import KernelLibrary
+from .call_list import KernelCall
 from .gguf_records import GROUP, LANES, RECORD_BYTES, GroupedWeight, check_binding, checked_rows
 
 __all__ = ["factored", "forget", "Q8_KINDS", "Q8Product", "Q8Products", "q8_run", "q8_unavailable", "quantised_rows",
@@ -207,19 +208,14 @@ class Q8Product:
             raise MemoryError(f"8-bit product: no memory for {rows.shape[0]} quantised rows")
         return out
 
-    def bind(self, rows: torch.Tensor, out: torch.Tensor) -> Callable[[int], None]:
+    def bind(self, rows: torch.Tensor, out: torch.Tensor) -> KernelCall:
         """This product from ``rows (m, in_features)`` into ``out (m, out_features)``, both contiguous float32,
         checked once: the returned call (of the thread count) multiplies whatever ``rows`` holds then, as
         :meth:`__call__` would."""
         check_binding("8-bit product", rows, out, self.in_features, self.out_features)
-        arguments = (rows.data_ptr(), rows.shape[0], self.in_features, self.records.data_ptr(), self.out_features,
-                     out.data_ptr())
-        function = self._function
-
-        def run(threads: int) -> None:
-            if function(*arguments, threads):
-                raise MemoryError(f"8-bit product: no memory for {arguments[1]} quantised rows")
-        return run
+        return KernelCall(self._function, (rows.data_ptr(), rows.shape[0], self.in_features, self.records.data_ptr(),
+                                           self.out_features, out.data_ptr()),
+                          failure=f"8-bit product: no memory for {rows.shape[0]} quantised rows")
 
 
 class Q8Products:

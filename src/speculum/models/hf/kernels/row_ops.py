@@ -39,8 +39,9 @@ from typing import Any, Callable
 import torch
 
 from .build import KernelLibrary
+from .call_list import KernelCall
 
-__all__ = ["RowOps", "Bound", "bind", "forget", "row_ops_unavailable", "row_ops_source"]
+__all__ = ["RowOps", "bind", "forget", "row_ops_unavailable", "row_ops_source"]
 
 _SOURCE = Path(__file__).with_name("row_ops.c")
 _PARALLEL_ELEMENTS = 32768      # as row_ops.c: smaller calls run on one thread
@@ -141,7 +142,7 @@ class RowOps:
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, bind: bool = False) -> Any:
         """``out = (x * r) * weight``, ``r = 1 / sqrt(mean(x²) + eps)`` per row of ``x (rows, f)``;
-        ``weight (f,)``, ``out (rows, f)``. Returns ``out`` (``bind``: a :class:`Bound` call instead)."""
+        ``weight (f,)``, ``out (rows, f)``. Returns ``out`` (``bind``: a :class:`KernelCall` instead)."""
         shape = x.shape
         rows, features = shape
         if (out.shape != shape or weight.numel() != features or x.dtype is not _F32 or out.dtype is not _F32
@@ -156,7 +157,7 @@ class RowOps:
         """In place ``x += delta`` (``x += norm(delta, post_weight, post_eps)`` where ``post_weight`` is given:
         Gemma 3's norms after attention and after the MLP), then ``out = norm(x, weight, eps)``. ``x``,
         ``delta``, ``out`` ``(rows, f)``; ``weight`` and ``post_weight`` ``(f,)``. Returns ``out`` (``bind``: a
-        :class:`Bound` call instead)."""
+        :class:`KernelCall` instead)."""
         shape = x.shape
         rows, features = shape
         if (delta.shape != shape or out.shape != shape or weight.numel() != features or x.dtype is not _F32
@@ -177,7 +178,7 @@ class RowOps:
         its row of ``head_weight (heads + kv_heads, head_dim)`` where given, and rotated: ``h * cos[r] +
         rotate_half(h) * sin[r]``. ``cos`` and ``sin`` are ``(rows, head_dim)`` of any row stride (0
         broadcasts one row), each row contiguous; value heads keep their values (bias aside). Returns None
-        (``bind``: a :class:`Bound` call)."""
+        (``bind``: a :class:`KernelCall`)."""
         rows, features = qkv.shape
         rotated = heads + kv_heads
         (cos_row, cos_step), (sin_row, sin_step) = cos.stride(), sin.stride()     # one call each: stride(i) costs more
@@ -196,7 +197,7 @@ class RowOps:
 
     def gated(self, gate_up: torch.Tensor, activation: str, out: torch.Tensor, bind: bool = False) -> Any:
         """``out (rows, I) = act(gate) * up`` of ``gate_up (rows, 2 I)``: gate its first ``I`` columns, up its
-        last; ``activation`` ``"silu"`` or ``"gelu_pytorch_tanh"``. Returns ``out`` (``bind``: a :class:`Bound`
+        last; ``activation`` ``"silu"`` or ``"gelu_pytorch_tanh"``. Returns ``out`` (``bind``: a :class:`KernelCall`
         call instead)."""
         rows, width = gate_up.shape
         inner = width >> 1
@@ -209,26 +210,12 @@ class RowOps:
     @staticmethod
     def _call(bind: bool, function: Callable, arguments: tuple, elements: int, result: Any) -> Any:
         """``function(*arguments, threads)`` now, returning ``result``; or, with ``bind``, that call as a
-        :class:`Bound` (the tensors must then stay alive and in place while it is called)."""
+        :class:`KernelCall` (the tensors must then stay alive and in place while it is called)."""
         threaded = elements > _PARALLEL_ELEMENTS
         if bind:
-            return Bound(function, arguments, threaded)
+            return KernelCall(function, arguments, threaded)
         function(*arguments, torch.get_num_threads() if threaded else 1)
         return result
-
-
-class Bound:
-    """One row operation on fixed tensors, checked once: ``bound(threads)`` runs it again on whatever those
-    tensors hold (what a forward of a fixed shape repeats every step, without the checks and argument
-    conversions of a call)."""
-
-    __slots__ = ("function", "arguments", "threaded")
-
-    def __init__(self, function: Callable, arguments: tuple, threaded: bool) -> None:
-        self.function, self.arguments, self.threaded = function, arguments, threaded
-
-    def __call__(self, threads: int) -> None:
-        self.function(*self.arguments, threads if self.threaded else 1)
 
 
 def _wrong(operation: str, *tensors: torch.Tensor | None) -> str:

@@ -179,6 +179,20 @@ class OwnCache:
         held.keys, held.values = room[0][:, :, :end], room[1][:, :, :end]
         return held.keys, held.values
 
+    def rooms_for(self, n: int, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """:meth:`room_for` of layers ``0 .. layers - 1``, or None (and nothing counted) where any of them has
+        no room: a forward that writes every layer's keys itself, or none."""
+        found = []
+        for layer in range(layers):
+            held = self._held(layer)
+            room = None if held is None else self._room_reaching(layer, held, held.keys.shape[2] + n)
+            if room is None:
+                return None
+            found.append((held, room, held.keys.shape[2] + n))
+        for held, room, end in found:
+            held.keys, held.values = room[0][:, :, :end], room[1][:, :, :end]
+        return [(held.keys, held.values) for held, _, _ in found]
+
     def _held(self, layer: int) -> Any:
         """The layer's transformers ``DynamicLayer`` where it holds keys already (appends then go into room of
         this cache's own), else None."""
