@@ -94,15 +94,13 @@ def call_list_unavailable() -> str | None:
     return _LIBRARY.unavailable()
 
 
-def _split(call: KernelCall, arguments: tuple) -> tuple[list[int], list[float]]:
-    """``arguments`` (threads excluded) as a record's integers and floats, by the function's argument types."""
-    integers, floats = [], []
-    for value, kind in zip(arguments, call.function.argtypes):
-        if kind is ctypes.c_float:
-            floats.append(float(value))
-        else:
-            integers.append(0 if value is None else int(value))
-    if len(integers) > INTEGERS or len(floats) > _FLOATS or len(arguments) != len(call.function.argtypes) - 1:
+def _layout(call: KernelCall) -> tuple[list[int], list[int]]:
+    """The positions of a call's integer (pointer, count) and float arguments among its arguments, threads
+    excluded, by the function's argument types; ValueError where they do not fit a record."""
+    kinds = call.function.argtypes[:-1]
+    integers = [i for i, kind in enumerate(kinds) if kind is not ctypes.c_float]
+    floats = [i for i, kind in enumerate(kinds) if kind is ctypes.c_float]
+    if len(integers) > INTEGERS or len(floats) > _FLOATS or len(call.arguments) != len(kinds):
         raise ValueError(f"{call.function.__name__} does not fit a call record")
     return integers, floats
 
@@ -114,15 +112,17 @@ class CallList:
     record's arguments (calls whose tensors change from forward to forward). Raises RuntimeError where
     call lists are unavailable (:func:`call_list_unavailable`), ValueError for a call without a record."""
 
-    __slots__ = ("calls", "_records", "_run")
+    __slots__ = ("calls", "_records", "_layouts", "_run")
 
     def __init__(self, calls: Sequence[KernelCall]) -> None:
         library = _LIBRARY.require("kernel call lists")
         self.calls = list(calls)
         self._records = (_Record * len(self.calls))()
+        self._layouts = []
         for index, call in enumerate(self.calls):
             if call.kind is None:
                 raise ValueError(f"{getattr(call.function, '__name__', call.function)} has no call record")
+            self._layouts.append(_layout(call))
             record = self._records[index]
             record.kind, record.threaded = call.kind, int(call.threaded)
             record.function = ctypes.cast(call.function, ctypes.c_void_p).value
@@ -131,10 +131,14 @@ class CallList:
 
     def set_arguments(self, index: int, arguments: tuple) -> None:
         """Record ``index`` from now on calls its function with ``arguments`` (threads excluded)."""
-        integers, floats = _split(self.calls[index], arguments)
+        integers, floats = self._layouts[index]
+        if len(arguments) != len(integers) + len(floats):
+            raise ValueError(f"{self.calls[index].function.__name__} takes {len(integers) + len(floats)} "
+                             f"arguments before its thread count, not {len(arguments)}")
         record = self._records[index]
-        record.integers[:len(integers)] = integers
-        record.floats[:len(floats)] = floats
+        record.integers[:len(integers)] = [arguments[i] or 0 for i in integers]     # a None pointer is 0
+        if floats:
+            record.floats[:len(floats)] = [arguments[i] for i in floats]
 
     def __call__(self, threads: int) -> None:
         status = self._run(self._records, len(self.calls), threads)
