@@ -204,6 +204,41 @@ def test_an_own_cache_gives_room_for_keys_once_it_holds_buffers_with_room():
     assert cache.room_for(1, 0) is None and cache.length == 5   # a trim drops the buffers with room
 
 
+def test_an_own_cache_gives_room_on_every_layer_or_counts_none():
+    from speculum.models.hf.kv.cache import OwnCache
+
+    cache = OwnCache()
+    first, one = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 1, 8)
+    for layer in (0, 1):
+        cache.append(first, first + 1, layer)
+        cache.append(one, one + 1, layer)
+    cache.append(one, one + 1, 0)                               # layer 0: room for 8; layer 1: full at 4
+    assert cache.rooms_for(1, 2) is None
+    assert [cache.view(layer)[0].shape[2] for layer in (0, 1)] == [5, 4]     # nothing counted
+    cache.append(one, one + 1, 1)                               # layer 1: room for 8
+    rooms = cache.rooms_for(2, 2)
+    assert [room[0].shape[2] for room in rooms] == [7, 7] and cache.length == 7
+    assert all(torch.equal(room[0], cache.view(layer)[0]) for layer, room in enumerate(rooms))
+
+
+@needs_kernel
+def test_layer_arguments_are_each_layers_own_call():
+    generator = torch.Generator().manual_seed(3)
+    positions, slots = torch.tensor([2, 5]), torch.tensor([0, 1])
+    plan = AttentionRows(positions, slots)
+    q = torch.randn(2, 4, 16, generator=generator)
+    out = torch.empty(2, 4, 16)
+    layers = [(torch.randn(2, 2, 8, 16, generator=generator), torch.randn(2, 2, 8, 16, generator=generator))
+              for _ in range(3)]
+    wider = torch.randn(2, 2, 2, 9, 16, generator=generator)
+    layers.append((wider[0][:, :, :8], wider[1][:, :, :8]))     # another layer's strides: checked in full
+    found = plan.layer_arguments(q, [k for k, _ in layers], [v for _, v in layers], 0.25, out)
+    assert found == [plan.arguments(q, k, v, 0.25, out) for k, v in layers]
+    with pytest.raises(ValueError, match="does not fit"):
+        plan.layer_arguments(q, [layers[0][0], layers[0][0][:, :, :4]], [layers[0][1], layers[0][1][:, :, :4]],
+                             0.25, out)
+
+
 @needs_kernel
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
 @pytest.mark.parametrize("target", ["x86-64-v3", "x86-64", "x86-64-v3 -DNATIVE_LANES=16"])

@@ -25,7 +25,11 @@ Every forward runs its blocks on buffers with every product and row operation bo
 (:class:`BoundBlocks`). A forward of at most :data:`BOUND_ROWS` rows (decode steps, verification blocks,
 packed steps of a few sessions) reuses the buffers kept for its row count: a step then makes the same C
 calls without the checks, allocations and argument building around each, and gives bitwise the rows fresh
-buffers give (tested).
+buffers give (tested). Kept buffers whose calls are all compiled kernels also hold them as one
+:class:`~speculum.models.hf.kernels.call_list.CallList`: where the attention gives every layer's arguments
+up front (a session's own cache with room on every layer, or the KV store) and nothing may stop the forward
+between layers, the whole forward is one call from Python, the same calls in the same order (the same bits,
+tested).
 
 Guarantee: the formulas of :class:`~speculum.models.hf.forward.fused.FusedForward`'s PyTorch path, to
 float32 rounding (sums in another fixed order, exp by a polynomial: tested against it); ROW-CANONICAL, as

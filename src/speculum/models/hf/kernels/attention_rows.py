@@ -103,7 +103,8 @@ class AttentionRows:
         self._slot_end = int(self.slots.max()) + 1 if self.rows else 0
         if self.rows and (int(self.last.min()) < 0 or int(self.slots.min()) < 0):
             raise ValueError("attention rows need positions and slots >= 0")
-        self._offsets: tuple[int, torch.Tensor] | None = None           # (slot stride, slots * it)
+        # slots * the store's slot stride, by that stride: kept, as a call list holds their addresses
+        self._offsets: dict[int, torch.Tensor] = {}
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                  out: torch.Tensor | None = None, new_keys: torch.Tensor | None = None,
@@ -148,10 +149,11 @@ class AttentionRows:
                              f"{tuple(q.shape)}")
         if not rows:
             return None
-        if self._offsets is None or self._offsets[0] != strides[0]:
-            self._offsets = (strides[0], self.slots * strides[0])
+        offsets = self._offsets.get(strides[0])
+        if offsets is None:
+            offsets = self._offsets[strides[0]] = self.slots * strides[0]
         return (rows, heads, kv_heads, dim, q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(),
-                strides[1], self._offsets[1].data_ptr(), self.first.data_ptr(), self.last.data_ptr(), scale,
+                strides[1], offsets.data_ptr(), self.first.data_ptr(), self.last.data_ptr(), scale,
                 out.data_ptr(), None if new_keys is None else new_keys.data_ptr(),
                 None if new_values is None else new_values.data_ptr(), new_stride)
 
@@ -174,14 +176,3 @@ class AttentionRows:
                 return [self.arguments(q, k, v, scale, out, new_keys, new_values) for k, v in zip(keys, values)]
             calls.append(head + (layer_keys.data_ptr(), layer_values.data_ptr()) + tail)
         return calls
-        if self._offsets is None or self._offsets[0] != strides[0]:
-            self._offsets = (strides[0], self.slots * strides[0])
-        status = self._function(rows, heads, kv_heads, dim, q.data_ptr(), q.stride(0), keys.data_ptr(),
-                                values.data_ptr(), strides[1], self._offsets[1].data_ptr(), self.first.data_ptr(),
-                                self.last.data_ptr(), scale, out.data_ptr(),
-                                None if new_keys is None else new_keys.data_ptr(),
-                                None if new_values is None else new_values.data_ptr(), new_stride,
-                                torch.get_num_threads())
-        if status:
-            raise MemoryError("the attention kernel could not allocate its score buffers")
-        return out
