@@ -14,7 +14,8 @@ enum {
     PRODUCT_STATUS = 0,     /* int  f(x, rows, in, records, out_features, out, threads): 8-bit products */
     PRODUCT = 1,            /* void f(x, rows, in, records, out_features, out, threads): float32 products */
     NORM = 2,               /* void rowops_norm(x, weight, eps, out, rows, width, threads) */
-    RESIDUAL_NORM = 3,      /* void rowops_residual_norm(x, delta, weight, eps, out, post, post_eps, rows, width, threads) */
+    RESIDUAL_NORM = 3,      /* void rowops_residual_norm(x, delta, weight, eps, out, post, post eps, rows, width,
+                               threads) */
     ROTATE = 4,             /* void rowops_rotate(qkv, 4 counts, cos, stride, sin, stride, bias, norm, eps, threads) */
     GATED = 5,              /* void rowops_gated(gate_up, out, rows, inner, activation, threads) */
     ATTENTION = 6,          /* int  attention_rows(17 pointers and counts, scale among them, threads) */

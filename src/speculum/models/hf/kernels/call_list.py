@@ -21,43 +21,38 @@ from typing import Callable, Sequence
 
 from .build import KernelLibrary
 
-__all__ = ["KernelCall", "CallList", "call_kind", "call_list_unavailable", "call_list_source", "INTEGERS"]
+__all__ = ["KernelCall", "CallList", "call_kind", "call_list_unavailable", "call_list_source", "INTEGERS",
+           "PRODUCT", "PRODUCT_STATUS"]
 
 _SOURCE = Path(__file__).with_name("call_list.c")
 INTEGERS = 18                   # pointer and integer arguments a record holds, as call_list.c
 _FLOATS = 2
-# The kinds of call_list.c, by the kernels' function names (8-bit products end in "_rows", float32 ones in
-# "_product", both with one signature).
+# The kinds of call_list.c: the row operations and attention by their functions' names; the products' kinds
+# are given by the products that make their calls (one signature for every record kind of each kernel).
 _KINDS = {"rowops_norm": 2, "rowops_residual_norm": 3, "rowops_rotate": 4, "rowops_gated": 5,
           "attention_rows": 6}
-_PRODUCT_STATUS, _PRODUCT = 0, 1
+PRODUCT_STATUS, PRODUCT = 0, 1      # int f(...) returning a status (8-bit products); void f(...) (float32)
 
 
 def call_kind(function: Callable) -> int | None:
-    """The record kind of a compiled kernel function (a ctypes function of this package's kernels), or None
-    where ``call_list.c`` has no record for its signature."""
-    name = getattr(function, "__name__", "")
-    if name in _KINDS:
-        return _KINDS[name]
-    if name.endswith("_rows") and name != "quantise_rows":
-        return _PRODUCT_STATUS
-    if name.endswith("_product"):
-        return _PRODUCT
-    return None
+    """The record kind of a row operation or the attention kernel (a ctypes function of this package's
+    kernels), or None where ``call_list.c`` has no record for it by name."""
+    return _KINDS.get(getattr(function, "__name__", ""))
 
 
 class KernelCall:
     """One call of a compiled kernel on fixed arguments, checked once: ``call(threads)`` runs it again on
     whatever its tensors hold (the thread count appended, or 1 where the work is too small to share).
     ``failure``: the MemoryError's message where the kernel returns a status other than 0 (None: the
-    function returns nothing)."""
+    function returns nothing). ``kind``: its ``call_list.c`` record kind (:data:`PRODUCT_STATUS`,
+    :data:`PRODUCT`), else found by :func:`call_kind`."""
 
     __slots__ = ("function", "arguments", "threaded", "failure", "kind")
 
     def __init__(self, function: Callable, arguments: tuple, threaded: bool = True,
-                 failure: str | None = None) -> None:
+                 failure: str | None = None, kind: int | None = None) -> None:
         self.function, self.arguments, self.threaded, self.failure = function, arguments, threaded, failure
-        self.kind = call_kind(function)
+        self.kind = call_kind(function) if kind is None else kind
 
     def __call__(self, threads: int) -> None:
         status = self.function(*self.arguments, threads if self.threaded else 1)

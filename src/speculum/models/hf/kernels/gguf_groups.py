@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .build import KernelLibrary
-from .call_list import KernelCall
+from .call_list import PRODUCT, KernelCall
 from .gguf_records import GGUF_KINDS, GROUP, LANES, RECORD_BYTES, GroupedWeight, check_binding, checked_rows, pack
 
 __all__ = ["forget", "kernel_source", "GroupedProduct", "GroupedProducts", "GroupedWeight", "attach_groups",
@@ -76,7 +76,7 @@ class GroupedProduct:
         :meth:`__call__` would."""
         check_binding("grouped product", rows, out, self.in_features, self.out_features)
         return KernelCall(self._function, (rows.data_ptr(), rows.shape[0], self.in_features, self.records.data_ptr(),
-                                           self.out_features, out.data_ptr()))
+                                           self.out_features, out.data_ptr()), kind=PRODUCT)
 
     def first_outputs(self, count: int) -> "GroupedProduct":
         """The product of the first ``count`` outputs (a multiple of 16) alone, on the same kernel: a lane

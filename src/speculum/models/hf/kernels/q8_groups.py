@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .build import KernelLibrary
-from .call_list import KernelCall
+from .call_list import PRODUCT_STATUS, KernelCall
 from .gguf_records import GROUP, LANES, RECORD_BYTES, GroupedWeight, check_binding, checked_rows
 
 __all__ = ["factored", "forget", "Q8_KINDS", "Q8Product", "Q8Products", "q8_run", "q8_unavailable", "quantised_rows",
@@ -215,7 +215,8 @@ class Q8Product:
         check_binding("8-bit product", rows, out, self.in_features, self.out_features)
         return KernelCall(self._function, (rows.data_ptr(), rows.shape[0], self.in_features, self.records.data_ptr(),
                                            self.out_features, out.data_ptr()),
-                          failure=f"8-bit product: no memory for {rows.shape[0]} quantised rows")
+                          failure=f"8-bit product: no memory for {rows.shape[0]} quantised rows",
+                          kind=PRODUCT_STATUS)
 
 
 class Q8Products:
