@@ -3,7 +3,8 @@
 The embedded model decodes the grounded prompts of `serving_peers.py` (96 new tokens, greedy) on the decoding
 scheduler, `--concurrency` at once, plainly and with prompt lookup (`gamma="auto"`), in one process: rounds
 alternate the two ways of making the calls (call lists on the kept buffers, or every call from Python), and
-each run's tokens and log-probs are compared bitwise with the other way's. Reported: the decode steps' tokens
+each run's tokens and log-probs are compared bitwise with the other way's (after one untimed run each way,
+which binds the buffers of every row count the runs use). Reported: the decode steps' tokens
 a second (the prompt-reading steps excluded), medians over the rounds, and their ratio.
 
     .venv/bin/python benchmarks/call_lists.py --dtype q8 --concurrency 1 8
@@ -24,7 +25,6 @@ from speculum.drafts import PromptLookup
 from speculum.models.backends import load_model
 from speculum.models.hf.forward import glued
 
-ON = glued.call_list_unavailable
 PROMPT_STEPS = 3            # the scheduler reads these prompts in its first 3 steps (up to 8 at once)
 
 
@@ -51,26 +51,30 @@ def decode(target, prompts: list[list[int]], lookup: bool) -> tuple[float, list[
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a GGUF file or model folder (default: the embedded model)")
     parser.add_argument("--dtype", default="q8")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    target = load_model(dtype=args.dtype, progress=False)
-    prompts = [target.encode(f"{task}\n\n{PASSAGE}", chat=True) for task in TASKS]
+    target = load_model(args.model, dtype=args.dtype, progress=False)
+    chat = target.tokenizer.chat_template is not None           # a GGUF file may carry none: raw prompts then
+    prompts = [target.encode(f"{task}\n\n{PASSAGE}", chat=chat) for task in TASKS]
     rows = {}
     for concurrency in args.concurrency:
         for lookup in (False, True):
             times: dict[bool, list[float]] = {True: [], False: []}
             outputs: dict[bool, list] = {}
+            for listed in (True, False):             # every row count bound, both ways, before the timed rounds
+                glued.use_call_lists = listed
+                decode(target, prompts[:concurrency], lookup)
             for round_ in range(args.rounds):
                 for listed in ((True, False) if round_ % 2 == 0 else (False, True)):
-                    glued.call_list_unavailable = ON if listed else (lambda: "off for the comparison")
-                    target.fused.bound_blocks.shapes.clear()
+                    glued.use_call_lists = listed
                     rate, out = decode(target, prompts[:concurrency], lookup)
                     times[listed].append(rate)
                     outputs.setdefault(listed, out)
-            glued.call_list_unavailable = ON
+            glued.use_call_lists = True
             same = outputs[True] == outputs[False]
             listed, python = statistics.median(times[True]), statistics.median(times[False])
             name = f"c={concurrency} {'lookup' if lookup else 'plain'}"
@@ -83,9 +87,10 @@ def main() -> int:
                 print("the two ways gave different outputs", file=sys.stderr)
                 return 1
     if args.json:
-        print(json.dumps({"cpu": cpu_name(), "dtype": args.dtype, "rounds": args.rounds, "rows": rows}, indent=2))
+        print(json.dumps({"cpu": cpu_name(), "model": args.model or "embedded", "dtype": args.dtype, "rounds": args.rounds, "rows": rows}, indent=2))
     else:
-        print(f"CPU: {cpu_name()}, dtype {args.dtype}, {args.rounds} rounds (medians)")
+        print(f"CPU: {cpu_name()}, {args.model or 'the embedded model'}, dtype {args.dtype}, {args.rounds} rounds "
+              "(medians)")
     return 0
 
 

@@ -3,7 +3,8 @@
 Invariants: a forward on kept buffers whose calls all have records runs them as one call list; its logits are
 bitwise those of the same calls made from Python, on a session's own cache (rows written into its room) and on
 the KV store (packed sessions), for one row and for blocks of several; a forward that may be stopped between
-layers makes its calls from Python (and stops); a call without a record is refused by name.
+layers makes its calls from Python (and stops); a call without a record is refused by name; products of
+several weight kinds bound side by side give their concatenation, called from Python or as a call list.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ pytest.importorskip("gguf")
 from speculum.models.hf import HFModel  # noqa: E402
 from speculum.models.hf.forward import glued  # noqa: E402
 from speculum.models.hf.kernels.call_list import CallList, KernelCall, call_list_unavailable  # noqa: E402
+from speculum.models.hf.kernels.gguf_records import pack  # noqa: E402
 from speculum.models.hf.kernels.q8_groups import q8_unavailable  # noqa: E402
 from speculum.models.hf.kernels.row_ops import row_ops_unavailable  # noqa: E402
 from speculum.models.hf.precision import prepare_module  # noqa: E402
@@ -55,10 +57,9 @@ class Counted:
         monkeypatch.setattr(CallList, "__call__", counted)
 
 
-def from_python(monkeypatch, model) -> None:
+def from_python(monkeypatch) -> None:
     """Every forward from now on makes its calls from Python."""
-    monkeypatch.setattr(glued, "call_list_unavailable", lambda: "off for the comparison")
-    model.fused.bound_blocks.shapes.clear()
+    monkeypatch.setattr(glued, "use_call_lists", False)
 
 
 def own_cache_run(model) -> list[np.ndarray]:
@@ -83,7 +84,7 @@ def test_call_lists_give_the_python_calls_bits(model, monkeypatch, run):
     counted = Counted(monkeypatch)
     listed = run(model)
     assert counted.runs >= 3                                    # the forwards after the first ran as call lists
-    from_python(monkeypatch, model)
+    from_python(monkeypatch)
     runs = counted.runs
     python = run(model)
     assert counted.runs == runs
@@ -112,3 +113,23 @@ def test_a_call_without_a_record_is_refused_by_name():
     libc.labs.argtypes, libc.labs.restype = [ctypes.c_long, ctypes.c_int], ctypes.c_long
     with pytest.raises(ValueError, match="labs has no call record"):
         CallList([KernelCall(libc.labs, (3,))])
+
+
+@pytest.mark.parametrize("run", ["q8", "float32"])
+def test_products_of_several_kinds_bound_side_by_side_give_their_concatenation(run):
+    from speculum.models.hf.kernels.gguf_groups import grouped_run
+    from speculum.models.hf.kernels.q8_groups import q8_run
+    from support.grouped_weights import random_blocks
+
+    rng = np.random.default_rng(5)
+    weights = [pack(kind, random_blocks(kind, outputs, 64, rng))
+               for kind, outputs in (("q4_1", 32), ("q8_0", 16), ("q4_1", 48))]
+    product = (q8_run if run == "q8" else grouped_run)(weights)
+    rows, out = torch.randn(3, 64), torch.full((3, 96), float("nan"))
+    bound = product.bind(rows, out)
+    assert len(bound.calls) == 6                                # each part, then its columns
+    bound(2)
+    assert torch.equal(out, product(rows))
+    out.fill_(float("nan"))
+    CallList(bound.calls)(2)
+    assert torch.equal(out, product(rows))

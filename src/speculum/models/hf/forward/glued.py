@@ -45,20 +45,23 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..kernels.attention_rows import AttentionRows, attention_call
-from ..kernels.call_list import CallList, KernelCall, call_list_unavailable
+from ..kernels.call_list import CallList, KernelCall, KernelCalls, call_list_unavailable
 
 if TYPE_CHECKING:
     from ..kv.cache import KVCache, SlotCache
     from ..kv.store import KVArena
     from .fused import FusedForward
 
-__all__ = ["run_blocks", "call", "packed", "packed_on_store", "Attend", "BoundBlocks", "BOUND_ROWS"]
+__all__ = ["run_blocks", "call", "packed", "packed_on_store", "Attend", "BoundBlocks", "BOUND_ROWS",
+           "use_call_lists"]
 
 # attend(block index, q (T, heads, d), k (T, kv_heads, d), v (T, kv_heads, d), out (T, heads, d)): writes the
 # new keys and values where the forward keeps them, attends into out and returns it.
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 BOUND_ROWS = 64         # forwards of at most this many rows run on bound buffers
+# False: every forward makes its calls from Python, none as a call list (what benchmarks/call_lists.py compares).
+use_call_lists = True
 
 
 def call(forward: "FusedForward", x: torch.Tensor, tables: dict, cache: "KVCache", positions: torch.Tensor,
@@ -227,7 +230,8 @@ class BoundBlocks:
             ))
         self.interruption = forward.interruption
         # kept buffers only: a call list takes longer to build than the one forward of a passing shape saves
-        self.calls = _call_list(self.first_norm, self.layers) if shared is not None else None
+        listed = _call_list(self.first_norm, self.layers) if shared is not None else None
+        self.calls, self.attention_at = listed if listed is not None else (None, [])
 
     def __call__(self, x: torch.Tensor, tables: dict, attend: Attend) -> torch.Tensor:
         """The blocks over ``x`` on the bound buffers (see :func:`run_blocks`; where the buffers are a
@@ -241,11 +245,12 @@ class BoundBlocks:
         # One C call for the whole forward where attend gives every layer's arguments up front; a forward
         # that may be stopped between layers makes its calls from here.
         layer_arguments = getattr(attend, "layer_arguments", None)
-        if self.calls is not None and layer_arguments is not None and not self.interruption.stoppable():
+        if (self.calls is not None and layer_arguments is not None and use_call_lists
+                and not self.interruption.stoppable()):
             found = layer_arguments(q, k, v, attended)
             if found is not None:
-                for index, arguments in enumerate(found):
-                    self.calls.set_arguments(1 + index * _CALLS_A_LAYER + _ATTENTION_AT, arguments)
+                for at, arguments in zip(self.attention_at, found):
+                    self.calls.set_arguments(at, arguments)
                 self.calls(threads)
                 return self.normed
         self.first_norm(threads)
@@ -264,19 +269,25 @@ class BoundBlocks:
         return self.normed
 
 
-_CALLS_A_LAYER, _ATTENTION_AT = 9, 2      # a layer's records in a call list; its attention's among them
-
-
-def _call_list(first_norm: Callable[[int], None], layers: list[tuple]) -> CallList | None:
-    """A forward's calls as one :class:`CallList`: the first norm, then each layer's qkv, rotation,
-    attention (its arguments set by each forward), then the rest of the layer; None where call lists are
-    unavailable or a call has no record (a product of another kind)."""
-    calls = [first_norm] + [call for layer in layers for call in (*layer[:2], None, *layer[2:])]
-    if call_list_unavailable() is not None or not all(c is None or (isinstance(c, KernelCall) and c.kind is not None)
-                                                      for c in calls):
+def _call_list(first_norm: Callable[[int], None], layers: list[tuple]) -> tuple[CallList, list[int]] | None:
+    """A forward's calls as one :class:`CallList` (the first norm, then each layer's qkv product, rotation,
+    attention, then the rest of the layer; a product of several weight kinds as its parts' calls) and the
+    index of each layer's attention record, whose arguments each forward sets; None where call lists are
+    unavailable or a call has no record."""
+    if call_list_unavailable() is not None:
         return None
     attention = attention_call()
-    return CallList([attention if call is None else call for call in calls])
+    calls, attention_at = [], []
+    for call in [first_norm] + [call for layer in layers for call in (*layer[:2], None, *layer[2:])]:
+        if call is None:
+            attention_at.append(len(calls))
+            calls.append(attention)
+            continue
+        for each in call.calls if isinstance(call, KernelCalls) else [call]:
+            if not isinstance(each, KernelCall) or each.kind is None:
+                return None
+            calls.append(each)
+    return CallList(calls), attention_at
 
 
 class SharedBuffers:

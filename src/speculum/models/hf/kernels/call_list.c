@@ -9,6 +9,7 @@
  * attention_rows.c); a pointer of any type is passed as void *, as the x86-64 and AArch64 calling conventions
  * pass every data pointer alike. */
 #include <stdint.h>
+#include <string.h>
 
 enum {
     PRODUCT_STATUS = 0,     /* int  f(x, rows, in, records, out_features, out, threads): 8-bit products */
@@ -19,6 +20,7 @@ enum {
     ROTATE = 4,             /* void rowops_rotate(qkv, 4 counts, cos, stride, sin, stride, bias, norm, eps, threads) */
     GATED = 5,              /* void rowops_gated(gate_up, out, rows, inner, activation, threads) */
     ATTENTION = 6,          /* int  attention_rows(17 pointers and counts, scale among them, threads) */
+    COPY = 7,               /* void copy_columns(source, out, rows, columns, out_stride, threads) (below) */
 };
 
 #define INTEGERS 18
@@ -35,6 +37,15 @@ typedef int64_t I;
 
 int64_t call_record_bytes(void) { return (int64_t)sizeof(call_record); }
 int64_t call_record_integers(void) { return INTEGERS; }
+
+/* Rows (rows, columns) of `source` into the first `columns` of each row of `out`, whose rows are `out_stride`
+ * floats apart: a product of several weight kinds side by side writes each kind's outputs into its columns. */
+void copy_columns(const float *source, float *out, int64_t rows, int64_t columns, int64_t out_stride, int threads)
+{
+    (void)threads;
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(out + r * out_stride, source + r * columns, sizeof(float) * (size_t)columns);
+}
 
 /* Runs calls[0 .. count - 1] in order. Returns 0, or 1 + the index of the first call that returned a status
  * other than 0 (a kernel that could not allocate its buffers), after which nothing more runs; -1 for a kind
@@ -72,6 +83,9 @@ int64_t run_calls(const call_record *calls, int64_t count, int threads)
             status = ((int (*)(I, I, I, I, P, I, P, P, I, P, P, P, float, P, P, P, I, int))call->function)(
                 a[0], a[1], a[2], a[3], (P)a[4], a[5], (P)a[6], (P)a[7], a[8], (P)a[9], (P)a[10], (P)a[11], f[0],
                 (P)a[12], (P)a[13], (P)a[14], a[15], t);
+            break;
+        case COPY:
+            ((void (*)(P, P, I, I, I, int))call->function)((P)a[0], (P)a[1], a[2], a[3], a[4], t);
             break;
         default:
             return -1;

@@ -19,10 +19,12 @@ import ctypes
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+
 from .build import KernelLibrary
 
-__all__ = ["KernelCall", "CallList", "call_kind", "call_list_unavailable", "call_list_source", "INTEGERS",
-           "PRODUCT", "PRODUCT_STATUS"]
+__all__ = ["KernelCall", "KernelCalls", "CallList", "call_kind", "call_list_unavailable", "call_list_source",
+           "side_by_side", "INTEGERS", "PRODUCT", "PRODUCT_STATUS"]
 
 _SOURCE = Path(__file__).with_name("call_list.c")
 INTEGERS = 18                   # pointer and integer arguments a record holds, as call_list.c
@@ -32,6 +34,7 @@ _FLOATS = 2
 _KINDS = {"rowops_norm": 2, "rowops_residual_norm": 3, "rowops_rotate": 4, "rowops_gated": 5,
           "attention_rows": 6}
 PRODUCT_STATUS, PRODUCT = 0, 1      # int f(...) returning a status (8-bit products); void f(...) (float32)
+_COPY = 7
 
 
 def call_kind(function: Callable) -> int | None:
@@ -60,11 +63,51 @@ class KernelCall:
             raise MemoryError(self.failure)
 
 
+class KernelCalls:
+    """Several calls of the thread count made in order as one: ``calls(threads)``; a :class:`CallList` takes
+    each where each is a :class:`KernelCall`.
+    ``buffers``: tensors the calls write and read, kept alive with them."""
+
+    __slots__ = ("calls", "buffers")
+
+    def __init__(self, calls: Sequence[Callable[[int], None]], buffers: Sequence[torch.Tensor] = ()) -> None:
+        self.calls, self.buffers = list(calls), list(buffers)
+
+    def __call__(self, threads: int) -> None:
+        for call in self.calls:
+            call(threads)
+
+
+def side_by_side(binds: Sequence[tuple[Callable, int]], rows: torch.Tensor, out: torch.Tensor) -> KernelCalls:
+    """Products whose outputs sit side by side in ``out (m, total)``, each bound (``bind(rows, part_out)``)
+    into a buffer of its own ``(m, its outputs)``, as calls: each product, then the copy of its outputs into
+    its columns of ``out`` (the same numbers as the concatenation of their results). ``binds``: each part's
+    ``(bind, its outputs)``. Where call lists are unavailable the copies are PyTorch's (then no
+    :class:`CallList` takes them)."""
+    library = _LIBRARY.library()
+    calls: list = []
+    parts, column = [], 0
+    for bind, outputs in binds:
+        part, columns = out.new_empty(out.shape[0], outputs), out[:, column:column + outputs]
+        calls.append(bind(rows, part))
+        if library is not None:
+            calls.append(KernelCall(library.copy_columns, (part.data_ptr(), columns.data_ptr(), out.shape[0], outputs,
+                                                           out.stride(0)), threaded=False, kind=_COPY))
+        else:
+            calls.append(lambda threads, part=part, columns=columns: columns.copy_(part))
+        parts.append(part)
+        column += outputs
+    return KernelCalls(calls, parts)
+
+
 def _configure(library: ctypes.CDLL) -> str | None:
     library.call_record_bytes.restype = library.call_record_integers.restype = ctypes.c_int64
     if library.call_record_integers() != INTEGERS or library.call_record_bytes() != ctypes.sizeof(_Record):
         return "the call records of the C source and of its wrapper differ"
     library.run_calls.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    library.copy_columns.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int]
+    library.copy_columns.restype = None
     library.run_calls.restype = ctypes.c_int64
     return None
 

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .build import KernelLibrary
-from .call_list import PRODUCT, KernelCall
+from .call_list import PRODUCT, KernelCall, KernelCalls, side_by_side
 from .gguf_records import GGUF_KINDS, GROUP, LANES, RECORD_BYTES, GroupedWeight, check_binding, checked_rows, pack
 
 __all__ = ["forget", "kernel_source", "GroupedProduct", "GroupedProducts", "GroupedWeight", "attach_groups",
@@ -101,6 +101,12 @@ class GroupedProducts:
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(rows) for part in self.parts], dim=1)
+
+    def bind(self, rows: torch.Tensor, out: torch.Tensor) -> KernelCalls:
+        """The parts bound side by side into ``out`` (:func:`~speculum.models.hf.kernels.call_list.side_by_side`):
+        each part's product into a buffer of its own, then its columns of ``out``, as :meth:`__call__` computes
+        them."""
+        return side_by_side([(part.bind, part.out_features) for part in self.parts], rows, out)
 
     def first_outputs(self, count: int) -> "GroupedProducts":
         """Each part's first ``count`` outputs (see :meth:`GroupedProduct.first_outputs`)."""

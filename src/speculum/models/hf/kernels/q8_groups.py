@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .build import KernelLibrary
-from .call_list import PRODUCT_STATUS, KernelCall
+from .call_list import PRODUCT_STATUS, KernelCall, KernelCalls, side_by_side
 from .gguf_records import GROUP, LANES, RECORD_BYTES, GroupedWeight, check_binding, checked_rows
 
 __all__ = ["factored", "forget", "Q8_KINDS", "Q8Product", "Q8Products", "q8_run", "q8_unavailable", "quantised_rows",
@@ -232,6 +232,12 @@ class Q8Products:
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(rows) for part in self.parts], dim=1)
+
+    def bind(self, rows: torch.Tensor, out: torch.Tensor) -> KernelCalls:
+        """The parts bound side by side into ``out`` (:func:`~speculum.models.hf.kernels.call_list.side_by_side`):
+        each part's product into a buffer of its own, then its columns of ``out``, as :meth:`__call__` computes
+        them."""
+        return side_by_side([(part.bind, part.out_features) for part in self.parts], rows, out)
 
 
 def q8_run(weights: list[GroupedWeight]) -> Q8Product | Q8Products:
