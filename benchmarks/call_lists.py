@@ -57,7 +57,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    target = load_model(args.model, dtype=args.dtype, progress=False)
+    target = (load_model(args.model, dtype=args.dtype, progress=False) if args.model
+              else load_model(dtype=args.dtype, progress=False))
     chat = target.tokenizer.chat_template is not None           # a GGUF file may carry none: raw prompts then
     prompts = [target.encode(f"{task}\n\n{PASSAGE}", chat=chat) for task in TASKS]
     rows = {}
@@ -87,7 +88,8 @@ def main() -> int:
                 print("the two ways gave different outputs", file=sys.stderr)
                 return 1
     if args.json:
-        print(json.dumps({"cpu": cpu_name(), "model": args.model or "embedded", "dtype": args.dtype, "rounds": args.rounds, "rows": rows}, indent=2))
+        print(json.dumps({"cpu": cpu_name(), "model": args.model or "embedded", "dtype": args.dtype,
+                          "rounds": args.rounds, "rows": rows}, indent=2))
     else:
         print(f"CPU: {cpu_name()}, {args.model or 'the embedded model'}, dtype {args.dtype}, {args.rounds} rounds "
               "(medians)")
