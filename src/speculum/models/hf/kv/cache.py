@@ -161,7 +161,7 @@ class OwnCache:
                 buffer[:, :, end:].zero_()      # read up to span as zeros: finite, masked
             self._room[layer] = room
         room[0][:, :, length:end], room[1][:, :, length:end] = keys, values
-        held.keys, held.values = room[0][:, :, :end], room[1][:, :, :end]
+        self._count(held, room, end)
         return room[0][:, :, :reach], room[1][:, :, :reach]
 
     def room_for(self, n: int, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -169,29 +169,35 @@ class OwnCache:
         ``(batch, kv_heads, length + n, head_dim)`` whose last ``n`` positions the caller writes before anything
         reads them (what an attention kernel that writes its rows' keys does). None where the layer holds no
         buffers with room yet (its first append): call :meth:`append` then."""
-        held = self._held(layer)
-        if held is None:
-            return None
-        end = held.keys.shape[2] + n
-        room = self._room_reaching(layer, held, end)
-        if room is None:
-            return None
-        held.keys, held.values = room[0][:, :, :end], room[1][:, :, :end]
-        return held.keys, held.values
+        ahead = self._room_ahead(n, layer)
+        return None if ahead is None else self._count(*ahead)
 
     def rooms_for(self, n: int, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """:meth:`room_for` of layers ``0 .. layers - 1``, or None (and nothing counted) where any of them has
         no room: a forward that writes every layer's keys itself, or none."""
         found = []
         for layer in range(layers):
-            held = self._held(layer)
-            room = None if held is None else self._room_reaching(layer, held, held.keys.shape[2] + n)
-            if room is None:
+            ahead = self._room_ahead(n, layer)
+            if ahead is None:
                 return None
-            found.append((held, room, held.keys.shape[2] + n))
-        for held, room, end in found:
-            held.keys, held.values = room[0][:, :, :end], room[1][:, :, :end]
-        return [(held.keys, held.values) for held, _, _ in found]
+            found.append(ahead)
+        return [self._count(*ahead) for ahead in found]
+
+    def _room_ahead(self, n: int, layer: int) -> tuple[Any, tuple[torch.Tensor, torch.Tensor], int] | None:
+        """(the layer's held keys, its buffers, its length + ``n``) where the buffers have room for ``n`` more,
+        else None; nothing counted."""
+        held = self._held(layer)
+        if held is None:
+            return None
+        end = held.keys.shape[2] + n
+        room = self._room_reaching(layer, held, end)
+        return None if room is None else (held, room, end)
+
+    @staticmethod
+    def _count(held: Any, room: tuple[torch.Tensor, torch.Tensor], end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values counted as held up to ``end`` (views of its buffers)."""
+        held.keys, held.values = room[0][:, :, :end], room[1][:, :, :end]
+        return held.keys, held.values
 
     def _held(self, layer: int) -> Any:
         """The layer's transformers ``DynamicLayer`` where it holds keys already (appends then go into room of
