@@ -198,7 +198,7 @@ class RowOps:
     def gated(self, gate_up: torch.Tensor, activation: str, out: torch.Tensor, bind: bool = False) -> Any:
         """``out (rows, I) = act(gate) * up`` of ``gate_up (rows, 2 I)``: gate its first ``I`` columns, up its
         last; ``activation`` ``"silu"`` or ``"gelu_pytorch_tanh"``. Returns ``out`` (``bind``: a :class:`KernelCall`
-        call instead)."""
+        instead)."""
         rows, width = gate_up.shape
         inner = width >> 1
         code = _ACTIVATIONS.get(activation)
