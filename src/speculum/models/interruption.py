@@ -60,11 +60,8 @@ class Interruption:
     def between_layers(self) -> None:
         """Called by a forward before each layer: raises :class:`Interrupted` where armed and requested and
         the caller's check says so."""
-        local = self._local
-        if getattr(local, "armed", False):
-            check = getattr(local, "check", None)
-            if check is not None and check():
-                raise Interrupted("the forward was asked to stop between two layers")
+        if self.stoppable() and self._local.check():
+            raise Interrupted("the forward was asked to stop between two layers")
 
     def stoppable(self) -> bool:
         """Whether forwards on this thread may stop between layers now (armed and requested): a forward that
