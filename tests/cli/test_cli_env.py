@@ -95,7 +95,7 @@ def test_kernels_off_is_reported_with_every_fallback(capsys, monkeypatch, fresh_
     data = json.loads(report(capsys, "--json"))
     assert "SPECULUM_KERNELS=off" in data["kernels_off"]
     for name in ("float32 from GGUF groups", "bfloat16 on AMX tiles", "8-bit products on GGUF groups",
-                 "bfloat16 by AVX-512 BF16 dot products"):
+                 "bfloat16 by AVX-512 BF16 dot products", "a forward's kernel calls in one call from Python"):
         assert data["kernels"][name]["runs"] is False and "SPECULUM_KERNELS=off" in data["kernels"][name]["why_not"]
     assert any(line.startswith("kernels: compiled kernels are off (SPECULUM_KERNELS=off)")
                for line in report(capsys).splitlines())
